@@ -1,0 +1,41 @@
+# Everything starts from a fresh machine: `make demo` and `make test` build the
+# virtualenv first. The CPU build of torch is installed before anything else so
+# that pip never pulls the multi-GB CUDA wheels; override it for GPU machines:
+#   make test TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+DEMO_DIR ?= demo-data
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint venv bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet $(TORCH_SPEC)
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $@
+
+$(DEMO_DIR)/.done: | $(STAMP)
+	$(BIN)/raypipe demo-data $(DEMO_DIR)
+	touch $@
+
+demo: $(STAMP) $(DEMO_DIR)/.done
+	$(BIN)/raypipe run jobs/configs/digits.yaml
+
+lint: $(STAMP)
+	$(BIN)/ruff check raypipe jobs tests benchmarks
+	$(BIN)/ruff format --check raypipe jobs tests benchmarks
+
+test: lint
+	$(BIN)/python -m pytest -q -rs --durations=15
+
+bench: $(STAMP) $(DEMO_DIR)/.done
+	$(BIN)/python benchmarks/ingest.py --size small
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache .ruff_cache
