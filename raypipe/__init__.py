@@ -1,0 +1,29 @@
+"""raypipe: elastic Ray Data preprocessing feeding PyTorch DDP trainers.
+
+Public contract:
+
+- `PipelineConfig`: every setting of one dataset's pipeline (also from YAML).
+- `build_dataset(config, epoch=)`: a Ray Dataset of ``image`` (uint8 C×H×W),
+  ``label`` and ``key`` (int64), preprocessed on an autoscaling actor pool.
+- `iter_torch_batches(source, batch_size=...)`: the per-rank iterator; equal,
+  exact-size, exactly-once batches of torch tensors, with ``.stats()``.
+- `train_ddp(config, train_loop, num_workers=...)`: DDP on Ray Train in one call;
+  ``train_loop`` receives a `TrainContext`.
+"""
+
+from raypipe.config import PipelineConfig
+from raypipe.loader import iter_torch_batches
+from raypipe.pipeline import SampleError, build_dataset
+from raypipe.train import TrainContext, train_ddp
+
+__all__ = [
+    "PipelineConfig",
+    "SampleError",
+    "TrainContext",
+    "build_dataset",
+    "iter_torch_batches",
+    "train_ddp",
+]
+assert __all__ == sorted(__all__)
+
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+import sys
+
+from raypipe.cli import main
+
+sys.exit(main())

@@ -1,0 +1,180 @@
+"""`PipelineConfig`: every setting of one dataset's pipeline, checked at the edge."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+FORMATS = ("imagefolder", "webdataset", "parquet")
+ON_ERROR = ("skip", "raise")
+
+Format = Literal["imagefolder", "webdataset", "parquet"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """One dataset's pipeline: where the shards are, how samples are made, how many actors.
+
+    Args:
+        source: a directory, a glob, a file, or a list of those.
+        format: ``"imagefolder"``, ``"webdataset"`` or ``"parquet"``; inferred when None.
+        image_size: side of the square uint8 C×H×W image each sample becomes.
+        train: random-resized-crop (+ flip) when True; resize + center crop when False.
+        batch_size: rows per batch on each rank.
+        actors: ``(min, max)`` size of the autoscaling preprocessing actor pool.
+        seed: seeds the per-epoch file order and every sample's augmentation.
+        on_error: ``"skip"`` drops and reports a bad sample; ``"raise"`` stops the epoch.
+        flip: random horizontal flip in train mode (off for digits, text, ...).
+        scale: area fraction range of random-resized-crop.
+        ratio: aspect-ratio range of random-resized-crop.
+        shuffle_files: shuffle the file order per epoch from ``(seed, epoch)``.
+        shuffle_buffer: rows in each rank's local shuffle buffer (0 = off).
+        files_per_task: image-folder files one actor call reads and decodes.
+        rows_per_block: samples per output block of the preprocessing actors.
+        actor_cpus: logical CPUs each preprocessing actor reserves.
+        mean, std: per-channel normalization applied on the device (0..1 scale).
+    """
+
+    source: str | tuple[str, ...]
+    format: Format | None = None
+    image_size: int = 224
+    train: bool = True
+    batch_size: int = 256
+    actors: tuple[int, int] = (1, 2)
+    seed: int = 0
+    on_error: Literal["skip", "raise"] = "skip"
+    flip: bool = True
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    shuffle_files: bool = True
+    shuffle_buffer: int = 0
+    files_per_task: int = 32
+    rows_per_block: int = 256
+    actor_cpus: float = 1.0
+    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+
+    def __post_init__(self) -> None:
+        fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        if isinstance(self.source, (list, tuple)):
+            fix("source", tuple(str(s) for s in self.source))
+        elif isinstance(self.source, Path):
+            fix("source", str(self.source))
+        for name in ("actors", "scale", "ratio", "mean", "std"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                fix(name, tuple(value))
+        _validate(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PipelineConfig:
+        """Build from a mapping, naming unknown keys and the closest known ones."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"pipeline config must be a mapping, got {type(data).__name__}")
+        check_keys(data, [f.name for f in dataclasses.fields(cls)], where="PipelineConfig")
+        if "source" not in data:
+            raise ValueError("PipelineConfig.source is required (a directory, glob or list)")
+        return cls(**data)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, *, section: str | None = None) -> PipelineConfig:
+        """Load from a YAML file; ``section`` picks a sub-mapping (e.g. ``"data"``)."""
+        data = load_yaml(path)
+        if section is not None:
+            if section not in data:
+                raise ValueError(f"{path}: no '{section}' section (found {sorted(data)})")
+            data = data[section]
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> PipelineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping, with errors that name the file."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top, got {type(data).__name__}")
+    return data
+
+
+def check_keys(data: Mapping[str, Any], known: list[str], *, where: str) -> None:
+    """Raise ValueError naming unknown keys and the closest known key for each."""
+    unknown = [k for k in data if k not in known]
+    if not unknown:
+        return
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), known, n=1)
+        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise ValueError(f"{where}: unknown key(s) {', '.join(hints)}; known: {', '.join(known)}")
+
+
+def _validate(c: PipelineConfig) -> None:
+    def bad(field: str, why: str) -> ValueError:
+        return ValueError(f"PipelineConfig.{field}={getattr(c, field)!r}: {why}")
+
+    if isinstance(c.source, str):
+        if not c.source:
+            raise bad("source", "must be a non-empty path, glob or list")
+    elif not c.source or not all(isinstance(s, str) and s for s in c.source):
+        raise bad("source", "must be a non-empty path, glob or list of them")
+    if c.format is not None and c.format not in FORMATS:
+        raise bad("format", f"must be one of {FORMATS} or None")
+    if c.on_error not in ON_ERROR:
+        raise bad("on_error", f"must be one of {ON_ERROR}")
+    for name in ("image_size", "batch_size", "files_per_task", "rows_per_block"):
+        value = getattr(c, name)
+        if not _is_int(value) or value < 1:
+            raise bad(name, "must be an integer >= 1")
+    for name in ("seed", "shuffle_buffer"):
+        value = getattr(c, name)
+        if not _is_int(value) or value < 0:
+            raise bad(name, "must be an integer >= 0")
+    for name in ("train", "flip", "shuffle_files"):
+        if not isinstance(getattr(c, name), bool):
+            raise bad(name, "must be true or false")
+    if (
+        not isinstance(c.actors, tuple)
+        or len(c.actors) != 2
+        or not all(_is_int(a) for a in c.actors)
+        or not 1 <= c.actors[0] <= c.actors[1]
+    ):
+        raise bad("actors", "must be (min, max) integers with 1 <= min <= max")
+    if not isinstance(c.actor_cpus, (int, float)) or isinstance(c.actor_cpus, bool):
+        raise bad("actor_cpus", "must be a number > 0")
+    if c.actor_cpus <= 0:
+        raise bad("actor_cpus", "must be a number > 0")
+    if not _is_pair(c.scale) or not 0 < c.scale[0] <= c.scale[1] <= 1:
+        raise bad("scale", "must be (lo, hi) with 0 < lo <= hi <= 1")
+    if not _is_pair(c.ratio) or not 0 < c.ratio[0] <= c.ratio[1]:
+        raise bad("ratio", "must be (lo, hi) with 0 < lo <= hi")
+    for name in ("mean", "std"):
+        value = getattr(c, name)
+        if not (isinstance(value, tuple) and len(value) == 3 and all(_is_num(v) for v in value)):
+            raise bad(name, "must be three numbers, one per RGB channel")
+    if any(s <= 0 for s in c.std):
+        raise bad("std", "must be > 0 in every channel")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_pair(v: Any) -> bool:
+    return isinstance(v, tuple) and len(v) == 2 and all(_is_num(x) for x in v)

@@ -1,0 +1,45 @@
+"""Counters of the per-rank iterator: how much it delivered and how long the trainer waited."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+
+@dataclasses.dataclass
+class IterStats:
+    """Wall-clock accounting of one rank's iteration.
+
+    ``wait_s`` is time the consumer spent blocked inside ``next()``; everything
+    else between the first request and now is the consumer's own work.
+    ``wait_fraction`` near 0 means the trainer never waited for data.
+    """
+
+    batches: int = 0
+    samples: int = 0
+    wait_s: float = 0.0
+    first_batch_s: float | None = None
+    _started: float | None = None
+
+    def start(self) -> None:
+        if self._started is None:
+            self._started = time.perf_counter()
+
+    def waited(self, seconds: float, rows: int) -> None:
+        self.batches += 1
+        self.samples += rows
+        self.wait_s += seconds
+        if self.first_batch_s is None and self._started is not None:
+            self.first_batch_s = time.perf_counter() - self._started
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        elapsed = (time.perf_counter() - self._started) if self._started else 0.0
+        return {
+            "batches": self.batches,
+            "samples": self.samples,
+            "wait_s": round(self.wait_s, 6),
+            "elapsed_s": round(elapsed, 6),
+            "wait_fraction": (self.wait_s / elapsed) if elapsed > 0 else 0.0,
+            "samples_per_s": (self.samples / elapsed) if elapsed > 0 else 0.0,
+            "first_batch_s": self.first_batch_s,
+        }

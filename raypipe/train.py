@@ -1,0 +1,187 @@
+"""`train_ddp`: one call from a `PipelineConfig` and a train loop to DDP on Ray Train.
+
+```
+ driver: one Dataset per epoch (seeded order + augmentation) [+ an eval Dataset]
+   ▼ Ray Train DataConfig: streaming_split(num_workers, equal=True) per dataset
+ TorchTrainer workers: loop(ctx) → ctx.epochs() yields (epoch, per-rank batches)
+```
+
+Each epoch is its own dataset so that its file order and augmentation come from
+``(seed, epoch)``; datasets are lazy, so an epoch's pool starts when it is iterated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from raypipe.config import PipelineConfig
+from raypipe.loader import TorchBatches, iter_torch_batches
+from raypipe.pipeline import build_dataset
+from raypipe.sources import list_shards
+
+EVAL = "eval"
+
+
+def _train_name(epoch: int) -> str:
+    return f"train_epoch_{epoch}"
+
+
+@dataclasses.dataclass
+class TrainContext:
+    """What a train loop gets on each Ray Train worker.
+
+    Attributes:
+        config: the training `PipelineConfig`.
+        eval_config: the held-out `PipelineConfig`, or None.
+        loop_config: the user's own settings, passed through unchanged.
+        num_epochs: epochs to run.
+    """
+
+    config: PipelineConfig
+    eval_config: PipelineConfig | None
+    loop_config: dict[str, Any]
+    num_epochs: int
+    prefetch_batches: int = 2
+
+    @property
+    def rank(self) -> int:
+        import ray.train
+
+        return ray.train.get_context().get_world_rank()
+
+    @property
+    def world_size(self) -> int:
+        import ray.train
+
+        return ray.train.get_context().get_world_size()
+
+    @property
+    def device(self):
+        import ray.train.torch
+
+        return ray.train.torch.get_device()
+
+    def prepare_model(self, model):
+        """Move ``model`` to this worker's device and wrap it in DDP."""
+        import ray.train.torch
+
+        return ray.train.torch.prepare_model(model)
+
+    def epochs(self) -> Iterator[tuple[int, TorchBatches]]:
+        """Yield ``(epoch, batches)``; every rank gets the same number of full batches."""
+        import ray.train
+
+        for epoch in range(self.num_epochs):
+            shard = ray.train.get_dataset_shard(_train_name(epoch))
+            yield epoch, self._batches(shard, self.config, drop_last=True)
+
+    def eval_batches(self) -> TorchBatches:
+        """This rank's share of the held-out set (no rows dropped beyond the equal split)."""
+        import ray.train
+
+        if self.eval_config is None:
+            raise ValueError("train_ddp was called without eval_config")
+        return self._batches(ray.train.get_dataset_shard(EVAL), self.eval_config, drop_last=False)
+
+    def _batches(self, shard, config: PipelineConfig, *, drop_last: bool) -> TorchBatches:
+        return iter_torch_batches(
+            shard,
+            batch_size=config.batch_size,
+            prefetch_batches=self.prefetch_batches,
+            drop_last=drop_last,
+            mean=config.mean,
+            std=config.std,
+            shuffle_buffer=config.shuffle_buffer,
+            shuffle_seed=config.seed,
+        )
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        """Sum numbers over all ranks (e.g. correct / total for accuracy)."""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(t)
+        return t.tolist()
+
+    def report(self, metrics: dict[str, Any], *, state: dict[str, Any] | None = None) -> None:
+        """Report metrics from every rank; rank 0 also checkpoints ``state`` if given."""
+        import ray.train
+        import torch
+
+        if state is None or self.rank != 0:
+            ray.train.report(metrics)
+            return
+        with tempfile.TemporaryDirectory() as tmp:
+            torch.save(state, os.path.join(tmp, "state.pt"))
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
+def train_ddp(
+    config: PipelineConfig,
+    train_loop: Callable[[TrainContext], None],
+    *,
+    num_workers: int = 2,
+    use_gpu: bool = False,
+    epochs: int = 1,
+    storage_path: str | None = None,
+    eval_config: PipelineConfig | None = None,
+    loop_config: dict[str, Any] | None = None,
+    cpus_per_worker: float = 1.0,
+    max_failures: int = 0,
+    name: str | None = None,
+):
+    """Run ``train_loop(ctx)`` on ``num_workers`` DDP workers fed by raypipe.
+
+    Returns Ray Train's ``Result`` (metrics, checkpoint, error). Checkpoints go under
+    ``storage_path`` (default: Ray's ``~/ray_results``). ``max_failures`` is Ray Train's
+    ``FailureConfig``: a dead worker restarts the group and the loop from the start.
+    """
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    if not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"{num_workers=} must be an integer >= 1")
+    if not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"{epochs=} must be an integer >= 1")
+    if cpus_per_worker <= 0:
+        raise ValueError(f"{cpus_per_worker=} must be > 0")
+    listing = list_shards(config)
+    per_rank = listing.num_samples // num_workers
+    if per_rank < config.batch_size:
+        raise ValueError(
+            f"batch_size={config.batch_size} is larger than one rank's share "
+            f"({listing.num_samples} samples / {num_workers} workers = {per_rank}): "
+            "no rank would get a full batch"
+        )
+    datasets = {
+        _train_name(e): build_dataset(config, epoch=e, listing=listing) for e in range(epochs)
+    }
+    if eval_config is not None:
+        datasets[EVAL] = build_dataset(eval_config)
+    ctx = TrainContext(config, eval_config, dict(loop_config or {}), epochs)
+
+    def per_worker(_: dict) -> None:
+        train_loop(ctx)
+
+    trainer = TorchTrainer(
+        per_worker,
+        train_loop_config={},
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=num_workers,
+            use_gpu=use_gpu,
+            resources_per_worker={"CPU": cpus_per_worker},
+        ),
+        run_config=ray.train.RunConfig(
+            name=name,
+            storage_path=os.path.abspath(storage_path) if storage_path else None,
+            failure_config=ray.train.FailureConfig(max_failures=max_failures),
+        ),
+        datasets=datasets,
+    )
+    return trainer.fit()

@@ -1,0 +1,150 @@
+"""Decode one image and crop it to a uint8 C×H×W array, reproducibly.
+
+Every random choice comes from ``sample_rng(seed, epoch, key)``, so a sample gets the
+same augmentation whichever actor runs it, and a retried task repeats it exactly.
+
+train: random-resized-crop (torchvision's algorithm) + optional horizontal flip.
+eval:  resize the shorter side to ``size / 0.875`` and center-crop ``size``
+       (the classic 256 → 224), done as one crop box + one resize.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+EVAL_CROP_FRACTION = 0.875
+
+
+class Box(NamedTuple):
+    """A crop box in source pixels: left, top, width, height (floats allowed)."""
+
+    left: float
+    top: float
+    width: float
+    height: float
+
+
+def sample_rng(seed: int, epoch: int, key: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64([seed, epoch, key]))
+
+
+def random_resized_box(
+    width: int,
+    height: int,
+    rng: np.random.Generator,
+    *,
+    scale: tuple[float, float],
+    ratio: tuple[float, float],
+) -> Box:
+    """torchvision's RandomResizedCrop.get_params, on a numpy Generator."""
+    area = width * height
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target_area = area * rng.uniform(scale[0], scale[1])
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w = round(math.sqrt(target_area * aspect))
+        h = round(math.sqrt(target_area / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(rng.integers(0, height - h + 1))
+            left = int(rng.integers(0, width - w + 1))
+            return Box(left, top, w, h)
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        w, h = width, round(width / ratio[0])
+    elif in_ratio > ratio[1]:
+        w, h = round(height * ratio[1]), height
+    else:
+        w, h = width, height
+    return Box((width - w) // 2, (height - h) // 2, w, h)
+
+
+def center_box(width: int, height: int) -> Box:
+    side = min(width, height) * EVAL_CROP_FRACTION
+    return Box((width - side) / 2, (height - side) / 2, side, side)
+
+
+class Plan(NamedTuple):
+    """What to do to one image, decided before decoding."""
+
+    box: Box
+    flip: bool
+
+
+def plan(
+    width: int,
+    height: int,
+    *,
+    train: bool,
+    rng: np.random.Generator,
+    scale: tuple[float, float],
+    ratio: tuple[float, float],
+    flip: bool,
+) -> Plan:
+    if not train:
+        return Plan(center_box(width, height), False)
+    box = random_resized_box(width, height, rng, scale=scale, ratio=ratio)
+    return Plan(box, bool(flip and rng.random() < 0.5))
+
+
+def decode_crop(data: bytes, size: int, choose) -> np.ndarray:
+    """Decode ``data``, apply the plan ``choose(width, height)`` returns; uint8 (3, size, size).
+
+    JPEGs use Pillow's draft mode: the DCT scales down by 1/2, 1/4 or 1/8 as long as
+    the crop box keeps at least ``size`` pixels on each side, which is exact for the
+    result's resolution and several times cheaper for large photos.
+    """
+    from PIL import Image, ImageOps
+
+    with Image.open(io.BytesIO(data)) as img:
+        img = ImageOps.exif_transpose(img) if _has_orientation(img) else img
+        width, height = img.size
+        p = choose(width, height)
+        box = p.box
+        if img.format == "JPEG" and img.mode in ("RGB", "L"):
+            want = (
+                max(1, math.ceil(width * size / box.width)),
+                max(1, math.ceil(height * size / box.height)),
+            )
+            img.draft(img.mode, want)
+            sx, sy = img.size[0] / width, img.size[1] / height
+            box = Box(box.left * sx, box.top * sy, box.width * sx, box.height * sy)
+        rgb = to_rgb(img)
+        out = rgb.resize(
+            (size, size),
+            Image.Resampling.BILINEAR,
+            box=(box.left, box.top, box.left + box.width, box.top + box.height),
+        )
+    arr = np.asarray(out)
+    if p.flip:
+        arr = arr[:, ::-1]
+    return np.ascontiguousarray(arr.transpose(2, 0, 1))
+
+
+def to_rgb(img):
+    """RGB of any Pillow image; transparency is composited over black."""
+    from PIL import Image
+
+    if img.mode == "RGB":
+        return img
+    if img.mode == "P" and "transparency" in img.info:
+        img = img.convert("RGBA")
+    if img.mode in ("RGBA", "LA", "PA"):
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (0, 0, 0, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    if img.mode in ("I;16", "I;16B", "I;16L", "I"):
+        arr = np.asarray(img, dtype=np.uint32) >> 8 if img.mode.startswith("I;16") else None
+        if arr is not None:
+            return Image.fromarray(arr.astype(np.uint8), "L").convert("RGB")
+    return img.convert("RGB")
+
+
+def _has_orientation(img) -> bool:
+    try:
+        return img.getexif().get(0x0112, 1) != 1
+    except Exception:
+        return False

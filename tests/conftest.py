@@ -1,0 +1,101 @@
+"""Shared fixtures: one local Ray per test session, and datasets the tests generate."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole session: starting Ray is slow on two cores."""
+    import ray
+
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        object_store_memory=1 << 30,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    import ray.data
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield ray
+    ray.shutdown()
+
+
+def image_bytes(rng: np.random.Generator, fmt: str = "JPEG", size=(24, 20)) -> bytes:
+    """A small random image: smooth enough that JPEG keeps it recognisable."""
+    w, h = size
+    base = rng.integers(0, 256, (h // 4 + 1, w // 4 + 1, 3), dtype=np.uint8)
+    img = Image.fromarray(base).resize((w, h), Image.Resampling.BILINEAR)
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def make_imagefolder(root: Path, counts: dict[str, int], *, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    for cls, n in counts.items():
+        (root / cls).mkdir(parents=True, exist_ok=True)
+        for i in range(n):
+            fmt = "PNG" if i % 3 == 0 else "JPEG"
+            ext = "png" if fmt == "PNG" else "jpg"
+            (root / cls / f"{i:04d}.{ext}").write_bytes(image_bytes(rng, fmt))
+    return root
+
+
+def make_webdataset(root: Path, shard_sizes: list[int], *, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for s, n in enumerate(shard_sizes):
+        with tarfile.open(root / f"train-{s:05d}.tar", "w") as tar:
+            for i in range(n):
+                stem = f"s{s:03d}_{i:05d}"
+                for ext, data in (("jpg", image_bytes(rng)), ("cls", str(i % 5).encode())):
+                    info = tarfile.TarInfo(f"{stem}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    return root
+
+
+def make_parquet(root: Path, file_sizes: list[int], *, seed: int = 0) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for f, n in enumerate(file_sizes):
+        table = pa.table(
+            {
+                "image": pa.array([image_bytes(rng) for _ in range(n)], pa.binary()),
+                "label": pa.array([i % 7 for i in range(n)], pa.int64()),
+            }
+        )
+        pq.write_table(table, root / f"part-{f:05d}.parquet", row_group_size=8)
+    return root
+
+
+# Odd sizes on purpose: totals and shard sizes that no batch size divides.
+FORMAT_SIZES = {
+    "imagefolder": {"cat": 23, "dog": 19, "emu": 19},  # 61 samples
+    "webdataset": [17, 23, 9, 12],  # 61 samples
+    "parquet": [31, 20, 10],  # 61 samples
+}
+
+
+@pytest.fixture(scope="session")
+def datasets(tmp_path_factory) -> dict[str, Path]:
+    """One small dataset per format, 61 samples each."""
+    root = tmp_path_factory.mktemp("data")
+    return {
+        "imagefolder": make_imagefolder(root / "folder", FORMAT_SIZES["imagefolder"]),
+        "webdataset": make_webdataset(root / "wds", FORMAT_SIZES["webdataset"]),
+        "parquet": make_parquet(root / "pq", FORMAT_SIZES["parquet"]),
+    }

@@ -1,0 +1,77 @@
+import pytest
+
+from raypipe import PipelineConfig
+
+
+def test_defaults_and_list_coercion(tmp_path):
+    c = PipelineConfig(source=[str(tmp_path)], actors=[2, 4], scale=[0.5, 1.0])
+    assert c.source == (str(tmp_path),)
+    assert c.actors == (2, 4) and c.scale == (0.5, 1.0)
+    assert c.replace(batch_size=8).batch_size == 8
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("format", "tfrecord"),
+        ("image_size", 0),
+        ("image_size", 3.5),
+        ("batch_size", -1),
+        ("batch_size", True),
+        ("actors", (3, 2)),
+        ("actors", (0, 2)),
+        ("actors", (1, 2, 3)),
+        ("seed", -1),
+        ("on_error", "ignore"),
+        ("train", "yes"),
+        ("scale", (0.5, 0.2)),
+        ("scale", (0.0, 1.0)),
+        ("ratio", (2.0, 1.0)),
+        ("std", (0.2, 0.0, 0.2)),
+        ("mean", (0.5, 0.5)),
+        ("actor_cpus", 0),
+        ("shuffle_buffer", -3),
+        ("source", ""),
+        ("source", ()),
+    ],
+)
+def test_invalid_value_names_field_and_value(field, value):
+    kwargs = {"source": "data"} | {field: value}
+    with pytest.raises(ValueError) as e:
+        PipelineConfig(**kwargs)
+    assert f"PipelineConfig.{field}=" in str(e.value)
+    assert repr(value if not isinstance(value, list) else tuple(value)) in str(e.value)
+
+
+def test_from_yaml_roundtrip_and_section(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  source: /x\n  batch_size: 16\n  actors: [1, 3]\n")
+    c = PipelineConfig.from_yaml(path, section="data")
+    assert (c.source, c.batch_size, c.actors) == ("/x", 16, (1, 3))
+    with pytest.raises(ValueError, match="no 'eval' section"):
+        PipelineConfig.from_yaml(path, section="eval")
+
+
+def test_unknown_key_suggests_closest(tmp_path):
+    with pytest.raises(ValueError, match=r"'batchsize' \(did you mean 'batch_size'\?\)"):
+        PipelineConfig.from_dict({"source": "/x", "batchsize": 3})
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("a: [1, 2", "not valid YAML"),
+        ("- 1\n- 2\n", "expected a mapping"),
+        ("{}", "source is required"),
+    ],
+)
+def test_bad_yaml_files(tmp_path, text, match):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        PipelineConfig.from_yaml(path)
+
+
+def test_missing_yaml_file(tmp_path):
+    with pytest.raises(ValueError, match="config file not found"):
+        PipelineConfig.from_yaml(tmp_path / "nope.yaml")
