@@ -20,7 +20,8 @@ import numpy as np
 
 from raypipe.config import PipelineConfig
 from raypipe.sources import Listing, epoch_order, list_shards, read_shard
-from raypipe.transforms import decode_crop, plan, sample_rng
+from raypipe.fastimage import decode_crop
+from raypipe.transforms import plan, sample_rng
 
 log = logging.getLogger(__name__)
 
