@@ -1,0 +1,122 @@
+"""Preprocess to shards: names, index, rerun skips finished shards, reads back as the folder."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from raypipe import PipelineConfig, build_dataset
+from raypipe.shard_writer import count_samples
+from raypipe.shards import INDEX, ShardsConfig, plan, preprocess, shard_name
+from tests.conftest import make_imagefolder
+
+COUNTS = {"ant": 11, "bee": 7, "cow": 9}  # 27 samples: no shard count divides it evenly
+
+
+def _rows(source, fmt: str) -> dict[int, tuple[int, bytes]]:
+    """key → (label, image bytes) as the pipeline delivers them (eval mode: deterministic)."""
+    config = PipelineConfig(source=str(source), format=fmt, image_size=16, train=False)
+    config = config.replace(actors=(1, 1), actor_cpus=0.5, files_per_task=8, shuffle_files=False)
+    out = {}
+    for batch in build_dataset(config).iter_batches(batch_size=None, batch_format="numpy"):
+        for key, label, image in zip(batch["key"], batch["label"], batch["image"], strict=True):
+            assert int(key) not in out
+            out[int(key)] = (int(label), image.tobytes())
+    return out
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_imagefolder(tmp_path_factory.mktemp("shards") / "folder", COUNTS, seed=3)
+
+
+@pytest.mark.parametrize("fmt", ["webdataset", "parquet"])
+def test_shards_read_back_as_the_folder(ray_session, folder, tmp_path, fmt):
+    config = ShardsConfig(source=str(folder), out=str(tmp_path / "out"), format=fmt, shards=4)
+    summary = preprocess(config)
+    assert (summary.shards, summary.written, summary.reused) == (4, 4, 0)
+    assert summary.samples == sum(COUNTS.values()) and not summary.skipped
+
+    ext = ".tar" if fmt == "webdataset" else ".parquet"
+    names = sorted(n for n in os.listdir(tmp_path / "out") if not n.startswith("."))
+    assert names == sorted([INDEX] + [f"train-{i:05d}-of-00004{ext}" for i in range(4)])
+    index = json.loads((tmp_path / "out" / INDEX).read_text())
+    assert index["complete"] and index["num_samples"] == 27
+    assert index["classes"] == sorted(COUNTS)
+    counts = [e["samples"] for e in index["shards"]]
+    assert sum(counts) == 27 and max(counts) - min(counts) <= 1
+    for e in index["shards"]:
+        assert count_samples(str(tmp_path / "out" / e["name"]), fmt) == e["samples"]
+    assert [e["first_key"] for e in index["shards"]] == list(np.cumsum([0] + counts[:-1]))
+
+    assert _rows(tmp_path / "out", fmt) == _rows(folder, "imagefolder")
+
+
+def test_rerun_skips_finished_shards(ray_session, folder, tmp_path, capsys):
+    out = tmp_path / "out"
+    config = ShardsConfig(source=str(folder), out=str(out), format="webdataset", shards=3)
+    preprocess(config)
+    done = {n: os.stat(out / n).st_mtime_ns for n in os.listdir(out) if n.endswith(".tar")}
+    damaged = shard_name("train", 1, 3, "webdataset")
+    (out / damaged).unlink()
+    (out / shard_name("train", 2, 3, "webdataset")).write_bytes(b"not a tar")
+
+    summary = preprocess(config)
+    assert (summary.written, summary.reused, summary.samples) == (2, 1, 27)
+    first = shard_name("train", 0, 3, "webdataset")
+    assert os.stat(out / first).st_mtime_ns == done[first]
+    assert "1 already finished" in capsys.readouterr().err
+    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+    again = preprocess(config)
+    assert (again.written, again.reused) == (0, 3)
+
+
+def test_other_plan_in_the_same_folder_is_refused(ray_session, folder, tmp_path):
+    out = str(tmp_path / "out")
+    preprocess(ShardsConfig(source=str(folder), out=out, shards=2))
+    with pytest.raises(ValueError, match="another source or plan"):
+        preprocess(ShardsConfig(source=str(folder), out=out, shards=3))
+
+
+def test_unreadable_and_odd_formats(ray_session, tmp_path):
+    from PIL import Image
+
+    root = make_imagefolder(tmp_path / "f", {"a": 4, "b": 3})
+    Image.new("RGB", (9, 7), (10, 200, 30)).save(root / "b" / "0100.bmp")
+    os.symlink(root / "missing.jpg", root / "a" / "0099.jpg")  # dangling: unreadable
+    summary = preprocess(ShardsConfig(source=str(root), out=str(tmp_path / "o"), shards=2))
+    assert summary.samples == 8
+    assert [os.path.basename(p) for p, _ in summary.skipped] == ["0099.jpg"]
+    keys = _rows(tmp_path / "o", "webdataset")
+    assert sorted(keys) == list(range(8))
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"format": "zip"}, "format"),
+        ({"shards": 0}, "shards"),
+        ({"samples_per_shard": -1}, "samples_per_shard"),
+        ({"prefix": "a/b"}, "prefix"),
+        ({"cpus_per_task": 0}, "cpus_per_task"),
+    ],
+)
+def test_config_names_the_bad_value(changes, field):
+    with pytest.raises(ValueError, match=f"preprocess.{field}="):
+        ShardsConfig(source="x", out="y", **changes)
+
+
+def test_config_unknown_key_suggests(tmp_path):
+    with pytest.raises(ValueError, match="did you mean 'samples_per_shard'"):
+        ShardsConfig.from_dict({"source": "x", "out": "y", "sample_per_shard": 3})
+
+
+def test_plan_is_contiguous_and_sorted(folder):
+    parts, classes = plan(ShardsConfig(source=str(folder), out="unused", samples_per_shard=10))
+    keys = [s.key for part in parts for s in part]
+    assert len(parts) == 3 and keys == list(range(27)) and classes == tuple(sorted(COUNTS))
+    with pytest.raises(ValueError, match="more than the 27 samples"):
+        plan(ShardsConfig(source=str(folder), out="unused", shards=28))
