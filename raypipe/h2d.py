@@ -43,7 +43,7 @@ class _Slot:
 
 
 class PinnedRing:
-    """Host slots per batch shape, allocated on first use and then reused round-robin.
+    """Host slots per batch shape, allocated when the shape first appears, reused round-robin.
 
     ``load(batch)`` takes the shape's next slot, waits for the event of the copy that last
     read it, fills it, starts the copies to the device and records the slot's event.
@@ -75,12 +75,14 @@ class PinnedRing:
 
     def _acquire(self, tensors: dict[str, Any]) -> _Slot:
         sig = tuple((k, tuple(v.shape), v.dtype) for k, v in tensors.items())
-        ring = self._rings.setdefault(sig, [])
+        if sig not in self._rings:  # a new shape: all its slots at once, then never again
+            self._rings[sig] = [
+                _Slot({k: self._alloc(v) for k, v in tensors.items()}, self.ops.event())
+                for _ in range(self.slots)
+            ]
         i = self._next.get(sig, 0)
         self._next[sig] = (i + 1) % self.slots
-        if i == len(ring):
-            ring.append(_Slot({k: self._alloc(v) for k, v in tensors.items()}, self.ops.event()))
-        return ring[i]
+        return self._rings[sig][i]
 
     def _alloc(self, like):
         self.allocations += 1

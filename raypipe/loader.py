@@ -5,11 +5,12 @@ A straight line of iterator-to-iterator stages, each testable alone::
     1. host_batches   Ray's iter_batches (prefetch threads, optional local shuffle)
     2. rebatch        exactly ``batch_size`` rows per batch, whatever Ray yields
     3. to_tensors     zero-copy numpy → torch on the host
-    4. to_device      host → device copy (see ``HostToDevice``)
+    4. to_device      pinned ring slot → copy on a side CUDA stream (``raypipe.h2d``)
     5. normalize      uint8 → float32, (x - mean) / std, on the device
 
 In flight at once: ``prefetch_batches`` Ray batches in step 1's threads, one partial
-batch in step 2, one batch in the consumer's hands.
+batch in step 2, up to ``prefetch_batches`` device batches queued by step 4's thread
+(which runs steps 1-4), one batch in the consumer's hands.
 
 Step 2 is what keeps DDP from hanging: ``streaming_split(equal=True)`` gives every rank
 the same number of rows but not the same blocks, and Ray's own batcher can cut short
@@ -19,6 +20,7 @@ Re-batching here makes the count ``rows // batch_size`` on every rank.
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Iterable, Iterator
@@ -26,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from raypipe.h2d import HostToDevice
 from raypipe.stats import IterStats
 
 Batch = dict[str, Any]
@@ -47,11 +50,13 @@ def iter_torch_batches(
     std: tuple[float, float, float] = IMAGENET_STD,
     shuffle_buffer: int = 0,
     shuffle_seed: int | None = None,
+    channels_last: bool = False,
 ) -> TorchBatches:
     """Iterate ``source`` (a ``ray.data.DataIterator`` or ``Dataset``) as torch batches.
 
     Yields dicts: ``image`` (float32 N×C×H×W normalized, or uint8 with
-    ``normalize=False``) on ``device``, ``label`` and ``key`` (int64). Each pass over the
+    ``normalize=False``) on ``device``, ``label`` and ``key`` (int64); ``channels_last``
+    lays images out as ``torch.channels_last``. Each pass over the
     returned object is one epoch of ``source``; ``.stats()`` and ``.state_dict()`` describe
     the current pass.
     """
@@ -75,6 +80,7 @@ def iter_torch_batches(
         normalize=(mean, std) if normalize else None,
         shuffle_buffer=shuffle_buffer,
         shuffle_seed=shuffle_seed,
+        channels_last=channels_last,
     )
 
 
@@ -82,7 +88,7 @@ class TorchBatches:
     """Iterable returned by `iter_torch_batches`; owns the running pass and its stats."""
 
     def __init__(self, source, *, batch_size, device, pin_memory, prefetch_batches, drop_last,
-                 normalize, shuffle_buffer, shuffle_seed):  # fmt: skip
+                 normalize, shuffle_buffer, shuffle_seed, channels_last=False):  # fmt: skip
         self._source = source
         self._batch_size = batch_size
         self._device = device
@@ -90,7 +96,8 @@ class TorchBatches:
         self._drop_last = drop_last
         self._normalize = normalize
         self._shuffle = (shuffle_buffer, shuffle_seed)
-        self._h2d = HostToDevice(device, pin_memory=pin_memory)
+        self._h2d = HostToDevice(device, pin_memory=pin_memory, prefetch=max(prefetch_batches, 1),
+                                 channels_last=channels_last)  # fmt: skip
         self._stats = IterStats()
         self._epoch = -1
         self._running: Iterator[Batch] | None = None
@@ -111,18 +118,19 @@ class TorchBatches:
         host = host_batches(self._source, self._batch_size, self._prefetch, *self._shuffle)
         exact = rebatch(host, self._batch_size, drop_last=self._drop_last)
         tensors = (to_tensors(b) for b in exact)
-        on_device = (self._h2d(b) for b in tensors)
+        on_device = self._h2d(tensors)
         out = (normalize(b, *self._normalize) for b in on_device) if self._normalize else on_device
         stats = self._stats
         stats.start()
-        while True:
-            t0 = time.perf_counter()
-            try:
-                batch = next(out)
-            except StopIteration:
-                return
-            stats.waited(time.perf_counter() - t0, len(batch["key"]))
-            yield batch
+        with on_device:  # step 4's thread ends with the pass, however it ends
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    batch = next(out)
+                except StopIteration:
+                    return
+                stats.waited(time.perf_counter() - t0, len(batch["key"]))
+                yield batch
 
     def stats(self) -> dict[str, Any]:
         return {"epoch": max(self._epoch, 0), **self._stats.as_dict()}
@@ -223,48 +231,37 @@ def to_tensors(batch: dict[str, np.ndarray]) -> Batch:
         return {k: torch.from_numpy(np.asarray(v)) for k, v in batch.items()}
 
 
-class HostToDevice:
-    """Step 4: move a batch to ``device``. On CPU this is the identity.
-
-    CUDA: pins the host batch and copies with ``non_blocking=True``.
-    """
-
-    def __init__(self, device, *, pin_memory: bool):
-        self.device = device
-        self.cuda = getattr(device, "type", str(device)) == "cuda"
-        self.pin = pin_memory and self.cuda
-
-    def __call__(self, batch: Batch) -> Batch:
-        if not self.cuda:
-            return batch
-        if self.pin:
-            batch = {k: v.pin_memory() for k, v in batch.items()}
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-
-
 def normalize(batch: Batch, mean: tuple[float, ...], std: tuple[float, ...]) -> Batch:
     """Step 5: uint8 image → float32 ``(x/255 - mean) / std``, where the image lives."""
     import torch
 
     image = batch["image"]
-    scale = torch.tensor([1 / (255 * s) for s in std], device=image.device).view(1, -1, 1, 1)
-    shift = torch.tensor([m / s for m, s in zip(mean, std, strict=True)], device=image.device)
-    out = image.to(torch.float32).mul_(scale).sub_(shift.view(1, -1, 1, 1))
+    scale, shift = _affine(tuple(mean), tuple(std), image.device)
+    out = image.to(torch.float32).mul_(scale).sub_(shift)  # keeps channels_last
     return {**batch, "image": out}
 
 
+@functools.lru_cache(maxsize=16)
+def _affine(mean: tuple[float, ...], std: tuple[float, ...], device) -> tuple:
+    """Scale and shift made once per device: no host-to-device copy on the consumer's stream."""
+    import torch
+
+    scale = torch.tensor([1 / (255 * s) for s in std], device=device).view(1, -1, 1, 1)
+    shift = torch.tensor([m / s for m, s in zip(mean, std, strict=True)], device=device)
+    return scale, shift.view(1, -1, 1, 1)
+
+
 def resolve_device(device):
-    """``"auto"``: Ray Train's device inside a Train worker, else CUDA if present, else CPU."""
+    """``"auto"``: Ray Train's device inside a Train worker, CPU anywhere else."""
     import torch
 
     if device != "auto":
         return torch.device(device)
-    try:
-        import ray.train
-        import ray.train.torch
+    import ray.train
+    import ray.train.torch
 
-        if ray.train.get_context() is not None:
-            return ray.train.torch.get_device()
-    except Exception:
-        pass
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        ray.train.get_context()
+    except RuntimeError:  # not inside a Train worker
+        return torch.device("cpu")
+    return ray.train.torch.get_device()
