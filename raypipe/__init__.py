@@ -7,18 +7,22 @@ Public contract:
   ``label`` and ``key`` (int64), preprocessed on an autoscaling actor pool.
 - `iter_torch_batches(source, batch_size=...)`: the per-rank iterator; equal,
   exact-size, exactly-once batches of torch tensors, with ``.stats()``.
+- `SkipLog`: the bad samples a dataset skipped (``SkipLog.of(ds).report()``):
+  counts per reason and the records (key, file or shard member, reason).
 - `train_ddp(config, train_loop, num_workers=...)`: DDP on Ray Train in one call;
   ``train_loop`` receives a `TrainContext`.
 """
 
 from raypipe.config import PipelineConfig
 from raypipe.loader import iter_torch_batches
-from raypipe.pipeline import SampleError, build_dataset
+from raypipe.pipeline import build_dataset
+from raypipe.skips import SampleError, SkipLog
 from raypipe.train import TrainContext, train_ddp
 
 __all__ = [
     "PipelineConfig",
     "SampleError",
+    "SkipLog",
     "TrainContext",
     "build_dataset",
     "iter_torch_batches",

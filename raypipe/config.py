@@ -36,6 +36,9 @@ class PipelineConfig:
         rows_per_block: samples per output block of the preprocessing actors.
         actor_cpus: logical CPUs each preprocessing actor reserves.
         mean, std: per-channel normalization applied on the device (0..1 scale).
+        max_image_pixels: an image whose header claims more pixels is a bad sample
+            (``"decompression_bomb"``), refused before decoding; None for no limit.
+            Checked per image in the actors instead of Pillow's process-wide limit.
     """
 
     source: str | tuple[str, ...]
@@ -56,6 +59,7 @@ class PipelineConfig:
     actor_cpus: float = 1.0
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    max_image_pixels: int | None = 89_478_485  # Pillow's default limit
 
     def __post_init__(self) -> None:
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -128,7 +132,11 @@ def _validate(c: PipelineConfig) -> None:
     if isinstance(c.source, str):
         if not c.source:
             raise bad("source", "must be a non-empty path, glob or list")
-    elif not c.source or not all(isinstance(s, str) and s for s in c.source):
+    elif (
+        not isinstance(c.source, tuple)
+        or not c.source
+        or not all(isinstance(s, str) and s for s in c.source)
+    ):
         raise bad("source", "must be a non-empty path, glob or list of them")
     if c.format is not None and c.format not in FORMATS:
         raise bad("format", f"must be one of {FORMATS} or None")
@@ -154,7 +162,7 @@ def _validate(c: PipelineConfig) -> None:
         raise bad("actors", "must be (min, max) integers with 1 <= min <= max")
     if not isinstance(c.actor_cpus, (int, float)) or isinstance(c.actor_cpus, bool):
         raise bad("actor_cpus", "must be a number > 0")
-    if c.actor_cpus <= 0:
+    if not c.actor_cpus > 0:  # NaN too
         raise bad("actor_cpus", "must be a number > 0")
     if not _is_pair(c.scale) or not 0 < c.scale[0] <= c.scale[1] <= 1:
         raise bad("scale", "must be (lo, hi) with 0 < lo <= hi <= 1")
@@ -166,6 +174,10 @@ def _validate(c: PipelineConfig) -> None:
             raise bad(name, "must be three numbers, one per RGB channel")
     if any(s <= 0 for s in c.std):
         raise bad("std", "must be > 0 in every channel")
+    if c.max_image_pixels is not None and (
+        not _is_int(c.max_image_pixels) or c.max_image_pixels < 1
+    ):
+        raise bad("max_image_pixels", "must be an integer >= 1, or None for no limit")
 
 
 def _is_int(v: Any) -> bool:

@@ -9,6 +9,11 @@
 
 Reading is fused with decoding inside the actors, so raw bytes never cross the object
 store; only finished uint8 images do.
+
+A bad sample never becomes a row. ``on_error="skip"``: the actor drops it and sends
+(key, where, reason) to the dataset's `SkipLog` before yielding the next block, so the
+rows `streaming_split` divides are good ones only and every rank still gets equal
+batches. ``on_error="raise"``: the actor raises `SampleError` naming the file.
 """
 
 from __future__ import annotations
@@ -19,21 +24,31 @@ from collections.abc import Iterator
 import numpy as np
 
 from raypipe.config import PipelineConfig
-from raypipe.sources import Listing, epoch_order, list_shards, read_shard
 from raypipe.fastimage import decode_crop
-from raypipe.transforms import plan, sample_rng
+from raypipe.skips import BadSample, SampleError, SkipLog, SkipRecord, detail_of, reason_of
+from raypipe.sources import Listing, RawSample, epoch_order, list_shards, read_shard
+from raypipe.transforms import Plan, plan, sample_rng
+
+__all__ = ["Preprocessor", "SampleError", "build_dataset"]
+assert __all__ == sorted(__all__)
 
 log = logging.getLogger(__name__)
 
-
-class SampleError(RuntimeError):
-    """A sample could not be read or decoded (``on_error="raise"``); names the file."""
+LOGGED_SKIPS = 20  # per actor; the SkipLog has them all
 
 
-def build_dataset(config: PipelineConfig, *, epoch: int = 0, listing: Listing | None = None):
+def build_dataset(
+    config: PipelineConfig,
+    *,
+    epoch: int = 0,
+    listing: Listing | None = None,
+    skips: SkipLog | None = None,
+):
     """The dataset of one epoch: rows ``image`` (uint8 C×H×W), ``label``, ``key`` (int64).
 
     ``listing`` lets a caller list the shards once and build many epochs from it.
+    Skipped samples go to ``skips`` (a new `SkipLog` when None); ``SkipLog.of(ds)``
+    returns it, and ``iter_torch_batches(ds)`` reports its counts in ``stats()``.
     """
     import ray.data
 
@@ -46,60 +61,123 @@ def build_dataset(config: PipelineConfig, *, epoch: int = 0, listing: Listing | 
         listing.shards, seed=config.seed, epoch=epoch, shuffle=config.shuffle_files
     )
     per_task = config.files_per_task if listing.format == "imagefolder" else 1
-    rows = [{"path": s.path, "first_key": s.first_key, "label": s.label} for s in shards]
+    rows = [
+        {"path": s.path, "first_key": s.first_key, "num_samples": s.num_samples, "label": s.label}
+        for s in shards
+    ]
     lo, hi = config.actors
+    skips = skips or SkipLog.create()  # after listing: a bad source fails before Ray starts
     ds = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // per_task)))
-    return ds.map_batches(
+    ds = ds.map_batches(
         Preprocessor,
-        fn_constructor_kwargs={"config": config, "fmt": listing.format, "epoch": epoch},
+        fn_constructor_kwargs={
+            "config": config,
+            "fmt": listing.format,
+            "epoch": epoch,
+            "skips": skips,
+        },
         batch_size=per_task,
         batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi),
         num_cpus=config.actor_cpus,
     )
+    ds._raypipe_skips = skips  # read by SkipLog.of and iter_torch_batches
+    return ds
 
 
 class Preprocessor:
-    """The map each pool actor runs: a batch of shard rows in, blocks of images out."""
+    """The map each pool actor runs: a batch of shard rows in, blocks of images out.
 
-    def __init__(self, config: PipelineConfig, fmt: str, epoch: int):
+    Every read or decode failure of one sample goes through ``_bad``, whichever decoder
+    raised it (the libjpeg-turbo path or its Pillow fallback): ``"raise"`` stops with a
+    `SampleError`, ``"skip"`` keeps a `SkipRecord` for ``skips``.
+    """
+
+    def __init__(self, config: PipelineConfig, fmt: str, epoch: int, skips: SkipLog | None = None):
+        from PIL import Image
+
         self.config = config
         self.fmt = fmt
         self.epoch = epoch
+        self.skips = skips
         self.skipped = 0
+        # `_plan` checks config.max_image_pixels for every image, from its header; Pillow's
+        # process-wide limit would refuse some images before that check runs.
+        Image.MAX_IMAGE_PIXELS = None
 
     def __call__(self, shards: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         c = self.config
-        size, out = c.image_size, _BlockBuilder(c.image_size, c.rows_per_block)
-        for path, first_key, label in zip(
-            shards["path"], shards["first_key"], shards["label"], strict=True
-        ):
-            for raw in read_shard(str(path), self.fmt, int(first_key), int(label)):
+        out, pending = _BlockBuilder(c.image_size, c.rows_per_block), []
+        for path, first_key, num_samples, label in zip(
+            shards["path"], shards["first_key"], shards["num_samples"], shards["label"],
+            strict=True,
+        ):  # fmt: skip
+            for raw in self._samples(str(path), int(first_key), int(num_samples), int(label)):
                 try:
-                    if raw.error is not None:
-                        raise ValueError(raw.error)
-                    rng = sample_rng(c.seed, self.epoch, raw.key)
-                    image = decode_crop(
-                        raw.data,
-                        size,
-                        lambda w, h, rng=rng: plan(
-                            w, h, train=c.train, rng=rng, scale=c.scale, ratio=c.ratio, flip=c.flip
-                        ),
-                    )
-                except Exception as e:  # any decoder failure is a bad sample
-                    self._bad(raw.where, raw.key, e)
+                    image = self._decode(raw)
+                except Exception as e:  # any read or decoder failure is a bad sample
+                    pending.append(self._bad(raw, e))
                     continue
                 if out.add(image, raw.label, raw.key):
+                    self._flush(pending)  # skips reach the log before the rows after them
                     yield out.take()
+        self._flush(pending)
         if len(out):
             yield out.take()
 
-    def _bad(self, where: str, key: int, error: Exception) -> None:
-        reason = f"{type(error).__name__}: {error}"
+    def _samples(self, path: str, first_key: int, num_samples: int, label: int):
+        """The shard's samples, exactly ``num_samples`` keys whatever the reader does.
+
+        The keys a reader does not reach (it raised, or the shard shrank since it was
+        listed) are unreadable_shard samples.
+        """
+        end, next_key = first_key + num_samples, first_key
+        detail = "the shard holds fewer samples than when it was listed"
+        try:
+            for raw in read_shard(path, self.fmt, first_key, label):
+                if raw.key >= end:
+                    return  # the shard grew since it was listed
+                next_key = raw.key + 1
+                yield raw
+        except Exception as e:
+            detail = f"{type(e).__name__}: {e}"
+        for key in range(next_key, end):
+            yield RawSample(key, -1, None, f"{path}:key{key}", detail, "unreadable_shard")
+
+    def _decode(self, raw: RawSample) -> np.ndarray:
+        if raw.reason is not None:
+            raise BadSample(raw.reason, raw.error or raw.reason)
+        if not raw.data:
+            raise BadSample("empty_file", "zero bytes")
+        rng = sample_rng(self.config.seed, self.epoch, raw.key)
+        return decode_crop(raw.data, self.config.image_size, lambda w, h: self._plan(w, h, rng))
+
+    def _plan(self, width: int, height: int, rng: np.random.Generator) -> Plan:
+        """The crop plan; refuses an image with too many pixels before it is decoded."""
+        c, limit = self.config, self.config.max_image_pixels
+        if limit is not None and width * height > limit:
+            raise BadSample(
+                "decompression_bomb",
+                f"{width}x{height} = {width * height} pixels > max_image_pixels={limit}",
+            )
+        return plan(
+            width, height, train=c.train, rng=rng, scale=c.scale, ratio=c.ratio, flip=c.flip
+        )
+
+    def _bad(self, raw: RawSample, error: Exception) -> SkipRecord:
+        reason = reason_of(error, raw.data)
+        detail = detail_of(error, raw.data)
         if self.config.on_error == "raise":
-            raise SampleError(f"bad sample {where} (key {key}): {reason}") from error
+            raise SampleError(raw.where, raw.key, reason, detail) from error
         self.skipped += 1
-        log.warning("raypipe: skipped bad sample %s (key %d): %s", where, key, reason)
+        if self.skipped <= LOGGED_SKIPS:
+            log.warning("raypipe: skipped %s (key %d): %s: %s", raw.where, raw.key, reason, detail)
+        return SkipRecord(raw.key, raw.where, reason, detail)
+
+    def _flush(self, pending: list[SkipRecord]) -> None:
+        if pending and self.skips is not None:
+            self.skips.add(pending)
+        pending.clear()
 
 
 class _BlockBuilder:

@@ -4,6 +4,11 @@ A shard is one file. An image-folder shard holds one sample; a WebDataset tar or
 Parquet file holds many. Keys are dense: shards are sorted by path and sample ``i``
 of a shard whose first key is ``k`` gets key ``k + i``, so a key names the same
 sample in every epoch and run as long as the files do not change.
+
+Bad data never raises here: a sample that cannot be read is yielded with a ``reason``
+(one of ``raypipe.skips.REASONS``) for the policy to act on. A shard that cannot be
+opened holds one such sample; a tar that ends early holds its readable samples plus
+one for the lost tail, so the listing and the reader always agree on the key count.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ class RawSample:
     label: int
     data: bytes | None
     where: str
-    error: str | None = None  # set when the sample could not even be read
+    error: str | None = None  # set when the sample could not even be read: the detail
+    reason: str | None = None  # and the reason, one of raypipe.skips.REASONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +93,7 @@ def read_shard(path: str, fmt: str, first_key: int, label: int) -> Iterator[RawS
         try:
             data = Path(path).read_bytes()
         except OSError as e:
-            yield RawSample(first_key, label, None, path, f"unreadable: {e.strerror or e}")
+            yield RawSample(first_key, label, None, path, _os_error(e), "unreadable")
             return
         yield RawSample(first_key, label, data, path)
     elif fmt == "webdataset":
@@ -126,12 +132,12 @@ def _expand(source: str | tuple[str, ...]) -> list[str]:
         if glob.has_magic(item):
             matched = sorted(glob.glob(item, recursive=True))
             if not matched:
-                raise ValueError(f"source glob {item!r} matches nothing")
+                raise ValueError(f"PipelineConfig.source: glob {item!r} matches nothing")
             out.extend(matched)
         elif os.path.exists(item):
             out.append(item)
         else:
-            raise ValueError(f"source path {item!r} does not exist")
+            raise ValueError(f"PipelineConfig.source: path {item!r} does not exist")
     return out
 
 
@@ -182,29 +188,64 @@ def _wds_groups(members: list[tarfile.TarInfo]) -> list[tuple[str, dict[str, tar
     return [(k, v) for k, v in groups.items() if any(e in v for e in WDS_IMAGE_EXTS)]
 
 
+def _tar_index(path: str) -> tuple[list[tuple[str, dict[str, tarfile.TarInfo]]], str | None]:
+    """The samples of a tar, and why it ends early (None when it ends properly).
+
+    Raises ``tarfile.TarError`` / ``OSError`` when not even one member can be listed.
+    A tar that stops mid-member, or lacks the two zero blocks that end an archive,
+    is truncated: the samples before the cut are kept.
+    """
+    members: list[tarfile.TarInfo] = []
+    with tarfile.open(path, "r:") as tar:
+        try:
+            while (member := tar.next()) is not None:
+                members.append(member)
+            cut = None
+            if os.path.getsize(path) - tar.offset < 2 * tarfile.BLOCKSIZE:
+                cut = "no end-of-archive marker"
+        except tarfile.ReadError as e:
+            cut = str(e)
+    if cut is not None:
+        cut = f"tar ends early after {len(members)} members ({cut})"
+    return _wds_groups(members), cut
+
+
 def _count_tar_samples(path: str) -> int:
     try:
-        with tarfile.open(path, "r:") as tar:
-            return len(_wds_groups(tar.getmembers()))
-    except (tarfile.TarError, OSError) as e:
-        raise ValueError(f"cannot list tar shard {path!r}: {e}") from None
+        groups, cut = _tar_index(path)
+    except (tarfile.TarError, OSError):
+        return 1  # the reader yields one unreadable_shard sample for it
+    return len(groups) + (cut is not None)
 
 
 def _read_tar(path: str, first_key: int) -> Iterator[RawSample]:
+    try:
+        groups, cut = _tar_index(path)
+    except (tarfile.TarError, OSError) as e:
+        yield RawSample(first_key, -1, None, path, _os_error(e), "unreadable_shard")
+        return
     with tarfile.open(path, "r:") as tar:
-        for i, (prefix, parts) in enumerate(_wds_groups(tar.getmembers())):
+        for i, (prefix, parts) in enumerate(groups):
             key, where = first_key + i, f"{path}:{prefix}"
             image_ext = next(e for e in WDS_IMAGE_EXTS if e in parts)
             try:
                 data = tar.extractfile(parts[image_ext]).read()
                 if "cls" not in parts:
-                    yield RawSample(key, -1, None, where, "missing .cls label")
+                    yield RawSample(key, -1, None, where, "no .cls member", "missing_label")
                     continue
-                label = int(tar.extractfile(parts["cls"]).read().decode().strip())
-            except (tarfile.TarError, OSError, ValueError) as e:
-                yield RawSample(key, -1, None, where, f"unreadable member: {e}")
+                text = tar.extractfile(parts["cls"]).read().decode(errors="replace").strip()
+            except (tarfile.TarError, OSError) as e:
+                reason = "truncated_shard" if cut is not None else "unreadable"
+                yield RawSample(key, -1, None, where, _os_error(e), reason)
+                continue
+            try:
+                label = int(text)
+            except ValueError:
+                yield RawSample(key, -1, None, where, f".cls is {text[:40]!r}", "bad_label")
                 continue
             yield RawSample(key, label, data, where)
+    if cut is not None:
+        yield RawSample(first_key + len(groups), -1, None, f"{path}:<end>", cut, "truncated_shard")
 
 
 def _count_parquet_rows(path: str) -> int:
@@ -212,21 +253,48 @@ def _count_parquet_rows(path: str) -> int:
 
     try:
         return pq.ParquetFile(path).metadata.num_rows
-    except Exception as e:  # pyarrow raises several types for a bad footer
-        raise ValueError(f"cannot read parquet shard {path!r}: {e}") from None
+    except Exception:  # pyarrow raises several types for a bad footer
+        return 1  # the reader yields one unreadable_shard sample for it
 
 
 def _read_parquet(path: str, first_key: int) -> Iterator[RawSample]:
+    """Rows of ``image`` (binary) and ``label`` (integer); a bad column fails every row."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
+    try:
+        file = pq.ParquetFile(path)
+        schema = file.schema_arrow
+    except Exception as e:
+        yield RawSample(first_key, -1, None, path, f"{type(e).__name__}: {e}", "unreadable_shard")
+        return
+    columns = {
+        "image": (pa.types.is_binary, pa.types.is_large_binary),
+        "label": (pa.types.is_integer,),
+    }
+    for name, checks in columns.items():
+        if name not in schema.names:
+            why = (f"no {name!r} column (has {schema.names})", "missing_column")
+        elif not any(check(schema.field(name).type) for check in checks):
+            why = (f"column {name!r} is {schema.field(name).type}", "wrong_type")
+        else:
+            continue
+        for i in range(file.metadata.num_rows):
+            yield RawSample(first_key + i, -1, None, f"{path}:row{i}", *why)
+        return
     key = first_key
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=256, columns=["image", "label"]):
+    for batch in file.iter_batches(batch_size=256, columns=["image", "label"]):
         images, labels = batch.column("image"), batch.column("label")
         for i in range(batch.num_rows):
             where = f"{path}:row{key - first_key}"
             image, label = images[i].as_py(), labels[i].as_py()
-            if not isinstance(image, (bytes, bytearray)) or label is None:
-                yield RawSample(key, -1, None, where, "null or non-binary image/label")
+            if image is None or label is None:
+                null = "image" if image is None else "label"
+                yield RawSample(key, -1, None, where, f"{null} is null", "null_value")
             else:
-                yield RawSample(key, int(label), bytes(image), where)
+                yield RawSample(key, int(label), image, where)
             key += 1
+
+
+def _os_error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}"

@@ -1,0 +1,236 @@
+"""Bad samples: why a sample failed, the ``"raise"`` error, and the skip log of a dataset.
+
+```
+ preprocess actors ──(key, where, reason, detail) per task with skips──► SkipStore actor
+   (records sent before the block they precede is yielded, so when the      │ counts exact,
+    epoch's last block arrives every skip of the epoch is in the store)     │ records capped
+ driver / rank iterator / Train worker ── SkipLog.report() / counts() ──────┘
+```
+
+Skipped samples never become rows: they are dropped inside the actors, before
+``streaming_split``, so every rank still gets the same row count. The side channel is
+one small actor per driver (named, no CPUs), holding for each dataset ("run") exact
+counts per reason, a bitmap of skipped keys (a retried task cannot count a key twice)
+and at most ``max_records`` records.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import uuid
+from typing import Any
+
+__all__ = [
+    "BadSample",
+    "REASONS",
+    "SampleError",
+    "SkipLog",
+    "SkipRecord",
+    "SkipStore",
+    "detail_of",
+    "reason_of",
+]
+assert __all__ == sorted(__all__)
+
+# Why a sample was dropped: the keys of ``counts()``.
+REASONS = (
+    "bad_label",  # a label that is not an integer
+    "decode_error",  # the decoder failed for another reason
+    "decompression_bomb",  # more pixels than PipelineConfig.max_image_pixels
+    "empty_file",  # zero bytes
+    "missing_column",  # a Parquet shard without an ``image`` or ``label`` column
+    "missing_label",  # a WebDataset sample without its .cls member
+    "not_an_image",  # bytes no decoder recognises (text, random bytes, ...)
+    "null_value",  # a Parquet row whose image or label is null
+    "truncated_image",  # the image data ends early
+    "truncated_shard",  # a tar shard that ends early; its lost tail counts as one sample
+    "unreadable",  # the file or member could not be read (permissions, vanished, I/O)
+    "unreadable_shard",  # a shard that could not be opened or read to its end
+    "wrong_type",  # a Parquet column of the wrong type
+)
+
+ACTOR_NAME = "raypipe-skip-store"
+MAX_RUNS = 256  # datasets whose skips the store keeps per driver (oldest dropped first)
+
+
+@dataclasses.dataclass(frozen=True)
+class SkipRecord:
+    """One dropped sample: its key, where it came from (path, or shard:member), why."""
+
+    key: int
+    where: str
+    reason: str
+    detail: str
+
+
+class BadSample(Exception):
+    """Raised inside the pipeline for a sample known to be bad, with its reason."""
+
+    def __init__(self, reason: str, detail: str):
+        assert reason in REASONS, reason
+        super().__init__(reason, detail)
+        self.reason, self.detail = reason, detail
+
+    def __str__(self) -> str:
+        return self.detail
+
+
+class SampleError(RuntimeError):
+    """A sample could not be read or decoded under ``on_error="raise"``.
+
+    The message names the file (and member, for shards), the key and the reason; it
+    survives Ray's error wrapping (``RayTaskError(SampleError)`` is still a SampleError).
+    """
+
+    def __init__(self, where: str, key: int, reason: str, detail: str):
+        super().__init__(where, key, reason, detail)
+        self.where, self.key, self.reason, self.detail = where, key, reason, detail
+
+    def __str__(self) -> str:
+        return f"bad sample {self.where} (key {self.key}): {self.reason}: {self.detail}"
+
+
+def reason_of(error: BaseException, data: bytes | None = None) -> str:
+    """Sort a decoder's exception into one of `REASONS`."""
+    from PIL import Image, UnidentifiedImageError
+
+    reason = getattr(error, "reason", None)
+    if reason in REASONS:
+        return reason
+    if data is not None and len(data) == 0:
+        return "empty_file"
+    if isinstance(error, Image.DecompressionBombError):
+        return "decompression_bomb"
+    if isinstance(error, UnidentifiedImageError):
+        return "not_an_image"
+    message = str(error).lower()
+    if "truncated" in message or "premature end" in message:
+        return "truncated_image"
+    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError)):
+        return "unreadable"
+    return "decode_error"
+
+
+def detail_of(error: BaseException, data: bytes | None = None) -> str:
+    """A one-line description of what went wrong, for the record and the error."""
+    from PIL import UnidentifiedImageError
+
+    if isinstance(error, BadSample):
+        return error.detail
+    if isinstance(error, UnidentifiedImageError) and data is not None:
+        return f"no decoder recognises the data (it starts {bytes(data[:8])!r})"
+    return f"{type(error).__name__}: {error}"
+
+
+class SkipStore:
+    """The store behind `SkipLog` (run as a Ray actor; plain Python, testable alone)."""
+
+    def __init__(self, max_runs: int = MAX_RUNS):
+        self._runs: collections.OrderedDict[str, _Run] = collections.OrderedDict()
+        self._max_runs = max_runs
+
+    def add(self, run: str, max_records: int, records: list[tuple[int, str, str, str]]) -> int:
+        """Record ``(key, where, reason, detail)`` tuples; returns the run's total so far."""
+        entry = self._runs.get(run)
+        if entry is None:
+            entry = self._runs[run] = _Run(max_records)
+            while len(self._runs) > self._max_runs:
+                self._runs.popitem(last=False)
+        for record in records:
+            entry.add(SkipRecord(*record))
+        return entry.total
+
+    def counts(self, run: str) -> dict[str, int]:
+        entry = self._runs.get(run)
+        return dict(sorted(entry.counts.items())) if entry else {}
+
+    def report(self, run: str) -> dict[str, Any]:
+        entry = self._runs.get(run) or _Run(0)
+        return {
+            "skipped": entry.total,
+            "by_reason": dict(sorted(entry.counts.items())),
+            "records": [dataclasses.asdict(r) for r in entry.records],
+            "records_left_out": entry.total - len(entry.records),
+        }
+
+    def drop(self, run: str) -> None:
+        self._runs.pop(run, None)
+
+
+class _Run:
+    """Skips of one dataset: exact counts, a bitmap of keys seen, the first records."""
+
+    def __init__(self, max_records: int):
+        self.max_records = max_records
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.total = 0
+        self.records: list[SkipRecord] = []
+        self._seen = bytearray()
+
+    def add(self, record: SkipRecord) -> None:
+        byte, bit = divmod(record.key, 8)
+        if byte >= len(self._seen):
+            self._seen.extend(bytes(byte + 1 - len(self._seen)))
+        if self._seen[byte] >> bit & 1:
+            return  # the same key again: a retried task
+        self._seen[byte] |= 1 << bit
+        self.counts[record.reason] += 1
+        self.total += 1
+        if len(self.records) < self.max_records:
+            self.records.append(record)
+
+
+class SkipLog:
+    """The skipped samples of one dataset; `build_dataset` makes one per dataset.
+
+    Cheap to pickle (an actor handle and a run id): the preprocessing actors write to
+    it, and any process (a Ray Train worker, the driver) can read it. Counts are exact;
+    ``report()`` holds at most ``max_records`` records (the first ones to arrive).
+    """
+
+    def __init__(self, handle, run: str, max_records: int):
+        self._handle, self.run, self.max_records = handle, run, max_records
+
+    @classmethod
+    def create(cls, *, max_records: int = 1000) -> SkipLog:
+        """A new, empty log on this driver's store actor (started on first use)."""
+        import ray
+
+        if not isinstance(max_records, int) or max_records < 0:
+            raise ValueError(f"{max_records=} must be an integer >= 0")
+        store = ray.remote(SkipStore).options(
+            name=ACTOR_NAME, get_if_exists=True, num_cpus=0, max_restarts=0
+        )
+        return cls(store.remote(), uuid.uuid4().hex, max_records)
+
+    @staticmethod
+    def of(dataset) -> SkipLog:
+        """The log of a dataset made by `build_dataset` (take it before splitting)."""
+        log = getattr(dataset, "_raypipe_skips", None)
+        if log is None:
+            raise ValueError("this dataset was not made by raypipe.build_dataset")
+        return log
+
+    def add(self, records: list[SkipRecord]) -> None:
+        """Store ``records`` and wait until they are stored (called by the actors)."""
+        import ray
+
+        rows = [dataclasses.astuple(r) for r in records]
+        ray.get(self._handle.add.remote(self.run, self.max_records, rows))
+
+    def counts(self) -> dict[str, int]:
+        """Skipped samples per reason (reasons with none are left out)."""
+        import ray
+
+        return ray.get(self._handle.counts.remote(self.run))
+
+    def report(self) -> dict[str, Any]:
+        """``{"skipped", "by_reason", "records": [{key, where, reason, detail}], "records_left_out"}``."""
+        import ray
+
+        return ray.get(self._handle.report.remote(self.run))
+
+    def close(self) -> None:
+        """Forget this dataset's skips in the store."""
+        self._handle.drop.remote(self.run)
