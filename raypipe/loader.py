@@ -51,6 +51,7 @@ def iter_torch_batches(
     shuffle_buffer: int = 0,
     shuffle_seed: int | None = None,
     channels_last: bool = False,
+    skips=None,
 ) -> TorchBatches:
     """Iterate ``source`` (a ``ray.data.DataIterator`` or ``Dataset``) as torch batches.
 
@@ -58,7 +59,9 @@ def iter_torch_batches(
     ``normalize=False``) on ``device``, ``label`` and ``key`` (int64); ``channels_last``
     lays images out as ``torch.channels_last``. Each pass over the
     returned object is one epoch of ``source``; ``.stats()`` and ``.state_dict()`` describe
-    the current pass.
+    the current pass. ``stats()["skipped"]`` counts the dataset's skipped samples per
+    reason (all ranks together) from ``skips``, a `raypipe.SkipLog`; a Dataset made by
+    `build_dataset` brings its own, a split of one needs ``skips=SkipLog.of(ds)``.
     """
     if not hasattr(source, "iter_batches"):
         raise TypeError(
@@ -81,6 +84,7 @@ def iter_torch_batches(
         shuffle_buffer=shuffle_buffer,
         shuffle_seed=shuffle_seed,
         channels_last=channels_last,
+        skips=skips if skips is not None else getattr(source, "_raypipe_skips", None),
     )
 
 
@@ -88,7 +92,8 @@ class TorchBatches:
     """Iterable returned by `iter_torch_batches`; owns the running pass and its stats."""
 
     def __init__(self, source, *, batch_size, device, pin_memory, prefetch_batches, drop_last,
-                 normalize, shuffle_buffer, shuffle_seed, channels_last=False):  # fmt: skip
+                 normalize, shuffle_buffer, shuffle_seed, channels_last=False,
+                 skips=None):  # fmt: skip
         self._source = source
         self._batch_size = batch_size
         self._device = device
@@ -101,6 +106,7 @@ class TorchBatches:
         self._stats = IterStats()
         self._epoch = -1
         self._running: Iterator[Batch] | None = None
+        self.skips = skips  # the source's raypipe.SkipLog, or None
 
     @property
     def device(self):
@@ -133,7 +139,8 @@ class TorchBatches:
                 yield batch
 
     def stats(self) -> dict[str, Any]:
-        return {"epoch": max(self._epoch, 0), **self._stats.as_dict()}
+        skipped = self.skips.counts() if self.skips is not None else {}
+        return {"epoch": max(self._epoch, 0), **self._stats.as_dict(), "skipped": skipped}
 
     def state_dict(self) -> dict[str, int]:
         return {
