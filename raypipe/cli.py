@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Sequence
+from pathlib import Path
+
+from raypipe import jobspec
 
 
 def _demo_data(args: argparse.Namespace) -> int:
@@ -22,34 +28,104 @@ def _run(args: argparse.Namespace) -> int:
     import ray
 
     from raypipe.classify import RunConfig, run
+    from raypipe.sources import list_shards
 
-    RunConfig.from_yaml(args.config)  # fail on a bad config before starting Ray
+    _expect_kind(args.config, "train")
+    with tempfile.TemporaryDirectory(prefix="raypipe-") as tmp:
+        config = jobspec.write_resolved(args.config, args.data_root, tmp)
+        cfg = RunConfig.from_yaml(config)  # fail on bad data paths before starting Ray
+        for section in (cfg.data, cfg.eval):
+            if section is not None:
+                list_shards(section)
+        started = not ray.is_initialized()
+        if started:
+            ray.init(address=args.address, log_to_driver=True, configure_logging=False)
+        t0 = time.perf_counter()
+        try:
+            result = run(config, epochs=args.epochs, storage_path=args.storage_path)
+        finally:
+            if started:
+                ray.shutdown()
+    m = result.metrics or {}
+    rows = [("time", f"{time.perf_counter() - t0:.1f} s")]
+    if "samples" in m:
+        rows.append(("samples", f"{int(m['samples'])} in the last epoch, all ranks"))
+    rows += [(k, _num(m[k])) for k in ("samples_per_s", "wait_fraction", "skipped") if k in m]
+    rows += [(k, _num(m[k])) for k in ("loss", "val_accuracy") if k in m]
+    if result.checkpoint is not None:
+        rows.append(("checkpoint", result.checkpoint.path))
+    _summary("run", rows)
+    return 0
+
+
+def _preprocess(args: argparse.Namespace) -> int:
+    import ray
+
+    from raypipe.shards import ShardsConfig, preprocess
+
+    _expect_kind(args.config, "preprocess")
+    cfg = ShardsConfig.from_dict(jobspec.resolve_paths(args.config, args.data_root)["preprocess"])
     started = not ray.is_initialized()
     if started:
         ray.init(address=args.address, log_to_driver=True, configure_logging=False)
     try:
-        result = run(args.config, epochs=args.epochs, storage_path=args.storage_path)
+        s = preprocess(cfg)
     finally:
         if started:
             ray.shutdown()
-    m = result.metrics or {}
-    summary = ", ".join(
-        f"{k} {m[k]:.4g}"
-        for k in ("loss", "val_accuracy", "samples_per_s", "wait_fraction")
-        if k in m
+    _summary(
+        "preprocess",
+        [
+            ("shards", f"{s.shards} in {s.out} ({s.written} written, {s.reused} already done)"),
+            ("samples", str(s.samples)),
+            ("samples_per_s", _num(s.samples_per_s)),
+            ("skipped", f"{len(s.skipped)}" + (" (listed above)" if s.skipped else "")),
+            ("time", f"{s.seconds:.1f} s"),
+        ],
     )
-    print(f"done: {summary}")
-    if result.checkpoint is not None:
-        print(f"checkpoint: {result.checkpoint.path}")
     return 0
 
 
-def _later(name: str, issue: str):
-    def handler(args: argparse.Namespace) -> int:
-        print(f"raypipe {name}: not available yet ({issue})", file=sys.stderr)
-        return 2
+def _submit(args: argparse.Namespace) -> int:
+    from raypipe.submit import submit
 
-    return handler
+    return submit(
+        args.config,
+        address=args.address,
+        working_dir=args.working_dir,
+        wait=not args.no_wait,
+        token_file=args.token_file,
+        submission_id=args.submission_id,
+    )
+
+
+def _bench(args: argparse.Namespace) -> int:
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "ingest.py"
+    if not script.is_file():
+        raise ValueError(
+            f"{script} not found: the benchmark ships with the source checkout, not the package"
+        )
+    return subprocess.call([sys.executable, str(script), *args.bench_args])
+
+
+def _expect_kind(config: str, kind: str) -> None:
+    found = jobspec.check(config)
+    if found != kind:
+        use = "raypipe preprocess" if found == "preprocess" else "raypipe run"
+        raise ValueError(f"{config} is a {found} config: use {use}")
+
+
+def _num(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
+    return str(v)
+
+
+def _summary(title: str, rows: list[tuple[str, str]]) -> None:
+    width = max(len(k) for k, _ in rows)
+    print(f"raypipe {title}: done")
+    for key, value in rows:
+        print(f"  {key:<{width}}  {value}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,24 +155,65 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Ray cluster to join (default: RAY_ADDRESS, else start a local Ray)")  # fmt: skip
     p.add_argument("--epochs", type=int, default=None, help="override trainer.epochs")
     p.add_argument("--storage-path", default=None, help="override trainer.storage_path")
+    p.add_argument("--data-root", default=".",
+                   help="resolve relative data paths in the config against this folder "
+                   "(default: the current one; raypipe submit passes yours)")  # fmt: skip
     p.set_defaults(func=_run)
 
-    for name, text in (
-        ("bench", "measure ingest throughput against torch DataLoader"),
-        ("submit", "submit a run config as a Ray job to a Ray head"),
-        ("preprocess", "turn an image folder into WebDataset or Parquet shards"),
-    ):
-        p = sub.add_parser(name, help=text, description=f"{text} (not available yet).")
-        p.set_defaults(func=_later(name, "planned"))
+    p = sub.add_parser("preprocess", help="turn an image folder into WebDataset or Parquet shards",
+                       description="Write the image folder of a preprocess config as shards "
+                       "named like train-00003-of-00016.tar (or .parquet) with Ray tasks, plus "
+                       "index.json with per-shard sample counts. Shards already finished by an "
+                       "earlier run are kept; each new shard is read back and checked.")  # fmt: skip
+    p.add_argument("config", help="preprocess config YAML, e.g. jobs/configs/digits-shards.yaml")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster to join (default: RAY_ADDRESS, else start a local Ray)")  # fmt: skip
+    p.add_argument("--data-root", default=".",
+                   help="resolve relative paths in the config against this folder "
+                   "(default: the current one)")  # fmt: skip
+    p.set_defaults(func=_preprocess)
+
+    p = sub.add_parser("submit", help="submit a run or preprocess config as a Ray job",
+                       description="Submit a config to a Ray head as a Ray job: the working dir "
+                       "is shipped with it, the job's log is streamed here, and the exit code "
+                       "is the job's outcome (0 when it SUCCEEDED).")  # fmt: skip
+    p.add_argument("config", help="run or preprocess config YAML inside the working dir")
+    p.add_argument("--address", default=None,
+                   help="the head's job API (dashboard) URL (default: RAY_ADDRESS, "
+                   "else http://127.0.0.1:8265)")  # fmt: skip
+    p.add_argument("--no-wait", action="store_true",
+                   help="return once the job is submitted instead of following it")  # fmt: skip
+    p.add_argument("--working-dir", default=None,
+                   help="folder shipped with the job (default: the raypipe source checkout)")  # fmt: skip
+    p.add_argument("--token-file", default=None,
+                   help="file holding the head's auth token (token authentication); "
+                   "default: Ray's own RAY_AUTH_MODE=token with RAY_AUTH_TOKEN(_PATH)")  # fmt: skip
+    p.add_argument("--submission-id", default=None, help="job id to use (default: Ray picks)")
+    p.set_defaults(func=_submit)
+
+    p = sub.add_parser("bench", help="measure ingest throughput against torch DataLoader",
+                       description="Run benchmarks/ingest.py of the source checkout; arguments "
+                       "after `--` go to it unchanged, e.g. raypipe bench -- --size small.")  # fmt: skip
+    p.set_defaults(func=_bench, bench_args=[])
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from raypipe.submit import SubmitError
+
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "bench":
+        args.bench_args = extra[1:] if extra[:1] == ["--"] else extra
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, SubmitError) as e:
         print(f"raypipe {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except ConnectionError as e:
+        print(f"raypipe {args.command}: error: cannot reach Ray: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("raypipe: interrupted", file=sys.stderr)

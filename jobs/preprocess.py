@@ -1,0 +1,11 @@
+"""Ray job entry point: write an image folder as WebDataset or Parquet shards.
+
+ray job submit --working-dir . -- python jobs/preprocess.py jobs/configs/digits-shards.yaml
+"""
+
+import sys
+
+from raypipe.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["preprocess", *sys.argv[1:]]))
