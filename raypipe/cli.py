@@ -12,6 +12,8 @@ from pathlib import Path
 
 from raypipe import jobspec
 
+BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "ingest.py"
+
 
 def _demo_data(args: argparse.Namespace) -> int:
     from raypipe.demo import write_demo_data
@@ -61,10 +63,11 @@ def _run(args: argparse.Namespace) -> int:
 def _preprocess(args: argparse.Namespace) -> int:
     import ray
 
-    from raypipe.shards import ShardsConfig, preprocess
+    from raypipe.shards import ShardsConfig, plan, preprocess
 
     _expect_kind(args.config, "preprocess")
     cfg = ShardsConfig.from_dict(jobspec.resolve_paths(args.config, args.data_root)["preprocess"])
+    plan(cfg)  # fail on a bad folder before starting Ray
     started = not ray.is_initialized()
     if started:
         ray.init(address=args.address, log_to_driver=True, configure_logging=False)
@@ -100,7 +103,7 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "ingest.py"
+    script = BENCH_SCRIPT
     if not script.is_file():
         raise ValueError(
             f"{script} not found: the benchmark ships with the source checkout, not the package"
@@ -210,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, SubmitError) as e:
-        print(f"raypipe {args.command}: error: {e}", file=sys.stderr)
+        print(f"raypipe {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except ConnectionError as e:
         print(f"raypipe {args.command}: error: cannot reach Ray: {e}", file=sys.stderr)

@@ -107,7 +107,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ValueError(f"{where}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at the top, got {type(data).__name__}")
     return data

@@ -1,0 +1,222 @@
+"""The command line: help everywhere, and bad input → one clear line, exit 2, no traceback."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from raypipe import cli, jobspec
+from raypipe.submit import entrypoint, job_address
+from tests.conftest import make_imagefolder
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMANDS = ["demo-data", "run", "preprocess", "submit", "bench"]
+
+
+def _raypipe(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "raypipe", *args], cwd=cwd, capture_output=True, text=True
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def _error_line(capsys, argv: list[str]) -> str:
+    """Run ``raypipe argv`` in-process; it must fail with exactly one line on stderr."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+    return err.strip()
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_subcommand_has_help(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--help"])
+    assert e.value.code == 0
+    assert f"usage: raypipe {command}" in capsys.readouterr().out
+
+
+def test_python_dash_m_and_top_level_help():
+    done = _raypipe("--help")
+    assert done.returncode == 0
+    for command in COMMANDS:
+        assert command in done.stdout
+
+
+@pytest.fixture
+def folder(tmp_path):
+    return make_imagefolder(tmp_path / "imgs", {"a": 3, "b": 2})
+
+
+@pytest.fixture
+def run_config(tmp_path, folder):
+    return _write(
+        tmp_path / "run.yaml",
+        f"""
+        data:
+          source: {folder}
+          image_size: 8
+          batch_size: 2
+        trainer:
+          num_workers: 1
+          epochs: 1
+        """,
+    )
+
+
+def test_missing_config(capsys, tmp_path):
+    for command in ("run", "preprocess", "submit"):
+        line = _error_line(capsys, [command, str(tmp_path / "nope.yaml")])
+        assert "config file not found" in line and "nope.yaml" in line
+
+
+def test_malformed_config(capsys, tmp_path):
+    bad = _write(tmp_path / "bad.yaml", "data:\n  source: x\n  size: [unclosed\n")
+    assert f"{bad}:4:1: not valid YAML: expected ',' or ']'" in _error_line(
+        capsys, ["run", str(bad)]
+    )
+    scalar = _write(tmp_path / "scalar.yaml", "just text\n")
+    assert "expected a mapping" in _error_line(capsys, ["run", str(scalar)])
+
+
+def test_unknown_keys_are_named_with_a_suggestion(capsys, tmp_path, folder):
+    cfg = _write(tmp_path / "c.yaml", f"data:\n  source: {folder}\n  batch_sise: 4\n")
+    line = _error_line(capsys, ["run", str(cfg)])
+    assert "'batch_sise' (did you mean 'batch_size'?)" in line
+    cfg = _write(tmp_path / "s.yaml", f"data:\n  source: {folder}\ntrainner:\n  epochs: 1\n")
+    assert "did you mean 'trainer'?" in _error_line(capsys, ["run", str(cfg)])
+    cfg = _write(tmp_path / "p.yaml", f"preprocess:\n  source: {folder}\n  out: o\n  shard: 2\n")
+    assert "did you mean 'shards'?" in _error_line(capsys, ["preprocess", str(cfg)])
+    assert "did you mean 'shards'?" in _error_line(capsys, ["submit", str(cfg)])
+
+
+def test_bad_values_and_paths(capsys, tmp_path, folder):
+    cfg = _write(tmp_path / "r.yaml", "data:\n  source: no/such/folder\n")
+    line = _error_line(capsys, ["run", str(cfg), "--data-root", str(tmp_path)])
+    assert f"'{tmp_path}/no/such/folder' does not exist" in line
+    cfg = _write(tmp_path / "p.yaml", "preprocess:\n  source: missing\n  out: o\n")
+    assert "does not exist" in _error_line(capsys, ["preprocess", str(cfg)])
+    cfg = _write(tmp_path / "f.yaml", f"preprocess:\n  source: {folder}\n  out: o\n  format: zip\n")
+    assert "preprocess.format='zip'" in _error_line(capsys, ["preprocess", str(cfg)])
+    cfg = _write(tmp_path / "n.yaml", "nothing: 1\n")
+    assert "unknown key(s) 'nothing'" in _error_line(capsys, ["run", str(cfg)])
+
+
+def test_wrong_kind_of_config(capsys, tmp_path, folder, run_config):
+    pre = _write(tmp_path / "p.yaml", f"preprocess:\n  source: {folder}\n  out: o\n")
+    assert "use raypipe preprocess" in _error_line(capsys, ["run", str(pre)])
+    assert "use raypipe run" in _error_line(capsys, ["preprocess", str(run_config)])
+    empty = _write(tmp_path / "e.yaml", "eval:\n  source: x\n")
+    assert "neither a run config" in _error_line(capsys, ["submit", str(empty)])
+
+
+def test_submit_to_an_unreachable_head(capsys, run_config, tmp_path):
+    url = f"http://127.0.0.1:{_free_port()}"
+    argv = ["submit", str(run_config), "--address", url, "--working-dir", str(tmp_path)]
+    line = _error_line(capsys, argv)
+    assert f"cannot reach a Ray job API at {url}" in line
+
+
+@pytest.mark.parametrize(
+    "address", ["http://127.0.0.1:notaport", "ftp://127.0.0.1:8265", "http://"]
+)
+def test_submit_to_a_malformed_address(capsys, run_config, tmp_path, address):
+    argv = ["submit", str(run_config), "--address", address, "--working-dir", str(tmp_path)]
+    assert "is not a job API URL" in _error_line(capsys, argv)
+
+
+def test_submit_checks_before_contacting_anyone(capsys, run_config, tmp_path):
+    outside = ["submit", str(run_config), "--working-dir", str(tmp_path / "imgs")]
+    assert "outside the working dir" in _error_line(capsys, outside)
+    missing = ["submit", str(run_config), "--working-dir", str(tmp_path / "nope")]
+    assert "is not a directory" in _error_line(capsys, missing)
+    url = f"http://127.0.0.1:{_free_port()}"
+    token = ["submit", str(run_config), "--address", url, "--token-file", str(tmp_path / "t")]
+    assert "token file" in _error_line(capsys, [*token, "--working-dir", str(tmp_path)])
+
+
+def test_no_traceback_from_the_real_command(tmp_path):
+    """The installed entry point, end to end: an unreachable head and a malformed config."""
+    _write(tmp_path / "run.yaml", "data:\n  source: .\n")
+    done = _raypipe(
+        "submit",
+        "run.yaml",
+        "--address",
+        f"127.0.0.1:{_free_port()}",
+        "--working-dir",
+        ".",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("raypipe submit: error: cannot reach a Ray job API")
+    _write(tmp_path / "bad.yaml", "data: {source: [\n")
+    done = _raypipe("run", "bad.yaml", cwd=tmp_path)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_unknown_arguments_and_missing_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["run", "x.yaml", "--nope", "3"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        cli.main([])
+    assert e.value.code == 2
+
+
+def test_bench_passes_arguments_through(monkeypatch, tmp_path, capfd):
+    script = _write(tmp_path / "ingest.py", "import sys\nprint('ARGS', sys.argv[1:])\n")
+    monkeypatch.setattr(cli, "BENCH_SCRIPT", script)
+    assert cli.main(["bench", "--", "--size", "small", "--epochs", "1"]) == 0
+    assert "ARGS ['--size', 'small', '--epochs', '1']" in capfd.readouterr().out
+
+
+def test_bench_says_when_the_script_is_missing(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cli, "BENCH_SCRIPT", tmp_path / "benchmarks" / "ingest.py")
+    assert "ingest.py not found" in _error_line(capsys, ["bench"])
+
+
+def test_job_address_defaults(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert job_address(None) == "http://127.0.0.1:8265"
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:9999/")
+    assert job_address(None) == "http://127.0.0.1:9999"
+    assert job_address("127.0.0.1:8266") == "http://127.0.0.1:8266"
+
+
+def test_entrypoint_runs_the_config_from_the_working_dir(tmp_path, run_config):
+    command, kind = entrypoint(run_config, tmp_path, Path("/data/here"))
+    assert kind == "train"
+    assert command == "python -m raypipe run run.yaml --data-root /data/here"
+
+
+def test_relative_paths_resolve_against_the_data_root(tmp_path):
+    cfg = _write(
+        tmp_path / "c.yaml",
+        """
+        data: {source: [a/train, /abs/b]}
+        eval: {source: val}
+        trainer: {storage_path: runs}
+        preprocess: {source: imgs, out: s3://bucket/x}
+        """,
+    )
+    raw = jobspec.resolve_paths(cfg, "/root/dir")
+    assert raw["data"]["source"] == ["/root/dir/a/train", "/abs/b"]
+    assert raw["eval"]["source"] == "/root/dir/val"
+    assert raw["trainer"]["storage_path"] == "/root/dir/runs"
+    assert raw["preprocess"] == {"source": "/root/dir/imgs", "out": "s3://bucket/x"}
