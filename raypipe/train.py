@@ -135,12 +135,14 @@ def train_ddp(
     cpus_per_worker: float = 1.0,
     max_failures: int = 0,
     name: str | None = None,
+    callbacks: list | None = None,
 ):
     """Run ``train_loop(ctx)`` on ``num_workers`` DDP workers fed by raypipe.
 
     Returns Ray Train's ``Result`` (metrics, checkpoint, error). Checkpoints go under
     ``storage_path`` (default: Ray's ``~/ray_results``). ``max_failures`` is Ray Train's
     ``FailureConfig``: a dead worker restarts the group and the loop from the start.
+    ``callbacks`` are ``ray.train.UserCallback`` objects run on the Train controller.
     """
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -181,6 +183,7 @@ def train_ddp(
             name=name,
             storage_path=os.path.abspath(storage_path) if storage_path else None,
             failure_config=ray.train.FailureConfig(max_failures=max_failures),
+            callbacks=callbacks or [],
         ),
         datasets=datasets,
     )
