@@ -181,6 +181,24 @@ class _Run:
             self.records.append(record)
 
 
+_STORES: dict[tuple[str, str], Any] = {}  # (node id, job id) -> the store actor's handle
+
+
+def _driver_store():
+    """This driver's store actor, held here: an actor dies with its last handle."""
+    import ray
+
+    context = ray.get_runtime_context()
+    session = (context.get_node_id(), context.get_job_id())  # a new ray.init is a new session
+    if session not in _STORES:
+        store = ray.remote(SkipStore).options(
+            name=ACTOR_NAME, get_if_exists=True, num_cpus=0, max_restarts=0
+        )
+        _STORES.clear()
+        _STORES[session] = store.remote()
+    return _STORES[session]
+
+
 class SkipLog:
     """The skipped samples of one dataset; `build_dataset` makes one per dataset.
 
@@ -199,10 +217,9 @@ class SkipLog:
 
         if not isinstance(max_records, int) or max_records < 0:
             raise ValueError(f"{max_records=} must be an integer >= 0")
-        store = ray.remote(SkipStore).options(
-            name=ACTOR_NAME, get_if_exists=True, num_cpus=0, max_restarts=0
-        )
-        return cls(store.remote(), uuid.uuid4().hex, max_records)
+        if not ray.is_initialized():
+            ray.init()
+        return cls(_driver_store(), uuid.uuid4().hex, max_records)
 
     @staticmethod
     def of(dataset) -> SkipLog:

@@ -12,13 +12,14 @@ import dataclasses
 import io
 import os
 import tarfile
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from raypipe import PipelineConfig, SampleError, build_dataset
+from raypipe import PipelineConfig, SampleError, SkipLog, build_dataset, iter_torch_batches
 from raypipe.fastimage import decode_crop as fast_decode_crop
 from raypipe.pipeline import Preprocessor
 from raypipe.skips import REASONS, SkipStore, reason_of
@@ -317,11 +318,12 @@ def test_broken_tar_shards(tmp_path, on_error):
     assert delivered | {r.key for r in skips} == set(range(listing.num_samples))
 
 
-def broken_parquet(root: Path) -> Path:
+def broken_parquet(root: Path, good: list[int]) -> Path:
+    """Good files plus each broken Parquet kind; `PARQUET_SKIPS` are the samples to skip."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    make_parquet(root, [9])
+    make_parquet(root, good)
     good = image_bytes(np.random.default_rng(3))
     pq.write_table(
         pa.table(
@@ -353,7 +355,10 @@ PARQUET_SKIPS = {
 @pytest.mark.parametrize("on_error", ["skip", "raise"])
 def test_broken_parquet_shards(tmp_path, on_error):
     config = PipelineConfig(
-        source=str(broken_parquet(tmp_path)), image_size=8, on_error=on_error, shuffle_files=False
+        source=str(broken_parquet(tmp_path, [9])),
+        image_size=8,
+        on_error=on_error,
+        shuffle_files=False,
     )
     if on_error == "raise":
         with pytest.raises(SampleError) as e:
@@ -476,3 +481,118 @@ def test_batch_larger_than_one_ranks_share_fails_before_training(tmp_path):
     config = PipelineConfig(source=str(make_imagefolder(tmp_path, {"a": 9})), batch_size=5)
     with pytest.raises(ValueError, match=r"batch_size=5 is larger than one rank's share"):
         train_ddp(config, lambda ctx: None, num_workers=2)
+
+
+# --- whole epochs through a real Ray ---------------------------------------------------
+
+FORMATS = ["imagefolder", "webdataset", "parquet"]
+FOLDER_SKIPS = {
+    "decompression_bomb": 2,
+    "empty_file": 1,
+    "not_an_image": 2,
+    "truncated_image": 1,
+    "unreadable": 1,
+}
+
+
+def mixed_source(root: Path, fmt: str) -> tuple[Path, dict[str, int]]:
+    """About 5% broken samples, of every kind the format can have; the skips expected."""
+    if fmt == "imagefolder":  # 7 of 121
+        folder(root, {name: data for name, (data, _) in BROKEN_FILES.items()}, good=114)
+        make_unreadable(root, "dangling_symlink")
+        return root, FOLDER_SKIPS
+    if fmt == "webdataset":  # 6 of 115
+        return broken_webdataset(root, [40, 37, 30]), WDS_SKIPS
+    return broken_parquet(root, [80, 80]), PARQUET_SKIPS  # 9 of 170
+
+
+def run_ranks(ds, world_size: int, batch_size: int, **kwargs):
+    """One epoch through streaming_split, a thread per rank: (keys, batch sizes, stats, errors)."""
+    splits = ds.streaming_split(world_size, equal=True)
+    keys, sizes, stats, errors = ([[] for _ in range(world_size)] for _ in range(4))
+
+    def rank(r: int) -> None:
+        batches = iter_torch_batches(splits[r], batch_size=batch_size, **kwargs)
+        try:
+            for batch in batches:
+                keys[r].extend(batch["key"].tolist())
+                sizes[r].append(len(batch["key"]))
+            stats[r] = batches.stats()
+        except Exception as e:
+            errors[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return keys, sizes, stats, errors
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_mixed_epoch_skips_exactly_and_delivers_the_rest_once(ray_session, tmp_path, fmt):
+    source, expected = mixed_source(tmp_path, fmt)
+    config = PipelineConfig(
+        source=str(source), image_size=8, files_per_task=9, rows_per_block=4, actors=(1, 2)
+    )
+    total = list_shards(config).num_samples
+    ds = build_dataset(config)
+    skips = SkipLog.of(ds)
+    keys, sizes, stats, errors = run_ranks(ds, 2, 5, skips=skips)
+    assert errors == [[], []]
+    report = skips.report()
+    assert report["by_reason"] == expected and report["skipped"] == sum(expected.values())
+    assert [s["skipped"] for s in stats] == [expected, expected]  # every rank sees the counts
+    skipped = {r["key"] for r in report["records"]}
+    assert len(skipped) == report["skipped"] and report["records_left_out"] == 0
+    assert all(r["where"].startswith(str(source)) for r in report["records"])
+    # equal batches, exactly once, nothing good lost beyond drop_last's remainder
+    assert len(sizes[0]) == len(sizes[1]) and set(sizes[0] + sizes[1]) == {5}
+    delivered = keys[0] + keys[1]
+    assert len(set(delivered)) == len(delivered)
+    good = set(range(total)) - skipped
+    assert set(delivered) <= good and len(good) - len(delivered) <= 2 * 5 - 1
+
+
+def test_every_good_sample_once_and_stats_report_skips(ray_session, tmp_path):
+    source, expected = mixed_source(tmp_path, "imagefolder")
+    config = PipelineConfig(source=str(source), image_size=8, files_per_task=16)
+    batches = iter_torch_batches(build_dataset(config), batch_size=16, drop_last=False)
+    keys = [k for b in batches for k in b["key"].tolist()]
+    stats = batches.stats()
+    assert stats["skipped"] == expected
+    records = batches.skips.report()["records"]
+    assert sorted(keys + [r["key"] for r in records]) == list(range(121))
+    by_name = {Path(r["where"]).name: r["reason"] for r in records}
+    assert by_name["truncated.jpg"] == "truncated_image" and by_name["gone.jpg"] == "unreadable"
+
+
+def bad_places(root: Path, fmt: str) -> dict[str, str]:
+    """where -> reason of each bad sample, from the actors' own code run in this process."""
+    _, skips, _ = preprocess(PipelineConfig(source=str(root), image_size=8))
+    return {r.where: r.reason for r in skips}
+
+
+@pytest.mark.parametrize("fmt", ["imagefolder", "webdataset"])
+def test_raise_names_the_file_through_ray_data(ray_session, tmp_path, fmt, pillow_limit):
+    source, _ = mixed_source(tmp_path, fmt)
+    places = bad_places(source, fmt)
+    config = PipelineConfig(source=str(source), image_size=8, on_error="raise")
+    with pytest.raises(SampleError) as e:
+        build_dataset(config).materialize()
+    message = str(e.value)  # Ray's RayTaskError(SampleError): still a SampleError
+    named = [w for w in places if f"bad sample {w} (key " in message]
+    assert named and places[named[0]] in message
+
+
+def test_raise_stops_every_rank_without_a_hang(ray_session, tmp_path, pillow_limit):
+    source, _ = mixed_source(tmp_path, "webdataset")
+    places = bad_places(source, "webdataset")
+    config = PipelineConfig(source=str(source), image_size=8, on_error="raise", rows_per_block=4)
+    keys, sizes, stats, errors = run_ranks(build_dataset(config), 2, 5)
+    raised = [e for e in errors if e]
+    assert raised, "the epoch should have stopped"
+    for error in raised:
+        assert isinstance(error, SampleError), repr(error)
+        assert any(f"bad sample {w} (key " in str(error) for w in places)
