@@ -62,7 +62,7 @@ def gbps(nbytes: int, seconds: list[float]) -> float:
 def bandwidth(args, device) -> dict:
     """(1): one batch, each way of copying it, timed with a device sync around each copy."""
     src = host_batch(args.batch, 0)["image"]
-    slot = torch.empty_like(src, pin_memory=True).copy_(src)
+    slot = torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src)
     nbytes = src.numel()
 
     def timed(copy) -> list[float]:
@@ -128,6 +128,13 @@ def resnet50(classes: int = 1000) -> nn.Module:
     return nn.Sequential(*layers)
 
 
+def delta(before: dict, after: dict, key: str) -> int | None:
+    """How much a counter of ``torch.cuda.*memory_stats`` grew; None where torch lacks it."""
+    if key not in before or key not in after:
+        return None
+    return after[key] - before[key]
+
+
 def overlap(args, device) -> dict:
     """(2) and (3): step time fed by the ring vs by device tensors; allocations after warm-up."""
     model = resnet50().to(device, memory_format=torch.channels_last)
@@ -175,7 +182,8 @@ def overlap(args, device) -> dict:
         "ratio": round(step_fed / step_resident, 4),
         "after_warm_up": {
             "ring_host_buffers": h2d.ring.allocations - ring0,
-            "pinned_host_allocs": host1.get("num_host_alloc", 0) - host0.get("num_host_alloc", 0),
+            "pinned_host_allocs": delta(host0, host1, "num_host_alloc"),
+            "pinned_host_blocks_handed_out": delta(host0, host1, "allocations.allocated"),
             "device_segments": dev1["segment.all.allocated"] - dev0["segment.all.allocated"],
             "steps": 2 * args.repeats * args.steps,
         },
