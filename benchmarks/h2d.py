@@ -85,12 +85,14 @@ def bandwidth(args, device) -> dict:
         torch.cuda.synchronize(device)
         ring_s.append((time.perf_counter() - t0) / ring_n)
     h2d.close()
+    before = torch.cuda.host_memory_stats()
+    pin_s = timed(lambda: src.pin_memory().to(device, non_blocking=True))
+    after = torch.cuda.host_memory_stats()
     return {
         "bytes": nbytes,
         "pinned_slot_GBps": gbps(nbytes, timed(lambda: slot.to(device, non_blocking=True))),
-        "pin_per_batch_GBps": gbps(
-            nbytes, timed(lambda: src.pin_memory().to(device, non_blocking=True))
-        ),
+        "pin_per_batch_GBps": gbps(nbytes, pin_s),
+        "pin_per_batch_host_blocks": delta(before, after, "allocations.allocated"),
         "pageable_GBps": gbps(nbytes, timed(lambda: src.to(device))),
         "ring_end_to_end_GBps": gbps(nbytes, ring_s[1:]),
     }
