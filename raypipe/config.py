@@ -32,7 +32,9 @@ class PipelineConfig:
         ratio: aspect-ratio range of random-resized-crop.
         shuffle_files: shuffle the file order per epoch from ``(seed, epoch)``.
         shuffle_buffer: rows in each rank's local shuffle buffer (0 = off).
-        files_per_task: image-folder files one actor call reads and decodes.
+        files_per_task: image-folder files one actor call reads and decodes; one call
+            makes blocks of up to ``rows_per_block`` rows, and blocks of ``batch_size``
+            rows reach the trainer without a copy.
         rows_per_block: samples per output block of the preprocessing actors.
         actor_cpus: logical CPUs each preprocessing actor reserves.
         mean, std: per-channel normalization applied on the device (0..1 scale).
@@ -54,7 +56,7 @@ class PipelineConfig:
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     shuffle_files: bool = True
     shuffle_buffer: int = 0
-    files_per_task: int = 32
+    files_per_task: int = 256
     rows_per_block: int = 256
     actor_cpus: float = 1.0
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)

@@ -5,7 +5,8 @@ A straight line of iterator-to-iterator stages, each testable alone::
     1. host_batches   Ray's iter_batches (prefetch threads, optional local shuffle)
     2. rebatch        exactly ``batch_size`` rows per batch, whatever Ray yields
     3. to_tensors     zero-copy numpy → torch on the host
-    4. to_device      pinned ring slot → copy on a side CUDA stream (``raypipe.h2d``)
+    4. to_device      pinned ring slot → copy on a side CUDA stream (``raypipe.h2d``);
+                      nothing on a CPU device: the batch is already where it is read
     5. normalize      uint8 → float32, (x - mean) / std, on the device
 
 In flight at once: ``prefetch_batches`` Ray batches in step 1's threads, one partial
@@ -103,6 +104,7 @@ class TorchBatches:
         self._shuffle = (shuffle_buffer, shuffle_seed)
         self._h2d = HostToDevice(device, pin_memory=pin_memory, prefetch=max(prefetch_batches, 1),
                                  channels_last=channels_last)  # fmt: skip
+        self._stays = getattr(device, "type", str(device)) == "cpu" and not channels_last
         self._stats = IterStats()
         self._epoch = -1
         self._running: Iterator[Batch] | None = None
@@ -124,7 +126,7 @@ class TorchBatches:
         host = host_batches(self._source, self._batch_size, self._prefetch, *self._shuffle)
         exact = rebatch(host, self._batch_size, drop_last=self._drop_last)
         tensors = (to_tensors(b) for b in exact)
-        on_device = self._h2d(tensors)
+        on_device = _Stay(tensors) if self._stays else self._h2d(tensors)
         out = (normalize(b, *self._normalize) for b in on_device) if self._normalize else on_device
         stats = self._stats
         stats.start()
@@ -236,6 +238,28 @@ def to_tensors(batch: dict[str, np.ndarray]) -> Batch:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*not writable.*")
         return {k: torch.from_numpy(np.asarray(v)) for k, v in batch.items()}
+
+
+class _Stay:
+    """Step 4 when the device is the host CPU: no ring, no copy; closes upstream on exit.
+
+    With ``normalize=False`` the images may view the object store's read-only memory.
+    """
+
+    def __init__(self, batches: Iterator[Batch]):
+        self._batches = batches
+
+    def __iter__(self) -> _Stay:
+        return self
+
+    def __next__(self) -> Batch:
+        return next(self._batches)
+
+    def __enter__(self) -> _Stay:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._batches.close()
 
 
 def normalize(batch: Batch, mean: tuple[float, ...], std: tuple[float, ...]) -> Batch:
