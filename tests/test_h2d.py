@@ -77,14 +77,15 @@ class LazyOps:
         event.synchronize()
 
 
-def host_batches(n: int, rows: int = 6, *, seed: int = 0, reuse: bool = False, last: int = 0):
+def host_batches(n: int, rows: int = 6, *, seed: int = 0, reuse: bool = False, last: int = 0,
+                 hw: tuple[int, int] = (5, 4)):  # fmt: skip
     """``n`` batches of random uint8 images (plus a ``last`` short one); with ``reuse`` every
     batch is written into the same host buffer, as a loader recycling its memory would."""
     rng = np.random.default_rng(seed)
-    buf = torch.empty((rows, 3, 5, 4), dtype=torch.uint8)
+    buf = torch.empty((rows, 3, *hw), dtype=torch.uint8)
     for i in range(n + bool(last)):
         size = last if i == n else rows
-        image = torch.from_numpy(rng.integers(0, 256, (size, 3, 5, 4), dtype=np.uint8))
+        image = torch.from_numpy(rng.integers(0, 256, (size, 3, *hw), dtype=np.uint8))
         if reuse and size == rows:
             image = buf.copy_(image)
         yield {"image": image, "key": torch.arange(i * rows, i * rows + size), "tag": f"b{i}"}
@@ -253,14 +254,15 @@ def test_cuda_checksums_under_stress_and_no_allocations_after_warm_up():
     device = torch.device("cuda", torch.cuda.current_device())
     h2d = HostToDevice(device, prefetch=2, channels_last=True)
     busy = torch.randn(1024, 1024, device=device)
+    size = (96, 96)
 
     def epoch(seed: int) -> None:
-        want, got = [], []
-        for b in h2d(host_batches(60, rows=32, seed=seed, reuse=True, last=5)):
+        got = []
+        for b in h2d(host_batches(60, rows=32, seed=seed, reuse=True, last=5, hw=size)):
             for _ in range(3):  # keep the consumer's stream busy while copies run
                 busy.copy_(torch.tanh(busy @ busy))
             got.append(checksum(b["image"].contiguous()))
-        want = [checksum(b["image"]) for b in host_batches(60, rows=32, seed=seed, last=5)]
+        want = [checksum(b["image"]) for b in host_batches(60, rows=32, seed=seed, last=5, hw=size)]
         assert torch.stack(got).cpu().tolist() == torch.stack(want).tolist()
 
     epoch(0)
