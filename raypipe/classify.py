@@ -109,6 +109,7 @@ def classify_loop(ctx: TrainContext) -> None:
             "samples_per_s": samples / seconds if seconds > 0 else 0.0,
             "wait_fraction": wait / ctx.world_size,
             "steps_per_rank": steps,
+            "skipped": sum(it["skipped"].values()),  # the epoch's, over all ranks
         }
         if ctx.eval_config is not None:
             metrics["val_accuracy"] = evaluate(ctx, model)
@@ -138,9 +139,10 @@ def _unwrap(model):
 
 def format_epoch(m: dict[str, Any]) -> str:
     acc = f"  val_acc {m['val_accuracy']:.3f}" if "val_accuracy" in m else ""
+    skipped = f", {m['skipped']} bad skipped" if m.get("skipped") else ""
     return (
         f"epoch {m['epoch']}: loss {m['loss']:.4f}{acc}  {m['samples_per_s']:.0f} samples/s"
-        f"  wait {m['wait_fraction']:.1%}  ({m['samples']} samples)"
+        f"  wait {m['wait_fraction']:.1%}  ({m['samples']} samples{skipped})"
     )
 
 

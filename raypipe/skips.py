@@ -30,6 +30,7 @@ __all__ = [
     "SkipStore",
     "detail_of",
     "reason_of",
+    "write_reports",
 ]
 assert __all__ == sorted(__all__)
 
@@ -179,6 +180,27 @@ class _Run:
         self.total += 1
         if len(self.records) < self.max_records:
             self.records.append(record)
+
+
+REPORT_FILE = "skipped_samples.json"
+
+
+def write_reports(logs: dict[str, SkipLog], directory: str, filesystem=None) -> tuple[str, int]:
+    """Write ``{dataset name: SkipLog.report()}`` as JSON into ``directory``.
+
+    ``filesystem`` is a ``pyarrow.fs.FileSystem`` (a Ray Train result's); local when None.
+    Returns the file's path and the number of samples skipped over all datasets.
+    """
+    import json
+
+    import pyarrow.fs
+
+    reports = {name: log.report() for name, log in logs.items()}
+    path = f"{directory.rstrip('/')}/{REPORT_FILE}"
+    filesystem = filesystem or pyarrow.fs.LocalFileSystem()
+    with filesystem.open_output_stream(path) as out:
+        out.write(json.dumps(reports, indent=1).encode())
+    return path, sum(r["skipped"] for r in reports.values())
 
 
 _STORES: dict[tuple[str, str], Any] = {}  # (node id, job id) -> the store actor's handle

@@ -13,6 +13,7 @@ Each epoch is its own dataset so that its file order and augmentation come from
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -21,7 +22,10 @@ from typing import Any
 from raypipe.config import PipelineConfig
 from raypipe.loader import TorchBatches, iter_torch_batches
 from raypipe.pipeline import build_dataset
+from raypipe.skips import SkipLog, write_reports
 from raypipe.sources import list_shards
+
+log = logging.getLogger(__name__)
 
 EVAL = "eval"
 
@@ -39,6 +43,8 @@ class TrainContext:
         eval_config: the held-out `PipelineConfig`, or None.
         loop_config: the user's own settings, passed through unchanged.
         num_epochs: epochs to run.
+        skip_logs: the `SkipLog` of each dataset, by dataset name; the batches'
+            ``stats()["skipped"]`` reads them.
     """
 
     config: PipelineConfig
@@ -46,6 +52,7 @@ class TrainContext:
     loop_config: dict[str, Any]
     num_epochs: int
     prefetch_batches: int = 2
+    skip_logs: dict[str, SkipLog] = dataclasses.field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -77,7 +84,7 @@ class TrainContext:
 
         for epoch in range(self.num_epochs):
             shard = ray.train.get_dataset_shard(_train_name(epoch))
-            yield epoch, self._batches(shard, self.config, drop_last=True)
+            yield epoch, self._batches(shard, self.config, drop_last=True, name=_train_name(epoch))
 
     def eval_batches(self) -> TorchBatches:
         """This rank's share of the held-out set (no rows dropped beyond the equal split)."""
@@ -85,9 +92,12 @@ class TrainContext:
 
         if self.eval_config is None:
             raise ValueError("train_ddp was called without eval_config")
-        return self._batches(ray.train.get_dataset_shard(EVAL), self.eval_config, drop_last=False)
+        shard = ray.train.get_dataset_shard(EVAL)
+        return self._batches(shard, self.eval_config, drop_last=False, name=EVAL)
 
-    def _batches(self, shard, config: PipelineConfig, *, drop_last: bool) -> TorchBatches:
+    def _batches(
+        self, shard, config: PipelineConfig, *, drop_last: bool, name: str
+    ) -> TorchBatches:
         return iter_torch_batches(
             shard,
             batch_size=config.batch_size,
@@ -97,6 +107,7 @@ class TrainContext:
             std=config.std,
             shuffle_buffer=config.shuffle_buffer,
             shuffle_seed=config.seed,
+            skips=self.skip_logs.get(name),
         )
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
@@ -143,6 +154,8 @@ def train_ddp(
     ``storage_path`` (default: Ray's ``~/ray_results``). ``max_failures`` is Ray Train's
     ``FailureConfig``: a dead worker restarts the group and the loop from the start.
     ``callbacks`` are ``ray.train.UserCallback`` objects run on the Train controller.
+    The samples each dataset skipped (``on_error="skip"``) are written to
+    ``skipped_samples.json`` in the run's folder (``result.path``).
     """
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -166,7 +179,8 @@ def train_ddp(
     }
     if eval_config is not None:
         datasets[EVAL] = build_dataset(eval_config)
-    ctx = TrainContext(config, eval_config, dict(loop_config or {}), epochs)
+    skip_logs = {name: SkipLog.of(ds) for name, ds in datasets.items()}
+    ctx = TrainContext(config, eval_config, dict(loop_config or {}), epochs, skip_logs=skip_logs)
 
     def per_worker(_: dict) -> None:
         train_loop(ctx)
@@ -187,4 +201,8 @@ def train_ddp(
         ),
         datasets=datasets,
     )
-    return trainer.fit()
+    result = trainer.fit()
+    path, skipped = write_reports(skip_logs, result.path, result.filesystem)
+    if skipped:
+        log.warning("raypipe: skipped %d bad samples; the list is in %s", skipped, path)
+    return result
