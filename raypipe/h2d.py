@@ -204,7 +204,8 @@ class HostToDevice:
             raise ValueError(f"{prefetch=} must be an integer >= 1")
         if ops is None:
             ops = default_ops(device, pin_memory)
-        self.ring = PinnedRing(ops, slots=slots or prefetch + 2, channels_last=channels_last)
+        slots = prefetch + 2 if slots is None else slots
+        self.ring = PinnedRing(ops, slots=slots, channels_last=channels_last)
         self.prefetch = prefetch
         self._running: Transfer | None = None
 

@@ -211,6 +211,8 @@ def test_bad_arguments_name_the_value():
         HostToDevice("cpu", prefetch=0)
     with pytest.raises(ValueError, match="slots=-1"):
         PinnedRing(SyncOps(), slots=-1)
+    with pytest.raises(ValueError, match="slots=0"):
+        HostToDevice("cpu", slots=0)
 
 
 def test_auto_device_is_cpu_outside_a_train_worker():
