@@ -132,15 +132,20 @@ def preprocess(config: PipelineConfig, fmt: str | None = None):
     listing = list_shards(config)
     skips = Collected()
     pre = Preprocessor(config, fmt or listing.format, 0, skips)
-    shards = {
-        "path": np.array([s.path for s in listing.shards]),
-        "first_key": np.array([s.first_key for s in listing.shards]),
-        "num_samples": np.array([s.num_samples for s in listing.shards]),
-        "label": np.array([s.label for s in listing.shards]),
-    }
-    blocks = list(pre(shards))
+    blocks = list(pre(shard_rows(listing.shards)))
     rows = {k: np.concatenate([b[k] for b in blocks]) for k in ("image", "label", "key")}
     return rows, skips, listing
+
+
+def shard_rows(shards) -> dict[str, np.ndarray]:
+    """The batch of shard rows an actor call gets (nothing consumed before)."""
+    return {
+        "path": np.array([s.path for s in shards]),
+        "first_key": np.array([s.first_key for s in shards]),
+        "num_samples": np.array([s.num_samples for s in shards]),
+        "label": np.array([s.label for s in shards]),
+        "done": np.array([b""] * len(shards), dtype=object),
+    }
 
 
 def folder(root: Path, files: dict[str, bytes], *, good: int = 3) -> Path:
@@ -380,9 +385,7 @@ def test_reader_dying_mid_shard_reports_every_key_it_left(tmp_path, pillow_limit
     make_parquet(tmp_path, [5])  # rewritten shorter; the listing still says 12
     skips = Collected()
     pre = Preprocessor(config, "parquet", 0, skips)
-    shard = listing.shards[0]
-    blocks = list(pre({"path": np.array([shard.path]), "first_key": np.array([0]),
-                       "num_samples": np.array([12]), "label": np.array([-1])}))  # fmt: skip
+    blocks = list(pre(shard_rows(listing.shards)))
     assert np.concatenate([b["key"] for b in blocks]).tolist() == list(range(5))
     assert [r.key for r in skips] == list(range(5, 12))
     assert {r.reason for r in skips} == {"unreadable_shard"}
@@ -473,14 +476,6 @@ def test_bad_sources_fail_before_ray_starts(tmp_path, case, match):
     with pytest.raises(ValueError, match=match):
         build_dataset(PipelineConfig(source=bad_source(tmp_path, case)))
     assert ray.is_initialized() == was_running
-
-
-def test_batch_larger_than_one_ranks_share_fails_before_training(tmp_path):
-    from raypipe import train_ddp
-
-    config = PipelineConfig(source=str(make_imagefolder(tmp_path, {"a": 9})), batch_size=5)
-    with pytest.raises(ValueError, match=r"batch_size=5 is larger than one rank's share"):
-        train_ddp(config, lambda ctx: None, num_workers=2)
 
 
 # --- whole epochs through a real Ray ---------------------------------------------------
@@ -596,3 +591,63 @@ def test_raise_stops_every_rank_without_a_hang(ray_session, tmp_path, pillow_lim
     for error in raised:
         assert isinstance(error, SampleError), repr(error)
         assert any(f"bad sample {w} (key " in str(error) for w in places)
+
+
+# --- through Ray Train: the report the job writes, and the error the trainer sees -------
+
+
+@pytest.mark.slow
+def test_train_ddp_writes_the_skip_report_and_every_rank_sees_the_counts(ray_session, tmp_path):
+    import json
+
+    from raypipe import train_ddp
+
+    source = broken_webdataset(tmp_path / "data", [40, 37, 30])
+    out = tmp_path / "ranks"
+    out.mkdir()
+
+    def loop(ctx) -> None:
+        for epoch, batches in ctx.epochs():
+            keys = [int(k) for b in batches for k in b["key"]]
+            stats = batches.stats()
+            (out / f"{ctx.rank}.json").write_text(json.dumps([keys, stats["skipped"]]))
+            ctx.report({"epoch": epoch})
+
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=5, rows_per_block=4)
+    result = train_ddp(
+        config, loop, num_workers=2, cpus_per_worker=0.5, storage_path=str(tmp_path / "runs")
+    )
+    assert result.error is None
+    (keys0, skipped0), (keys1, skipped1) = (
+        json.loads((out / f"{r}.json").read_text()) for r in (0, 1)
+    )
+    assert skipped0 == skipped1 == WDS_SKIPS
+    assert len(keys0) == len(keys1) and not set(keys0) & set(keys1)
+    report = json.loads((Path(result.path) / "skipped_samples.json").read_text())
+    assert report["train_epoch_0"]["by_reason"] == WDS_SKIPS
+    assert {r["key"] for r in report["train_epoch_0"]["records"]}.isdisjoint(keys0 + keys1)
+
+
+@pytest.mark.slow
+def test_train_ddp_raise_reaches_the_trainer_naming_the_file(ray_session, tmp_path):
+    from raypipe import train_ddp
+
+    root = folder(tmp_path / "data", {"truncated.jpg": BROKEN_FILES["truncated.jpg"][0]}, good=20)
+    bad = str(root / "odd" / "truncated.jpg")
+
+    def loop(ctx) -> None:
+        for epoch, batches in ctx.epochs():
+            for _ in batches:
+                pass
+            ctx.report({"epoch": epoch})
+
+    config = PipelineConfig(source=str(root), image_size=8, batch_size=2, on_error="raise")
+    try:
+        result = train_ddp(
+            config, loop, num_workers=2, cpus_per_worker=0.5, storage_path=str(tmp_path / "runs")
+        )
+        error = result.error
+    except Exception as e:  # Ray Train may raise instead of returning the error
+        error = e
+    assert error is not None
+    assert f"bad sample {bad} (key " in str(error) and "truncated_image" in str(error)
