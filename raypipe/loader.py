@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from raypipe.h2d import HostToDevice
+from raypipe.resume import Delivered
 from raypipe.stats import IterStats
 
 Batch = dict[str, Any]
@@ -106,6 +107,7 @@ class TorchBatches:
                                  channels_last=channels_last)  # fmt: skip
         self._stays = getattr(device, "type", str(device)) == "cpu" and not channels_last
         self._stats = IterStats()
+        self._delivered = Delivered()  # keys handed to the consumer this pass
         self._epoch = -1
         self._running: Iterator[Batch] | None = None
         self.skips = skips  # the source's raypipe.SkipLog, or None
@@ -118,13 +120,14 @@ class TorchBatches:
         self.close()
         self._epoch += 1
         self._stats = IterStats()
+        self._delivered = Delivered()
         self._running = self._pass()
         return self._running
 
     def _pass(self) -> Iterator[Batch]:
         # 1 → 5: the straight line described in the module docstring.
         host = host_batches(self._source, self._batch_size, self._prefetch, *self._shuffle)
-        exact = rebatch(host, self._batch_size, drop_last=self._drop_last)
+        exact = self._delivered.track(rebatch(host, self._batch_size, drop_last=self._drop_last))
         tensors = (to_tensors(b) for b in exact)
         on_device = _Stay(tensors) if self._stays else self._h2d(tensors)
         out = (normalize(b, *self._normalize) for b in on_device) if self._normalize else on_device
@@ -138,17 +141,20 @@ class TorchBatches:
                 except StopIteration:
                     return
                 stats.waited(time.perf_counter() - t0, len(batch["key"]))
+                self._delivered.pop()
                 yield batch
 
     def stats(self) -> dict[str, Any]:
         skipped = self.skips.counts() if self.skips is not None else {}
         return {"epoch": max(self._epoch, 0), **self._stats.as_dict(), "skipped": skipped}
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
+        """The pass so far; ``keys`` (int64) are those delivered, for `raypipe.resume`."""
         return {
             "epoch": max(self._epoch, 0),
             "batches": self._stats.batches,
             "samples": self._stats.samples,
+            "keys": self._delivered.keys(),
         }
 
     def close(self) -> None:

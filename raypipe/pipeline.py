@@ -25,6 +25,7 @@ import numpy as np
 
 from raypipe.config import PipelineConfig
 from raypipe.fastimage import decode_crop
+from raypipe.resume import pending_rows, unpack_done
 from raypipe.skips import BadSample, SampleError, SkipLog, SkipRecord, detail_of, reason_of
 from raypipe.sources import Listing, RawSample, epoch_order, list_shards, read_shard
 from raypipe.transforms import Plan, plan, sample_rng
@@ -43,10 +44,13 @@ def build_dataset(
     epoch: int = 0,
     listing: Listing | None = None,
     skips: SkipLog | None = None,
+    consumed: np.ndarray | None = None,
 ):
     """The dataset of one epoch: rows ``image`` (uint8 C×H×W), ``label``, ``key`` (int64).
 
     ``listing`` lets a caller list the shards once and build many epochs from it.
+    ``consumed`` (bool per key, e.g. ``PipelineState.consumed``) resumes an interrupted
+    epoch: those keys are left out before their shards are read or decoded.
     Skipped samples go to ``skips`` (a new `SkipLog` when None); ``SkipLog.of(ds)``
     returns it, and ``iter_torch_batches(ds)`` reports its counts in ``stats()``.
     """
@@ -57,14 +61,13 @@ def build_dataset(
     if not isinstance(epoch, int) or epoch < 0:
         raise ValueError(f"{epoch=} must be an integer >= 0")
     listing = listing or list_shards(config)
+    if consumed is not None and np.shape(consumed) != (listing.num_samples,):
+        raise ValueError(f"consumed has shape {np.shape(consumed)}, not ({listing.num_samples},)")
     shards = epoch_order(
         listing.shards, seed=config.seed, epoch=epoch, shuffle=config.shuffle_files
     )
     per_task = config.files_per_task if listing.format == "imagefolder" else 1
-    rows = [
-        {"path": s.path, "first_key": s.first_key, "num_samples": s.num_samples, "label": s.label}
-        for s in shards
-    ]
+    rows = pending_rows(shards, None if consumed is None else np.asarray(consumed, bool))
     lo, hi = config.actors
     skips = skips or SkipLog.create()  # after listing: a bad source fails before Ray starts
     ds = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // per_task)))
@@ -108,11 +111,12 @@ class Preprocessor:
     def __call__(self, shards: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         c = self.config
         out, pending = _BlockBuilder(c.image_size, c.rows_per_block), []
-        for path, first_key, num_samples, label in zip(
+        for path, first_key, num_samples, label, done in zip(
             shards["path"], shards["first_key"], shards["num_samples"], shards["label"],
-            strict=True,
+            shards["done"], strict=True,
         ):  # fmt: skip
-            for raw in self._samples(str(path), int(first_key), int(num_samples), int(label)):
+            done = unpack_done(done, int(num_samples))
+            for raw in self._samples(str(path), int(first_key), int(num_samples), int(label), done):
                 try:
                     image = self._decode(raw)
                 except Exception as e:  # any read or decoder failure is a bad sample
@@ -125,23 +129,26 @@ class Preprocessor:
         if len(out):
             yield out.take()
 
-    def _samples(self, path: str, first_key: int, num_samples: int, label: int):
+    def _samples(self, path: str, first_key: int, num_samples: int, label: int, done=None):
         """The shard's samples, exactly ``num_samples`` keys whatever the reader does.
 
         The keys a reader does not reach (it raised, or the shard shrank since it was
-        listed) are unreadable_shard samples.
+        listed) are unreadable_shard samples. Keys marked in ``done`` (consumed before a
+        resume) are none of them: the reader passes over them.
         """
         end, next_key = first_key + num_samples, first_key
         detail = "the shard holds fewer samples than when it was listed"
+        todo = (lambda key: True) if done is None else (lambda key: not done[key - first_key])
         try:
-            for raw in read_shard(path, self.fmt, first_key, label):
+            for raw in read_shard(path, self.fmt, first_key, label, done):
                 if raw.key >= end:
                     return  # the shard grew since it was listed
                 next_key = raw.key + 1
-                yield raw
+                if todo(raw.key):
+                    yield raw
         except Exception as e:
             detail = f"{type(e).__name__}: {e}"
-        for key in range(next_key, end):
+        for key in filter(todo, range(next_key, end)):
             yield RawSample(key, -1, None, f"{path}:key{key}", detail, "unreadable_shard")
 
     def _decode(self, raw: RawSample) -> np.ndarray:

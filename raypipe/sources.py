@@ -87,8 +87,11 @@ def epoch_order(shards: tuple[Shard, ...], *, seed: int, epoch: int, shuffle: bo
     return [shards[i] for i in perm]
 
 
-def read_shard(path: str, fmt: str, first_key: int, label: int) -> Iterator[RawSample]:
-    """Yield the raw samples of one shard in key order."""
+def read_shard(
+    path: str, fmt: str, first_key: int, label: int, done: np.ndarray | None = None
+) -> Iterator[RawSample]:
+    """Yield the raw samples of one shard in key order; members marked in ``done`` (a bool
+    per member, for a resumed epoch) are passed over without reading their bytes."""
     if fmt == "imagefolder":
         try:
             data = Path(path).read_bytes()
@@ -97,9 +100,9 @@ def read_shard(path: str, fmt: str, first_key: int, label: int) -> Iterator[RawS
             return
         yield RawSample(first_key, label, data, path)
     elif fmt == "webdataset":
-        yield from _read_tar(path, first_key)
+        yield from _read_tar(path, first_key, done)
     elif fmt == "parquet":
-        yield from _read_parquet(path, first_key)
+        yield from _read_parquet(path, first_key, done)
     else:
         raise ValueError(f"unknown format {fmt!r}")
 
@@ -218,7 +221,7 @@ def _count_tar_samples(path: str) -> int:
     return len(groups) + (cut is not None)
 
 
-def _read_tar(path: str, first_key: int) -> Iterator[RawSample]:
+def _read_tar(path: str, first_key: int, done: np.ndarray | None) -> Iterator[RawSample]:
     try:
         groups, cut = _tar_index(path)
     except (tarfile.TarError, OSError) as e:
@@ -226,6 +229,8 @@ def _read_tar(path: str, first_key: int) -> Iterator[RawSample]:
         return
     with tarfile.open(path, "r:") as tar:
         for i, (prefix, parts) in enumerate(groups):
+            if done is not None and done[i]:
+                continue
             key, where = first_key + i, f"{path}:{prefix}"
             image_ext = next(e for e in WDS_IMAGE_EXTS if e in parts)
             try:
@@ -257,7 +262,7 @@ def _count_parquet_rows(path: str) -> int:
         return 1  # the reader yields one unreadable_shard sample for it
 
 
-def _read_parquet(path: str, first_key: int) -> Iterator[RawSample]:
+def _read_parquet(path: str, first_key: int, done: np.ndarray | None) -> Iterator[RawSample]:
     """Rows of ``image`` (binary) and ``label`` (integer); a bad column fails every row."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -283,17 +288,30 @@ def _read_parquet(path: str, first_key: int) -> Iterator[RawSample]:
             yield RawSample(first_key + i, -1, None, f"{path}:row{i}", *why)
         return
     key = first_key
-    for batch in file.iter_batches(batch_size=256, columns=["image", "label"]):
-        images, labels = batch.column("image"), batch.column("label")
-        for i in range(batch.num_rows):
-            where = f"{path}:row{key - first_key}"
-            image, label = images[i].as_py(), labels[i].as_py()
-            if image is None or label is None:
-                null = "image" if image is None else "label"
-                yield RawSample(key, -1, None, where, f"{null} is null", "null_value")
-            else:
-                yield RawSample(key, int(label), image, where)
+    for g in range(file.num_row_groups):
+        size = file.metadata.row_group(g).num_rows
+        if done is not None and done[key - first_key : key - first_key + size].all():
+            key += size
+            continue  # a consumed row group is not read
+        for batch in file.iter_batches(batch_size=256, row_groups=[g], columns=["image", "label"]):
+            yield from _parquet_rows(batch, path, first_key, key, done)
+            key += batch.num_rows
+
+
+def _parquet_rows(batch, path: str, first_key: int, key: int, done: np.ndarray | None):
+    images, labels = batch.column("image"), batch.column("label")
+    for i in range(batch.num_rows):
+        if done is not None and done[key - first_key]:
             key += 1
+            continue  # consumed before a resume: its bytes are not copied out
+        where = f"{path}:row{key - first_key}"
+        image, label = images[i].as_py(), labels[i].as_py()
+        if image is None or label is None:
+            null = "image" if image is None else "label"
+            yield RawSample(key, -1, None, where, f"{null} is null", "null_value")
+        else:
+            yield RawSample(key, int(label), image, where)
+        key += 1
 
 
 def _os_error(e: BaseException) -> str:

@@ -8,6 +8,8 @@
 
 Each epoch is its own dataset so that its file order and augmentation come from
 ``(seed, epoch)``; datasets are lazy, so an epoch's pool starts when it is iterated.
+Checkpoints carry the pipeline's position (`raypipe.checkpoint`): a run resumes
+mid-epoch, exactly once, with any number of workers.
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import tempfile
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from raypipe.checkpoint import EpochBatches, EpochDataset, Progress, find_checkpoint
 from raypipe.config import PipelineConfig
 from raypipe.loader import TorchBatches, iter_torch_batches
 from raypipe.pipeline import build_dataset
+from raypipe.resume import PipelineState, fingerprint
 from raypipe.skips import SkipLog, write_reports
 from raypipe.sources import list_shards
 
@@ -45,6 +49,8 @@ class TrainContext:
         num_epochs: epochs to run.
         skip_logs: the `SkipLog` of each dataset, by dataset name; the batches'
             ``stats()["skipped"]`` reads them.
+        checkpoint_every: steps between the checkpoints `epochs` saves (0: none).
+        progress: the run's pipeline position (`raypipe.checkpoint.Progress`).
     """
 
     config: PipelineConfig
@@ -53,6 +59,8 @@ class TrainContext:
     num_epochs: int
     prefetch_batches: int = 2
     skip_logs: dict[str, SkipLog] = dataclasses.field(default_factory=dict)
+    checkpoint_every: int = 0
+    progress: Progress | None = None
 
     @property
     def rank(self) -> int:
@@ -78,13 +86,27 @@ class TrainContext:
 
         return ray.train.torch.prepare_model(model)
 
-    def epochs(self) -> Iterator[tuple[int, TorchBatches]]:
-        """Yield ``(epoch, batches)``; every rank gets the same number of full batches."""
+    def epochs(
+        self, state: Callable[[], dict[str, Any]] | None = None
+    ) -> Iterator[tuple[int, EpochBatches]]:
+        """Yield ``(epoch, batches)``; every rank gets the same number of full batches.
+
+        A resumed run starts at the interrupted epoch with its not yet consumed samples.
+        With ``checkpoint_every``, a checkpoint is saved every that many steps and at each
+        epoch's end, holding rank 0's ``state()`` (model, optimizer; see `restored`).
+        """
         import ray.train
 
-        for epoch in range(self.num_epochs):
-            shard = ray.train.get_dataset_shard(_train_name(epoch))
-            yield epoch, self._batches(shard, self.config, drop_last=True, name=_train_name(epoch))
+        for epoch in range(self.progress.first_epoch(), self.num_epochs):
+            name = _train_name(epoch)
+            batches = self._batches(
+                ray.train.get_dataset_shard(name), self.config, drop_last=True, name=name
+            )
+            yield epoch, EpochBatches(batches, epoch, self.progress, self.checkpoint_every, state)
+
+    def restored(self) -> dict[str, Any] | None:
+        """The ``state`` saved with the checkpoint this run resumed from, or None."""
+        return self.progress.restored()
 
     def eval_batches(self) -> TorchBatches:
         """This rank's share of the held-out set (no rows dropped beyond the equal split)."""
@@ -121,16 +143,9 @@ class TrainContext:
         return t.tolist()
 
     def report(self, metrics: dict[str, Any], *, state: dict[str, Any] | None = None) -> None:
-        """Report metrics from every rank; rank 0 also checkpoints ``state`` if given."""
-        import ray.train
-        import torch
-
-        if state is None or self.rank != 0:
-            ray.train.report(metrics)
-            return
-        with tempfile.TemporaryDirectory() as tmp:
-            torch.save(state, os.path.join(tmp, "state.pt"))
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+        """Report metrics from every rank; rank 0 also checkpoints ``state`` if given,
+        with the pipeline's position (all ranks call it together, as Ray Train wants)."""
+        self.progress.save(metrics, state)
 
 
 def train_ddp(
@@ -147,17 +162,24 @@ def train_ddp(
     max_failures: int = 0,
     name: str | None = None,
     callbacks: list | None = None,
+    checkpoint_every: int = 0,
+    resume_from: str | os.PathLike | None = None,
 ):
     """Run ``train_loop(ctx)`` on ``num_workers`` DDP workers fed by raypipe.
 
     Returns Ray Train's ``Result`` (metrics, checkpoint, error). Checkpoints go under
     ``storage_path`` (default: Ray's ``~/ray_results``). ``max_failures`` is Ray Train's
-    ``FailureConfig``: a dead worker restarts the group and the loop from the start.
+    ``FailureConfig``: a dead worker restarts the group, which resumes from the run's
+    latest checkpoint. ``checkpoint_every`` steps (and at each epoch's end), a checkpoint
+    holds the pipeline's position and rank 0's ``state()`` given to ``ctx.epochs``.
+    ``resume_from`` (a checkpoint folder, or a run folder for its latest checkpoint)
+    starts mid-epoch where that run stopped, with any ``num_workers``.
     ``callbacks`` are ``ray.train.UserCallback`` objects run on the Train controller.
     The samples each dataset skipped (``on_error="skip"``) are written to
     ``skipped_samples.json`` in the run's folder (``result.path``).
     """
     import ray.train
+    from ray.train.constants import DEFAULT_STORAGE_PATH
     from ray.train.torch import TorchTrainer
 
     if not isinstance(num_workers, int) or num_workers < 1:
@@ -166,6 +188,8 @@ def train_ddp(
         raise ValueError(f"{epochs=} must be an integer >= 1")
     if cpus_per_worker <= 0:
         raise ValueError(f"{cpus_per_worker=} must be > 0")
+    if not isinstance(checkpoint_every, int) or checkpoint_every < 0:
+        raise ValueError(f"{checkpoint_every=} must be an integer >= 0")
     listing = list_shards(config)
     per_rank = listing.num_samples // num_workers
     if per_rank < config.batch_size:
@@ -174,13 +198,27 @@ def train_ddp(
             f"({listing.num_samples} samples / {num_workers} workers = {per_rank}): "
             "no rank would get a full batch"
         )
-    datasets = {
-        _train_name(e): build_dataset(config, epoch=e, listing=listing) for e in range(epochs)
+    start_dir = find_checkpoint(resume_from) if resume_from is not None else None
+    start = PipelineState.load(start_dir) if start_dir else None
+    if start is not None:
+        start.check(listing, config.seed)
+        if start.epoch >= epochs:
+            raise ValueError(f"{resume_from=} is at epoch {start.epoch}: {epochs=} leaves nothing")
+    name = name or f"raypipe_{uuid.uuid4().hex[:12]}"
+    storage = os.path.abspath(storage_path) if storage_path else DEFAULT_STORAGE_PATH
+    skip_logs = {_train_name(e): SkipLog.create() for e in range(epochs)}
+    run_dir = os.path.join(storage, name)
+    datasets = {  # made when the worker group (re)starts: see raypipe.checkpoint
+        _train_name(e): EpochDataset(config, e, listing, skip_logs[_train_name(e)], run_dir, start)
+        for e in range(epochs)
     }
     if eval_config is not None:
         datasets[EVAL] = build_dataset(eval_config)
-    skip_logs = {name: SkipLog.of(ds) for name, ds in datasets.items()}
-    ctx = TrainContext(config, eval_config, dict(loop_config or {}), epochs, skip_logs=skip_logs)
+        skip_logs[EVAL] = SkipLog.of(datasets[EVAL])
+    progress = Progress(seed=config.seed, num_samples=listing.num_samples,
+                        fingerprint=fingerprint(listing), start=start, start_dir=start_dir)  # fmt: skip
+    ctx = TrainContext(config, eval_config, dict(loop_config or {}), epochs, skip_logs=skip_logs,
+                       checkpoint_every=checkpoint_every, progress=progress)  # fmt: skip
 
     def per_worker(_: dict) -> None:
         train_loop(ctx)
@@ -195,7 +233,7 @@ def train_ddp(
         ),
         run_config=ray.train.RunConfig(
             name=name,
-            storage_path=os.path.abspath(storage_path) if storage_path else None,
+            storage_path=storage,
             failure_config=ray.train.FailureConfig(max_failures=max_failures),
             callbacks=callbacks or [],
         ),

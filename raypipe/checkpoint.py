@@ -1,0 +1,214 @@
+"""Pipeline checkpoints in a Ray Train run: saved with each checkpoint, found, resumed.
+
+```
+ every rank: EpochBatches hands out the batches, counts steps; every ``checkpoint_every``
+   steps (and at the epoch's end) → Progress.save: one all_reduce(BOR) of N/8 bytes ORs
+   the ranks' delivered keys → rank 0 writes raypipe_state.bin (+ state.pt) into the
+   Ray Train checkpoint
+ driver: find_checkpoint(resume_from) → PipelineState → each epoch's dataset is an
+   EpochDataset, built when the worker group (re)starts: the interrupted epoch leaves
+   out its consumed keys before reading them
+```
+
+Which position a run resumes from: the latest checkpoint of the run itself (Ray Train's
+``get_checkpoint()`` after a worker-group restart, or a rerun with the same ``name`` and
+``storage_path``), else the one ``resume_from`` names, else the start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from raypipe.config import PipelineConfig
+from raypipe.pipeline import build_dataset
+from raypipe.resume import STATE_FILE, PipelineState, merge_states
+from raypipe.sources import Listing
+
+__all__ = ["EpochBatches", "EpochDataset", "Progress", "find_checkpoint"]
+assert __all__ == sorted(__all__)
+
+USER_STATE = "state.pt"
+
+
+def find_checkpoint(path: str | os.PathLike) -> str:
+    """The checkpoint folder to resume from: ``path`` when it holds a pipeline state,
+    else the latest checkpoint of the Ray Train run folder ``path``."""
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, STATE_FILE)):
+        return path
+    found = _latest_in_run(path)
+    if found is None:
+        raise ValueError(f"resume_from={path!r} is neither a raypipe checkpoint nor a run folder")
+    return found
+
+
+def _latest_in_run(run_dir: str | None) -> str | None:
+    """The latest checkpoint Ray Train registered in ``run_dir`` that holds a pipeline state."""
+    if not run_dir or not os.path.isdir(run_dir):
+        return None
+    import ray.train
+
+    try:
+        checkpoint = ray.train.Result.from_path(run_dir).checkpoint
+    except RuntimeError:  # no checkpoint manager snapshot: nothing was registered yet
+        return None
+    if checkpoint is None or not os.path.isfile(os.path.join(checkpoint.path, STATE_FILE)):
+        return None
+    return checkpoint.path
+
+
+@dataclasses.dataclass
+class EpochDataset:
+    """One epoch's dataset, made when Ray Train (re)starts the worker group.
+
+    The run's own latest checkpoint, else ``start``, says which keys of this epoch were
+    consumed; a restarted group then reads only the rest, as `Progress` expects.
+    """
+
+    config: PipelineConfig
+    epoch: int
+    listing: Listing
+    skips: Any
+    run_dir: str | None
+    start: PipelineState | None
+
+    def __call__(self):
+        found = _latest_in_run(self.run_dir)
+        state = PipelineState.load(found) if found else self.start
+        consumed = state.consumed if state is not None and state.epoch == self.epoch else None
+        return build_dataset(
+            self.config, epoch=self.epoch, listing=self.listing, skips=self.skips, consumed=consumed
+        )
+
+
+class Progress:
+    """One rank's place in the run: its epoch, the batches of it, and what came before.
+
+    Args:
+        seed, num_samples, fingerprint: the header of every state it saves.
+        start: the state ``train_ddp`` resumed from (``resume_from``), or None.
+        start_dir: the checkpoint folder of ``start`` (its ``state.pt`` for `restored`).
+    """
+
+    def __init__(self, *, seed: int, num_samples: int, fingerprint: str,
+                 start: PipelineState | None = None, start_dir: str | None = None):  # fmt: skip
+        self.seed, self.num_samples, self.fingerprint = seed, num_samples, fingerprint
+        self.start, self.start_dir = start, start_dir
+        self._where: tuple[int, Any, np.ndarray | None] | None = None
+
+    def _resumed(self) -> tuple[PipelineState | None, str | None]:
+        """This run's latest checkpoint (after a restart) beats ``start``."""
+        import ray.train
+
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is not None:
+            with checkpoint.as_directory() as d:
+                if os.path.isfile(os.path.join(d, STATE_FILE)):
+                    return PipelineState.load(d), checkpoint.path
+        return self.start, self.start_dir
+
+    def first_epoch(self) -> int:
+        state, _ = self._resumed()
+        self.start = state
+        self._where = (state.epoch, None, state.consumed) if state else (0, None, None)
+        return self._where[0]
+
+    def begin(self, epoch: int, batches) -> None:
+        base = self.start.consumed if self.start and self.start.epoch == epoch else None
+        self._where = (epoch, batches, base)
+
+    def end(self, epoch: int) -> None:
+        self._where = (epoch + 1, None, None)
+
+    def state(self) -> PipelineState:
+        """The run's position over all ranks (a collective: every rank calls it together)."""
+        epoch, batches, base = self._where or (0, None, None)
+        keys = batches.state_dict()["keys"] if batches is not None else []
+        mine = merge_states([{"keys": keys}], self.num_samples, base)
+        return PipelineState(epoch, self.seed, self.num_samples, self.fingerprint, _or(mine))
+
+    def save(self, metrics: dict[str, Any], user_state: dict[str, Any] | None) -> None:
+        """``ray.train.report`` on every rank; rank 0 adds the checkpoint when ``user_state``."""
+        import ray.train
+        import torch
+
+        state = self.state()
+        if user_state is None or ray.train.get_context().get_world_rank() != 0:
+            ray.train.report(metrics)
+            return
+        with tempfile.TemporaryDirectory() as tmp:
+            state.save(os.path.join(tmp, STATE_FILE))
+            torch.save(user_state, os.path.join(tmp, USER_STATE))
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+    def restored(self) -> dict[str, Any] | None:
+        """The ``state`` saved with the checkpoint this run resumed from, or None."""
+        import ray.train
+        import torch
+
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is not None:
+            with checkpoint.as_directory() as d:
+                path = os.path.join(d, USER_STATE)
+                return torch.load(path, weights_only=False) if os.path.isfile(path) else None
+        path = os.path.join(self.start_dir or "", USER_STATE)
+        return (
+            torch.load(path, weights_only=False)
+            if self.start_dir and os.path.isfile(path)
+            else None
+        )
+
+
+def _or(consumed: np.ndarray) -> np.ndarray:
+    """OR of every rank's mask: one all_reduce of the packed bits (BOR), on the device for NCCL."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return consumed
+    bits = torch.from_numpy(np.packbits(consumed))
+    if dist.get_backend() == "nccl":
+        import ray.train.torch
+
+        bits = bits.to(ray.train.torch.get_device())
+    dist.all_reduce(bits, op=dist.ReduceOp.BOR)
+    return np.unpackbits(bits.cpu().numpy(), count=len(consumed)).astype(bool)
+
+
+class EpochBatches:
+    """One epoch's batches as `TrainContext.epochs` yields them: a `TorchBatches` that
+    checkpoints every ``every`` steps and at the epoch's end (``every`` > 0).
+
+    A checkpoint is taken when the consumer asks for the next batch, so the steps on the
+    batches before it are done. ``stats()`` and ``state_dict()`` are the batches' own.
+    """
+
+    def __init__(self, batches, epoch: int, progress: Progress, every: int,
+                 user_state: Callable[[], dict[str, Any]] | None):  # fmt: skip
+        self._batches, self._epoch, self._progress = batches, epoch, progress
+        self._every, self._user_state = every, user_state
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        steps = 0
+        self._progress.begin(self._epoch, self._batches)
+        for batch in self._batches:
+            yield batch
+            steps += 1
+            if self._every and steps % self._every == 0:
+                self._checkpoint(steps)
+        self._progress.end(self._epoch)
+        if self._every:
+            self._checkpoint(steps)
+
+    def _checkpoint(self, steps: int) -> None:
+        user = self._user_state() if self._user_state else {}
+        self._progress.save({"raypipe_epoch": self._epoch, "raypipe_step": steps}, user)
+
+    def __getattr__(self, name: str):
+        return getattr(self._batches, name)

@@ -1,0 +1,280 @@
+"""Pipeline checkpoints: the bitmap, merging ranks, filtering before decode, and real
+Ray Train jobs that die mid-epoch and resume with another number of workers."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from raypipe import PipelineConfig, SkipLog, build_dataset, iter_torch_batches
+from raypipe.resume import PipelineState, fingerprint, merge_states, pending_rows
+from raypipe.sources import Shard, list_shards
+from tests.conftest import make_imagefolder, make_parquet, make_webdataset
+
+
+def _state(n: int, consumed=None, **kw) -> PipelineState:
+    fields = {"epoch": 3, "seed": 7, "num_samples": n, "fingerprint": "ab" * 16}
+    fields.update(kw)
+    return PipelineState(consumed=np.zeros(n, bool) if consumed is None else consumed, **fields)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 1000, 1_281_167])
+def test_state_round_trips_in_one_bit_per_sample(tmp_path, n):
+    consumed = np.random.default_rng(n).random(n) < 0.3
+    state = _state(n, consumed)
+    written = state.save(tmp_path / "s.bin")
+    assert written == (tmp_path / "s.bin").stat().st_size
+    assert written - (n + 7) // 8 < 200  # the header is a small constant
+    back = PipelineState.load(tmp_path / "s.bin")
+    assert (back.epoch, back.seed, back.num_samples) == (3, 7, n)
+    assert back.fingerprint == state.fingerprint
+    assert np.array_equal(back.consumed, consumed)
+
+
+def test_state_loads_from_a_checkpoint_folder_and_refuses_other_files(tmp_path):
+    _state(10).save(tmp_path / "raypipe_state.bin")
+    assert PipelineState.load(tmp_path).num_samples == 10
+    (tmp_path / "other.bin").write_bytes(b"not a state")
+    with pytest.raises(ValueError, match="not a raypipe pipeline checkpoint"):
+        PipelineState.load(tmp_path / "other.bin")
+    with pytest.raises(ValueError, match="shape"):
+        _state(10, np.zeros(9, bool))
+
+
+def test_merge_is_the_or_of_ranks_and_base():
+    base = np.zeros(20, bool)
+    base[[0, 1]] = True
+    ranks = [{"keys": np.array([5, 2, 9])}, {"keys": np.array([19, 3])}, {"keys": []}]
+    merged = merge_states(ranks, 20, base)
+    assert set(np.flatnonzero(merged)) == {0, 1, 2, 3, 5, 9, 19}
+    assert not base[5]  # the base is not changed
+    with pytest.raises(ValueError, match="outside 0..19"):
+        merge_states([{"keys": np.array([20])}], 20)
+
+
+def test_pending_rows_drop_consumed_shards_and_mark_consumed_members():
+    shards = [Shard("a", 0, 4), Shard("b", 4, 3), Shard("c", 7, 2)]
+    consumed = np.zeros(9, bool)
+    consumed[[0, 1, 2, 3, 5]] = True  # a all, b one member, c none
+    rows = pending_rows(shards, consumed)
+    assert [r["path"] for r in rows] == ["b", "c"]
+    assert np.unpackbits(np.frombuffer(rows[0]["done"], np.uint8))[:3].tolist() == [0, 1, 0]
+    assert rows[1]["done"] == b""
+    assert all(r["done"] == b"" for r in pending_rows(shards, None))
+
+
+def test_check_refuses_other_data_and_seeds(datasets):
+    listing = list_shards(PipelineConfig(source=str(datasets["parquet"])))
+    good = _state(listing.num_samples, seed=0, fingerprint=fingerprint(listing))
+    good.check(listing, 0)
+    with pytest.raises(ValueError, match="seed=1"):
+        good.check(listing, 1)
+    with pytest.raises(ValueError, match="fingerprint"):
+        _state(listing.num_samples, seed=0).check(listing, 0)
+    with pytest.raises(ValueError, match="num_samples=5"):
+        _state(5, seed=0).check(listing, 0)
+
+
+def test_iterator_state_has_the_delivered_keys_only(ray_session):
+    """Prefetched batches are not in state_dict(); the ones handed out are, in order."""
+    import ray.data
+
+    rows = [{"image": np.zeros((3, 2, 2), np.uint8), "label": 0, "key": k} for k in range(64)]
+    ds = ray.data.from_items(rows, override_num_blocks=8)
+    it = iter_torch_batches(ds, batch_size=4, device="cpu", prefetch_batches=4)
+    seen = []
+    for i, batch in enumerate(it):
+        seen.extend(batch["key"].tolist())
+        assert it.state_dict()["keys"].tolist() == seen
+        if i == 2:
+            break
+    assert len(seen) == 12
+    it.close()
+
+
+def _corrupt_consumed(root, fmt, consumed):
+    """Overwrite the bytes of every consumed sample: decoding one would be a skip."""
+    listing = list_shards(PipelineConfig(source=str(root), format=fmt))
+    for shard in listing.shards:
+        done = consumed[shard.first_key : shard.first_key + shard.num_samples]
+        if fmt == "imagefolder" and done[0]:
+            with open(shard.path, "r+b") as f:
+                f.write(b"\0" * 16)
+        elif fmt == "webdataset":
+            with tarfile.open(shard.path) as tar:
+                jpgs = [m for m in tar.getmembers() if m.name.endswith(".jpg")]
+            with open(shard.path, "r+b") as f:
+                for member, is_done in zip(jpgs, done, strict=True):
+                    if is_done:
+                        f.seek(member.offset_data)
+                        f.write(b"\0" * member.size)
+        elif fmt == "parquet" and done.any():
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(shard.path)
+            images = [
+                b"\0" * 8 if d else im
+                for im, d in zip(table["image"].to_pylist(), done, strict=True)
+            ]
+            table = table.set_column(0, "image", pa.array(images, pa.binary()))
+            pq.write_table(table, shard.path, row_group_size=8)
+
+
+@pytest.mark.parametrize("fmt", ["imagefolder", "webdataset", "parquet"])
+def test_consumed_keys_are_neither_delivered_nor_decoded(ray_session, tmp_path, fmt):
+    make = {"imagefolder": make_imagefolder, "webdataset": make_webdataset}.get(fmt, make_parquet)
+    sizes = {"imagefolder": {"a": 9, "b": 8}, "webdataset": [9, 8, 10], "parquet": [20, 7]}[fmt]
+    root = make(tmp_path / fmt, sizes)
+    config = PipelineConfig(source=str(root), format=fmt, image_size=8, batch_size=4)
+    n = list_shards(config).num_samples
+    consumed = np.random.default_rng(1).random(n) < 0.5
+    consumed[:9] = True  # a whole shard (and 2 whole row groups of the first parquet file)
+    _corrupt_consumed(root, fmt, consumed)
+    ds = build_dataset(config, epoch=2, consumed=consumed)
+    keys = [int(k) for b in ds.iter_batches(batch_size=None) for k in b["key"]]
+    assert sorted(keys) == np.flatnonzero(~consumed).tolist()
+    assert SkipLog.of(ds).counts() == {}  # no corrupt (consumed) sample was decoded
+
+
+def test_a_fully_consumed_epoch_is_empty(ray_session, datasets):
+    config = PipelineConfig(source=str(datasets["webdataset"]), image_size=8, batch_size=4)
+    ds = build_dataset(config, consumed=np.ones(61, bool))
+    assert ds.count() == 0
+    with pytest.raises(ValueError, match=r"shape \(60,\)"):
+        build_dataset(config, consumed=np.ones(60, bool))
+
+
+# 101 samples in 6 tar shards, batches of 4: 2 ranks drop 5 per epoch, 1 rank drops 1.
+RESUME_SHARDS = [17, 23, 9, 12, 20, 20]
+B = 4
+
+
+@pytest.fixture(scope="module")
+def wds101(tmp_path_factory):
+    return make_webdataset(tmp_path_factory.mktemp("resume") / "wds", RESUME_SHARDS)
+
+
+def _killed_job(ray, spec: dict) -> None:
+    """Run tests/resume_job.py in its own process until a worker SIGKILLs it."""
+    spec = {**spec, "address": ray.get_runtime_context().gcs_address}
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "tests.resume_job", json.dumps(spec)]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-4000:]
+    for _ in range(300):  # Ray ends the dead job's actors; wait for their CPUs
+        if ray.available_resources().get("CPU", 0) >= ray.cluster_resources()["CPU"]:
+            break
+        time.sleep(0.2)
+
+
+def _lines(out: Path, tag: str, epoch: int) -> dict[int, list[dict]]:
+    """Each worker process's delivered batches, by pid (a restarted worker is a new pid)."""
+    found = {}
+    for path in sorted(out.glob(f"{tag}-e{epoch}-r*-*.jsonl")):
+        pid = int(path.stem.rsplit("-", 1)[1])
+        found[pid] = [json.loads(line) for line in path.read_text().splitlines()]
+    return found
+
+
+def _keys(out: Path, tag: str, epoch: int, upto: int | None = None) -> list[int]:
+    return [
+        k
+        for lines in _lines(out, tag, epoch).values()
+        for line in lines
+        if upto is None or line["step"] <= upto
+        for k in line["keys"]
+    ]
+
+
+def _consumed(run_dir: Path) -> tuple[int, set[int]]:
+    from raypipe.checkpoint import find_checkpoint
+
+    state = PipelineState.load(find_checkpoint(run_dir))
+    return state.epoch, set(np.flatnonzero(state.consumed).tolist())
+
+
+def _restored(out: Path, tag: str) -> list:
+    return [json.loads(p.read_text()) for p in sorted(out.glob(f"{tag}-restored-*.json"))]
+
+
+@pytest.mark.slow
+def test_killed_jobs_resume_exactly_once_with_other_world_sizes(ray_session, wds101, tmp_path):
+    from tests.resume_job import run
+
+    out, runs = tmp_path / "keys", tmp_path / "runs"
+    out.mkdir()
+    config = {"source": str(wds101), "image_size": 8, "batch_size": B, "actors": [1, 1],
+              "actor_cpus": 0.5}  # fmt: skip
+    base = {"config": config, "epochs": 2, "every": 2, "out": str(out)}
+
+    # 1: two workers, killed at epoch 0 step 5; the latest checkpoint is step 4 (32 keys)
+    spec = {**base, "tag": "r1", "workers": 2, "run_dir": str(runs / "r1")}
+    _killed_job(ray_session, {**spec, "crash": [0, 5], "expect": [0, 32]})
+    epoch, first = _consumed(runs / "r1")
+    assert epoch == 0 and first == set(_keys(out, "r1", 0, upto=4))  # not the 5th, not prefetched
+    assert _restored(out, "r1") == [None]
+
+    # 2: one worker resumes it; killed at epoch 0 step 7, latest checkpoint at step 6 (+24 keys)
+    spec = {**base, "tag": "r2", "workers": 1, "run_dir": str(runs / "r2")}
+    _killed_job(ray_session, {**spec, "resume_from": str(runs / "r1"), "crash": [0, 7],
+                              "expect": [0, 56]})  # fmt: skip
+    assert not first & set(_keys(out, "r2", 0))  # consumed keys are not delivered again
+    epoch, second = _consumed(runs / "r2")
+    assert epoch == 0 and second == first | set(_keys(out, "r2", 0, upto=6))
+    assert _restored(out, "r2") == [{"tag": "r1"}]
+
+    # 3: two workers resume the same epoch again, finish it, and die right into epoch 1
+    spec = {**base, "tag": "r3", "workers": 2, "run_dir": str(runs / "r3")}
+    _killed_job(ray_session, {**spec, "resume_from": str(runs / "r2"), "crash": [1, 1],
+                              "expect": [1, 0]})  # fmt: skip
+    assert _consumed(runs / "r3") == (1, set())  # the epoch-end checkpoint
+    epoch0 = _keys(out, "r1", 0, upto=4) + _keys(out, "r2", 0, upto=6) + _keys(out, "r3", 0)
+    assert len(epoch0) == len(set(epoch0))  # exactly once over three jobs and 2 → 1 → 2 ranks
+    assert set(epoch0) <= set(range(101)) and 101 - len(epoch0) == 5  # 45 left, 2×22 → 2×20
+
+    # 4: one worker resumes at the epoch boundary; in epoch 1 a worker dies after step 3 and
+    # Ray Train restarts the group, which resumes from the step-2 checkpoint of this run
+    spec = {**base, "tag": "r4", "workers": 1, "run_dir": str(runs / "r4")}
+    result = run({**spec, "resume_from": str(runs / "r3"), "fail": [1, 3], "expect": [1, 8],
+                  "max_failures": 1})  # fmt: skip
+    assert result.error is None, result.error
+    assert not _lines(out, "r4", 0)  # epoch 0 was done
+    attempts = sorted(_lines(out, "r4", 1).values(), key=len)
+    assert len(attempts) == 2 and [line["step"] for line in attempts[0]] == [1, 2, 3]
+    epoch1 = [k for line in attempts[0][:2] + attempts[1] for k in line["keys"]]
+    assert len(epoch1) == len(set(epoch1)) == 100  # whole: 101 keys, 1 rank drops 1
+    assert sorted(_restored(out, "r4"), key=str) == [{"tag": "r3"}, {"tag": "r4"}]
+
+    # the same seeds as an uninterrupted run: every key's augmented image is the same
+    sums = _reference_sums(PipelineConfig(**config), epochs=2)
+    for tag, epoch in (("r1", 0), ("r2", 0), ("r3", 0), ("r3", 1), ("r4", 1)):
+        for lines in _lines(out, tag, epoch).values():
+            for line in lines:
+                for key, s in zip(line["keys"], line["sums"], strict=True):
+                    assert s == pytest.approx(sums[epoch][key], rel=1e-9, abs=1e-6), (tag, key)
+
+
+def _reference_sums(config: PipelineConfig, epochs: int) -> list[dict[int, float]]:
+    """Per epoch and key: the sum of the normalized image an uninterrupted run delivers."""
+    import torch
+
+    from raypipe.loader import normalize
+
+    sums = []
+    for epoch in range(epochs):
+        found = {}
+        for b in build_dataset(config, epoch=epoch).iter_batches(batch_size=None):
+            image = normalize({"image": torch.from_numpy(b["image"])}, config.mean, config.std)
+            totals = image["image"].to(torch.float64).sum(dim=(1, 2, 3))
+            found.update(zip(b["key"].tolist(), totals.tolist(), strict=True))
+        sums.append(found)
+    return sums
