@@ -32,7 +32,11 @@ def loop(ctx) -> None:
                 line = {"step": step, "keys": batch["key"].tolist(), "sums": sums.tolist()}
                 log.write(json.dumps(line) + "\n")
                 log.flush()
-                if [epoch, step] == spec.get("fail") and not (out / "failed").exists():
+                if (
+                    [epoch, step] == spec.get("fail")
+                    and ctx.rank == 0
+                    and not (out / "failed").exists()
+                ):
                     _registered(spec)
                     (out / "failed").touch()
                     os._exit(1)  # a worker dies; Ray Train restarts the group
