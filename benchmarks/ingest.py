@@ -151,7 +151,8 @@ def raypipe_run(corpus: Path, epochs: int, actors: int) -> dict:
     from raypipe import build_dataset, iter_torch_batches
 
     t0 = time.perf_counter()
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False,
+             log_to_driver=False,
              object_store_memory=1 << 30, configure_logging=False)  # fmt: skip
     ray.data.DataContext.get_current().enable_progress_bars = False
     ray_up_s = time.perf_counter() - t0
