@@ -36,6 +36,7 @@ assert __all__ == sorted(__all__)
 log = logging.getLogger(__name__)
 
 LOGGED_SKIPS = 20  # per actor; the SkipLog has them all
+SKIPS_PER_SEND = 1024  # records an actor holds at most before sending them
 
 
 def build_dataset(
@@ -121,6 +122,8 @@ class Preprocessor:
                     image = self._decode(raw)
                 except Exception as e:  # any read or decoder failure is a bad sample
                     pending.append(self._bad(raw, e))
+                    if len(pending) >= SKIPS_PER_SEND:  # a shard of nothing but bad rows
+                        self._flush(pending)
                     continue
                 if out.add(image, raw.label, raw.key):
                     self._flush(pending)  # skips reach the log before the rows after them
