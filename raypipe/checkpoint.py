@@ -5,7 +5,7 @@
    steps (and at the epoch's end) → Progress.save: one all_reduce(BOR) of N/8 bytes ORs
    the ranks' delivered keys → rank 0 writes raypipe_state.bin (+ state.pt) into the
    Ray Train checkpoint
- driver: find_checkpoint(resume_from) → PipelineState → each epoch's dataset is an
+ driver: load_checkpoint(resume_from) → PipelineState → each epoch's dataset is an
    EpochDataset, built when the worker group (re)starts: the interrupted epoch leaves
    out its consumed keys before reading them
 ```
@@ -30,37 +30,39 @@ from raypipe.pipeline import build_dataset
 from raypipe.resume import STATE_FILE, PipelineState, merge_states
 from raypipe.sources import Listing
 
-__all__ = ["EpochBatches", "EpochDataset", "Progress", "find_checkpoint"]
+__all__ = ["EpochBatches", "EpochDataset", "Progress", "load_checkpoint"]
 assert __all__ == sorted(__all__)
 
 USER_STATE = "state.pt"
 
 
-def find_checkpoint(path: str | os.PathLike) -> str:
-    """The checkpoint folder to resume from: ``path`` when it holds a pipeline state,
-    else the latest checkpoint of the Ray Train run folder ``path``."""
+def load_checkpoint(path: str | os.PathLike) -> tuple[PipelineState, str]:
+    """The pipeline state to resume from and its checkpoint folder: ``path`` itself when
+    it holds one, else the latest checkpoint of the Ray Train run folder ``path``."""
     path = os.fspath(path)
     if os.path.isfile(os.path.join(path, STATE_FILE)):
-        return path
+        return PipelineState.load(path), path
     found = _latest_in_run(path)
     if found is None:
-        raise ValueError(f"resume_from={path!r} is neither a raypipe checkpoint nor a run folder")
+        raise ValueError(f"{path!r} is neither a raypipe checkpoint nor a run folder with one")
     return found
 
 
-def _latest_in_run(run_dir: str | None) -> str | None:
-    """The latest checkpoint Ray Train registered in ``run_dir`` that holds a pipeline state."""
-    if not run_dir or not os.path.isdir(run_dir):
-        return None
+def _latest_in_run(run_dir: str) -> tuple[PipelineState, str] | None:
+    """The state in the latest checkpoint Ray Train registered in ``run_dir`` (a local
+    path or a storage URI), with that checkpoint's path; None when there is none."""
     import ray.train
 
     try:
         checkpoint = ray.train.Result.from_path(run_dir).checkpoint
-    except RuntimeError:  # no checkpoint manager snapshot: nothing was registered yet
+    except (RuntimeError, OSError):  # no run folder, or nothing registered in it yet
         return None
-    if checkpoint is None or not os.path.isfile(os.path.join(checkpoint.path, STATE_FILE)):
+    if checkpoint is None:
         return None
-    return checkpoint.path
+    with checkpoint.as_directory() as d:
+        if not os.path.isfile(os.path.join(d, STATE_FILE)):
+            return None
+        return PipelineState.load(d), checkpoint.path
 
 
 @dataclasses.dataclass
@@ -75,12 +77,12 @@ class EpochDataset:
     epoch: int
     listing: Listing
     skips: Any
-    run_dir: str | None
+    run_dir: str
     start: PipelineState | None
 
     def __call__(self):
         found = _latest_in_run(self.run_dir)
-        state = PipelineState.load(found) if found else self.start
+        state = found[0] if found else self.start
         consumed = state.consumed if state is not None and state.epoch == self.epoch else None
         return build_dataset(
             self.config, epoch=self.epoch, listing=self.listing, skips=self.skips, consumed=consumed
@@ -153,16 +155,13 @@ class Progress:
         import torch
 
         checkpoint = ray.train.get_checkpoint()
-        if checkpoint is not None:
-            with checkpoint.as_directory() as d:
-                path = os.path.join(d, USER_STATE)
-                return torch.load(path, weights_only=False) if os.path.isfile(path) else None
-        path = os.path.join(self.start_dir or "", USER_STATE)
-        return (
-            torch.load(path, weights_only=False)
-            if self.start_dir and os.path.isfile(path)
-            else None
-        )
+        if checkpoint is None and self.start_dir:
+            checkpoint = ray.train.Checkpoint(self.start_dir)
+        if checkpoint is None:
+            return None
+        with checkpoint.as_directory() as d:
+            path = os.path.join(d, USER_STATE)
+            return torch.load(path, weights_only=False) if os.path.isfile(path) else None
 
 
 def _or(consumed: np.ndarray) -> np.ndarray:

@@ -21,11 +21,11 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from raypipe.checkpoint import EpochBatches, EpochDataset, Progress, find_checkpoint
+from raypipe.checkpoint import EpochBatches, EpochDataset, Progress, load_checkpoint
 from raypipe.config import PipelineConfig
 from raypipe.loader import TorchBatches, iter_torch_batches
 from raypipe.pipeline import build_dataset
-from raypipe.resume import PipelineState, fingerprint
+from raypipe.resume import fingerprint
 from raypipe.skips import SkipLog, write_reports
 from raypipe.sources import list_shards
 
@@ -198,14 +198,14 @@ def train_ddp(
             f"({listing.num_samples} samples / {num_workers} workers = {per_rank}): "
             "no rank would get a full batch"
         )
-    start_dir = find_checkpoint(resume_from) if resume_from is not None else None
-    start = PipelineState.load(start_dir) if start_dir else None
+    start, start_dir = load_checkpoint(resume_from) if resume_from is not None else (None, None)
     if start is not None:
         start.check(listing, config.seed)
         if start.epoch >= epochs:
             raise ValueError(f"{resume_from=} is at epoch {start.epoch}: {epochs=} leaves nothing")
     name = name or f"raypipe_{uuid.uuid4().hex[:12]}"
-    storage = os.path.abspath(storage_path) if storage_path else DEFAULT_STORAGE_PATH
+    storage = storage_path or DEFAULT_STORAGE_PATH
+    storage = storage if "://" in storage else os.path.abspath(storage)
     skip_logs = {_train_name(e): SkipLog.create() for e in range(epochs)}
     run_dir = os.path.join(storage, name)
     datasets = {  # made when the worker group (re)starts: see raypipe.checkpoint

@@ -48,12 +48,11 @@ def loop(ctx) -> None:
 
 def _registered(spec: dict) -> None:
     """Wait until Ray Train registered the checkpoint the test expects to resume from."""
-    from raypipe.checkpoint import find_checkpoint
-    from raypipe.resume import PipelineState
+    from raypipe.checkpoint import load_checkpoint
 
     for _ in range(600):
         try:
-            state = PipelineState.load(find_checkpoint(spec["run_dir"]))
+            state, _ = load_checkpoint(spec["run_dir"])
         except ValueError:
             state = None
         if state and [state.epoch, int(state.consumed.sum())] == spec["expect"]:

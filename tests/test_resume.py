@@ -162,7 +162,7 @@ def test_train_ddp_refuses_a_checkpoint_it_cannot_resume(datasets, tmp_path):
     done.save(tmp_path / "raypipe_state.bin")
     with pytest.raises(ValueError, match="is at epoch 2: epochs=2 leaves nothing"):
         train_ddp(config, lambda ctx: None, epochs=2, resume_from=tmp_path)
-    with pytest.raises(ValueError, match="neither a raypipe checkpoint nor a run folder"):
+    with pytest.raises(ValueError, match="neither a raypipe checkpoint nor a run folder with one"):
         train_ddp(config, lambda ctx: None, resume_from=tmp_path / "nowhere")
 
 
@@ -209,9 +209,9 @@ def _keys(out: Path, tag: str, epoch: int, upto: int | None = None) -> list[int]
 
 
 def _consumed(run_dir: Path) -> tuple[int, set[int]]:
-    from raypipe.checkpoint import find_checkpoint
+    from raypipe.checkpoint import load_checkpoint
 
-    state = PipelineState.load(find_checkpoint(run_dir))
+    state, _ = load_checkpoint(run_dir)
     return state.epoch, set(np.flatnonzero(state.consumed).tolist())
 
 
