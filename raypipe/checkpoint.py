@@ -2,8 +2,8 @@
 
 ```
  every rank: EpochBatches hands out the batches, counts steps; every ``checkpoint_every``
-   steps (and at the epoch's end) → Progress.save: one all_reduce(BOR) of N/8 bytes ORs
-   the ranks' delivered keys → rank 0 writes raypipe_state.bin (+ state.pt) into the
+   steps (and at the epoch's end) → Progress.save: one all_reduce ORs the ranks'
+   delivered keys (N/8 bytes on gloo) → rank 0 writes raypipe_state.bin (+ state.pt) into the
    Ray Train checkpoint
  driver: load_checkpoint(resume_from) → PipelineState → each epoch's dataset is an
    EpochDataset, built when the worker group (re)starts: the interrupted epoch leaves
@@ -165,19 +165,22 @@ class Progress:
 
 
 def _or(consumed: np.ndarray) -> np.ndarray:
-    """OR of every rank's mask: one all_reduce of the packed bits (BOR), on the device for NCCL."""
+    """OR of every rank's mask in one all_reduce: BOR of the packed bits (N/8 bytes) on
+    gloo; NCCL has no bitwise ops, so MAX of one byte per key there, on the device."""
     import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return consumed
-    bits = torch.from_numpy(np.packbits(consumed))
     if dist.get_backend() == "nccl":
         import ray.train.torch
 
-        bits = bits.to(ray.train.torch.get_device())
+        flags = torch.from_numpy(consumed.view(np.uint8)).to(ray.train.torch.get_device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return flags.cpu().numpy().astype(bool)
+    bits = torch.from_numpy(np.packbits(consumed))
     dist.all_reduce(bits, op=dist.ReduceOp.BOR)
-    return np.unpackbits(bits.cpu().numpy(), count=len(consumed)).astype(bool)
+    return np.unpackbits(bits.numpy(), count=len(consumed)).astype(bool)
 
 
 class EpochBatches:
