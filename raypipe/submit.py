@@ -144,13 +144,32 @@ async def _stream(client, job_id: str, out: TextIO) -> None:
 def _client(url: str, token_file: str | Path | None):
     from ray.job_submission import JobSubmissionClient
 
-    headers = None
+    token = _token(token_file)
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    return _call(url, lambda: JobSubmissionClient(url, headers=headers))
+
+
+def _token(token_file: str | Path | None) -> str | None:
+    """The auth token to send: ``token_file``'s, else the one Ray itself would use.
+
+    With ``RAY_AUTH_MODE`` set, Ray's client decides alone (``token``: it sends
+    ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``; ``disabled``:
+    nothing). Unset, raypipe does what ``ray.init`` does when it joins a cluster: it
+    sends the token Ray finds there, if any.
+    """
     if token_file is not None:
         path = Path(token_file).expanduser()
         if not path.is_file():
             raise ValueError(f"token file {str(path)!r} not found")
-        headers = {"Authorization": f"Bearer {path.read_text().strip()}"}
-    return _call(url, lambda: JobSubmissionClient(url, headers=headers))
+        return path.read_text().strip()
+    if os.environ.get("RAY_AUTH_MODE"):
+        return None
+    from ray._raylet import AuthenticationTokenLoader
+
+    loader = AuthenticationTokenLoader.instance()
+    if not loader.has_token(ignore_auth_mode=True):
+        return None
+    return loader.get_raw_token(ignore_auth_mode=True)
 
 
 def _call(url: str, fn):
