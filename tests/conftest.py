@@ -17,6 +17,7 @@ def ray_session():
     import ray
 
     ray.init(
+        address="local",  # never join a head another test or process started
         num_cpus=4,
         include_dashboard=False,
         object_store_memory=1 << 30,
