@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -41,10 +42,13 @@ def _run(args: argparse.Namespace) -> int:
                 list_shards(section)
         started = not ray.is_initialized()
         if started:
-            ray.init(address=args.address, log_to_driver=True, configure_logging=False)
+            ray.init(
+                address=_ray_address(args.address), log_to_driver=True, configure_logging=False
+            )
         t0 = time.perf_counter()
         try:
-            result = run(config, epochs=args.epochs, storage_path=args.storage_path)
+            storage = args.storage_path and jobspec.resolve(args.data_root, args.storage_path)
+            result = run(config, epochs=args.epochs, storage_path=storage)
         finally:
             if started:
                 ray.shutdown()
@@ -52,7 +56,12 @@ def _run(args: argparse.Namespace) -> int:
     rows = [("time", f"{time.perf_counter() - t0:.1f} s")]
     if "samples" in m:
         rows.append(("samples", f"{int(m['samples'])} in the last epoch, all ranks"))
-    rows += [(k, _num(m[k])) for k in ("samples_per_s", "wait_fraction", "skipped") if k in m]
+    if "samples_per_s" in m:
+        rows.append(("samples/s", f"{m['samples_per_s']:.1f}"))
+    if "wait_fraction" in m:
+        rows.append(("wait", f"{m['wait_fraction']:.1%} of the training loop's time"))
+    if "skipped" in m:
+        rows.append(("skipped", f"{int(m['skipped'])} bad samples in the last epoch"))
     rows += [(k, _num(m[k])) for k in ("loss", "val_accuracy") if k in m]
     if result.checkpoint is not None:
         rows.append(("checkpoint", result.checkpoint.path))
@@ -70,7 +79,7 @@ def _preprocess(args: argparse.Namespace) -> int:
     plan(cfg)  # fail on a bad folder before starting Ray
     started = not ray.is_initialized()
     if started:
-        ray.init(address=args.address, log_to_driver=True, configure_logging=False)
+        ray.init(address=_ray_address(args.address), log_to_driver=True, configure_logging=False)
     try:
         s = preprocess(cfg)
     finally:
@@ -81,7 +90,7 @@ def _preprocess(args: argparse.Namespace) -> int:
         [
             ("shards", f"{s.shards} in {s.out} ({s.written} written, {s.reused} already done)"),
             ("samples", str(s.samples)),
-            ("samples_per_s", _num(s.samples_per_s)),
+            ("samples/s", f"{s.samples_per_s:.1f}"),
             ("skipped", f"{len(s.skipped)}" + (" (listed above)" if s.skipped else "")),
             ("time", f"{s.seconds:.1f} s"),
         ],
@@ -109,6 +118,14 @@ def _bench(args: argparse.Namespace) -> int:
             f"{script} not found: the benchmark ships with the source checkout, not the package"
         )
     return subprocess.call([sys.executable, str(script), *args.bench_args])
+
+
+def _ray_address(address: str | None) -> str:
+    """``--address``, else ``RAY_ADDRESS`` (set inside a Ray job), else a new local Ray.
+
+    Plain ``ray.init()`` would join any cluster ``ray start`` left on this machine.
+    """
+    return address or os.environ.get("RAY_ADDRESS") or "local"
 
 
 def _expect_kind(config: str, kind: str) -> None:

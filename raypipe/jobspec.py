@@ -66,9 +66,9 @@ def resolve_paths(path: str | Path, root: str | Path) -> dict[str, Any]:
         for key in keys:
             value = body.get(key)
             if isinstance(value, str):
-                body[key] = _join(root, value)
+                body[key] = resolve(root, value)
             elif isinstance(value, list):
-                body[key] = [_join(root, v) if isinstance(v, str) else v for v in value]
+                body[key] = [resolve(root, v) if isinstance(v, str) else v for v in value]
     return raw
 
 
@@ -81,7 +81,8 @@ def write_resolved(path: str | Path, root: str | Path, out_dir: str | Path) -> P
     return out
 
 
-def _join(root: str, value: str) -> str:
+def resolve(root: str, value: str) -> str:
+    """``value`` joined onto ``root`` unless it is absolute or a URL (``s3://...``)."""
     if not value or "://" in value or os.path.isabs(value):
         return value
-    return os.path.join(root, os.path.expanduser(value))
+    return os.path.join(os.path.abspath(root), os.path.expanduser(value))
