@@ -6,6 +6,9 @@
 (2) time to first batch of an epoch on a local Ray (started before timing): fresh, and
     resumed from a checkpoint with the epoch's first half consumed (load the state file,
     ``build_dataset(consumed=...)``, ``iter_torch_batches``); medians over repeats.
+(3) the same through ``train_ddp`` (2 workers): seconds from the call to rank 0's first
+    batch, fresh and with ``resume_from`` that checkpoint; one run each, after an untimed
+    warm-up run.
 
   python benchmarks/checkpoint.py
 """
@@ -26,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from raypipe.config import PipelineConfig
-from raypipe.resume import PipelineState, merge_states
+from raypipe.resume import PipelineState, fingerprint, merge_states
 from raypipe.sources import epoch_order, list_shards
 
 IMAGENET = 1_281_167
@@ -98,37 +101,63 @@ def first_batch(config: PipelineConfig, state_path: str | None) -> float:
     return seconds
 
 
-def resume_cost(root: Path, repeats: int) -> dict:
-    """(2) time to first batch, fresh and resumed halfway through the epoch."""
-    import ray
-
-    config = PipelineConfig(source=str(root), image_size=64, batch_size=64, actors=(1, 2))
+def half_consumed(config: PipelineConfig, epoch: int) -> PipelineState:
+    """A mid-epoch checkpoint: the first half of the epoch's shards read, and half of one more."""
     listing = list_shards(config)
-    order = epoch_order(listing.shards, seed=config.seed, epoch=1, shuffle=True)
+    order = epoch_order(listing.shards, seed=config.seed, epoch=epoch, shuffle=True)
     consumed = np.zeros(listing.num_samples, bool)
     for shard in order[: len(order) // 2]:
         consumed[shard.first_key : shard.first_key + shard.num_samples] = True
-    half = order[len(order) // 2]  # and half of the next shard: a partially read one
+    half = order[len(order) // 2]  # a partially read shard
     consumed[half.first_key : half.first_key + half.num_samples // 2] = True
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "raypipe_state.bin")
-        PipelineState(1, config.seed, listing.num_samples, "0" * 32, consumed).save(path)
-        first_batch(config, None)  # warm-up: worker processes, imports
-        fresh, resumed = [], []
-        for _ in range(repeats):
-            fresh.append(first_batch(config, None))
-            resumed.append(first_batch(config, path))
-    ray.shutdown()
+    return PipelineState(epoch, config.seed, listing.num_samples, fingerprint(listing), consumed)
+
+
+def resume_cost(config: PipelineConfig, repeats: int, tmp: str) -> dict:
+    """(2) time to first batch, fresh and resumed halfway through the epoch."""
+    state = half_consumed(config, epoch=1)
+    path = os.path.join(tmp, "raypipe_state.bin")
+    state.save(path)
+    first_batch(config, None)  # warm-up: worker processes, imports
+    fresh, resumed = [], []
+    for _ in range(repeats):
+        fresh.append(first_batch(config, None))
+        resumed.append(first_batch(config, path))
     return {
-        "samples": listing.num_samples,
-        "shards": len(listing.shards),
-        "consumed": int(consumed.sum()),
+        "samples": state.num_samples,
+        "shards": len(list_shards(config).shards),
+        "consumed": int(state.consumed.sum()),
         "fresh_first_batch_s": statistics.median(fresh),
         "resumed_first_batch_s": statistics.median(resumed),
         "repeats": repeats,
     }
+
+
+def _first_batch_loop(ctx) -> None:
+    for _, batches in ctx.epochs():
+        for _ in batches:
+            if ctx.rank == 0:
+                Path(ctx.loop_config["out"]).write_text(repr(time.time()))
+            break
+
+
+def train_cost(config: PipelineConfig, tmp: str) -> dict:
+    """(3) seconds from the ``train_ddp`` call to rank 0's first batch, fresh and resumed."""
+    from raypipe import train_ddp
+
+    folder = os.path.join(tmp, "checkpoint")
+    os.makedirs(folder)
+    half_consumed(config, epoch=0).save(os.path.join(folder, "raypipe_state.bin"))
+    out, found = os.path.join(tmp, "first"), {}
+    for label, resume_from in (("warm_up", None), ("fresh", None), ("resumed", folder)):
+        t0 = time.time()
+        result = train_ddp(config, _first_batch_loop, num_workers=2, cpus_per_worker=0.5,
+                           storage_path=os.path.join(tmp, "runs"), resume_from=resume_from,
+                           loop_config={"out": out})  # fmt: skip
+        assert result.error is None, result.error
+        found[f"{label}_first_batch_s"] = float(Path(out).read_text()) - t0
+    del found["warm_up_first_batch_s"]  # the first run starts Ray Train's processes cold
+    return {"workers": 2, **found}
 
 
 def main() -> None:
@@ -149,14 +178,28 @@ def main() -> None:
     root = args.out / "checkpoint-wds"
     if not root.is_dir():
         make_shards(root, shards=32, per_shard=64)
-    resume = resume_cost(root, args.resume_repeats)
-    print(
-        f"(2) first batch of an epoch ({resume['samples']} samples, {resume['shards']} shards): "
-        f"fresh {resume['fresh_first_batch_s']:.2f} s, resumed with {resume['consumed']} "
-        f"consumed {resume['resumed_first_batch_s']:.2f} s (median of {resume['repeats']})"
-    )
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)  # fmt: skip
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    config = PipelineConfig(source=str(root), image_size=64, batch_size=64, actors=(1, 1))
+    with tempfile.TemporaryDirectory() as tmp:
+        resume = resume_cost(config, args.resume_repeats, tmp)
+        print(
+            f"(2) first batch of an epoch ({resume['samples']} samples, {resume['shards']} "
+            f"shards): fresh {resume['fresh_first_batch_s']:.2f} s, resumed with "
+            f"{resume['consumed']} consumed {resume['resumed_first_batch_s']:.2f} s "
+            f"(median of {resume['repeats']})"
+        )
+        train = train_cost(config, tmp)
+        print(
+            f"(3) train_ddp, 2 workers, call to first batch: fresh "
+            f"{train['fresh_first_batch_s']:.2f} s, resumed {train['resumed_first_batch_s']:.2f} s"
+        )
+    ray.shutdown()
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"machine": machine, "checkpoint": cost, "resume": resume}
+    result = {"machine": machine, "checkpoint": cost, "resume": resume, "train_ddp": train}
     (args.out / "checkpoint.json").write_text(json.dumps(result, indent=2))
 
 
