@@ -10,7 +10,9 @@ Public contract:
 - `SkipLog`: the bad samples a dataset skipped (``SkipLog.of(ds).report()``):
   counts per reason and the records (key, file or shard member, reason).
 - `train_ddp(config, train_loop, num_workers=...)`: DDP on Ray Train in one call;
-  ``train_loop`` receives a `TrainContext`.
+  ``train_loop`` receives a `TrainContext`. Its checkpoints hold the pipeline's
+  position (``checkpoint_every=``); ``resume_from=`` resumes mid-epoch, exactly
+  once, with any number of workers (`raypipe.resume`).
 """
 
 from raypipe.config import PipelineConfig

@@ -130,7 +130,9 @@ class Progress:
 
     def state(self) -> PipelineState:
         """The run's position over all ranks (a collective: every rank calls it together)."""
-        epoch, batches, base = self._where or (0, None, None)
+        if self._where is None:  # a report before the first epoch
+            self.first_epoch()
+        epoch, batches, base = self._where
         keys = batches.state_dict()["keys"] if batches is not None else []
         mine = merge_states([{"keys": keys}], self.num_samples, base)
         return PipelineState(epoch, self.seed, self.num_samples, self.fingerprint, _or(mine))
