@@ -9,6 +9,8 @@ Public contract:
   exact-size, exactly-once batches of torch tensors, with ``.stats()``.
 - `SkipLog`: the bad samples a dataset skipped (``SkipLog.of(ds).report()``):
   counts per reason and the records (key, file or shard member, reason).
+- `PoolWatch()`: preprocessing actors and nodes alive over time (elastic runs);
+  ``iter_torch_batches(..., watch=)`` reports it in ``stats()["pool"]``.
 - `train_ddp(config, train_loop, num_workers=...)`: DDP on Ray Train in one call;
   ``train_loop`` receives a `TrainContext`. Its checkpoints hold the pipeline's
   position (``checkpoint_every=``); ``resume_from=`` resumes mid-epoch, exactly
@@ -18,11 +20,13 @@ Public contract:
 from raypipe.config import PipelineConfig
 from raypipe.loader import iter_torch_batches
 from raypipe.pipeline import build_dataset
+from raypipe.poolwatch import PoolWatch
 from raypipe.skips import SampleError, SkipLog
 from raypipe.train import TrainContext, train_ddp
 
 __all__ = [
     "PipelineConfig",
+    "PoolWatch",
     "SampleError",
     "SkipLog",
     "TrainContext",

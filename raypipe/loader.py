@@ -54,6 +54,7 @@ def iter_torch_batches(
     shuffle_seed: int | None = None,
     channels_last: bool = False,
     skips=None,
+    watch=None,
 ) -> TorchBatches:
     """Iterate ``source`` (a ``ray.data.DataIterator`` or ``Dataset``) as torch batches.
 
@@ -64,6 +65,7 @@ def iter_torch_batches(
     the current pass. ``stats()["skipped"]`` counts the dataset's skipped samples per
     reason (all ranks together) from ``skips``, a `raypipe.SkipLog`; a Dataset made by
     `build_dataset` brings its own, a split of one needs ``skips=SkipLog.of(ds)``.
+    ``stats()["pool"]`` is the summary of ``watch``, a started `raypipe.PoolWatch`.
     """
     if not hasattr(source, "iter_batches"):
         raise TypeError(
@@ -87,6 +89,7 @@ def iter_torch_batches(
         shuffle_seed=shuffle_seed,
         channels_last=channels_last,
         skips=skips if skips is not None else getattr(source, "_raypipe_skips", None),
+        watch=watch,
     )
 
 
@@ -95,7 +98,7 @@ class TorchBatches:
 
     def __init__(self, source, *, batch_size, device, pin_memory, prefetch_batches, drop_last,
                  normalize, shuffle_buffer, shuffle_seed, channels_last=False,
-                 skips=None):  # fmt: skip
+                 skips=None, watch=None):  # fmt: skip
         self._source = source
         self._batch_size = batch_size
         self._device = device
@@ -111,6 +114,7 @@ class TorchBatches:
         self._epoch = -1
         self._running: Iterator[Batch] | None = None
         self.skips = skips  # the source's raypipe.SkipLog, or None
+        self.watch = watch  # a raypipe.PoolWatch (its owner closes it), or None
 
     @property
     def device(self):
@@ -146,7 +150,8 @@ class TorchBatches:
 
     def stats(self) -> dict[str, Any]:
         skipped = self.skips.counts() if self.skips is not None else {}
-        return {"epoch": max(self._epoch, 0), **self._stats.as_dict(), "skipped": skipped}
+        pool = {"pool": self.watch.summary()} if self.watch is not None else {}
+        return {"epoch": max(self._epoch, 0), **self._stats.as_dict(), "skipped": skipped, **pool}
 
     def state_dict(self) -> dict[str, Any]:
         """The pass so far; ``keys`` (int64) are those delivered, for `raypipe.resume`."""

@@ -207,15 +207,21 @@ _STORES: dict[tuple[str, str], Any] = {}  # (node id, job id) -> the store actor
 
 
 def _driver_store():
-    """This driver's store actor, held here: an actor dies with its last handle."""
+    """This driver's store actor, held here: an actor dies with its last handle.
+
+    It lives on the driver's node: with no CPUs asked, Ray could place it on any node,
+    and losing that node would lose every dataset's skips and fail ``counts()``.
+    """
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     context = ray.get_runtime_context()
     session = (context.get_node_id(), context.get_job_id())  # a new ray.init is a new session
     if session not in _STORES:
         store = ray.remote(SkipStore).options(
-            name=ACTOR_NAME, get_if_exists=True, num_cpus=0, max_restarts=0
-        )
+            name=ACTOR_NAME, get_if_exists=True, num_cpus=0, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(context.get_node_id(), soft=False),
+        )  # fmt: skip
         _STORES.clear()
         _STORES[session] = store.remote()
     return _STORES[session]

@@ -1,0 +1,148 @@
+"""Drivers for tests/test_elastic.py that need a Ray of their own, run in a subprocess.
+
+``python -m tests.elastic_driver autoscale ADDRESS DATA OUT``: join a running head
+(the real Ray autoscaler with cluster/local-autoscaling.yaml), run one epoch whose pool
+needs more CPUs than the head has, then wait for the idle worker nodes to go.
+
+``python -m tests.elastic_driver node-loss DATA OUT TEMP_DIR PORT AFTER,AFTER,..``: a ``ray.cluster_utils.Cluster``
+(head + 2 worker nodes); one epoch per AFTER that loses a worker node after that batch,
+then one that loses a preprocessing actor's process (``os.kill``).
+
+Each writes a JSON report to OUT; the test asserts on it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+from raypipe import PipelineConfig, PoolWatch, build_dataset, iter_torch_batches
+
+BATCH = 8
+
+log = logging.getLogger("raypipe.test")
+
+
+def _epoch(config, watch, *, on_batch=None, epoch=0) -> dict:
+    """One epoch through iter_torch_batches; the keys, the stats and the time it ended."""
+    keys: list[int] = []
+    batches = iter_torch_batches(
+        build_dataset(config, epoch=epoch), batch_size=BATCH, drop_last=False, watch=watch
+    )
+    with batches:
+        for i, batch in enumerate(batches):
+            keys.extend(int(k) for k in batch["key"])
+            if on_batch is not None:
+                on_batch(i)
+        stats = batches.stats()
+    return {"keys": keys, "stats": stats, "ended": time.monotonic() - watch._t0}
+
+
+def autoscale(address: str, data: str, out: str) -> None:
+    import ray
+
+    ray.init(address=address, log_to_driver=False, configure_logging=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    config = PipelineConfig(
+        source=data, image_size=32, batch_size=BATCH, actors=(2, 6), files_per_task=2
+    )
+    with PoolWatch(interval_s=0.5) as watch:
+        report = _epoch(config, watch)
+        deadline = time.monotonic() + 240
+        while watch.sample().nodes > 1 and time.monotonic() < deadline:
+            time.sleep(1)
+        report["pool"] = watch.summary()
+    report["nodes_after"] = len([n for n in ray.nodes() if n["Alive"]])
+    report["dead_nodes"] = [
+        (n.get("DeathReason"), n.get("DeathReasonMessage")) for n in ray.nodes() if not n["Alive"]
+    ]
+    ray.shutdown()
+    _write(out, report)
+
+
+def node_loss(data: str, out: str, temp_dir: str, port: str, kill_after: list[int]) -> None:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    node = {"num_cpus": 2, "object_store_memory": 1 << 28, "node_ip_address": "127.0.0.1"}
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            **node, "num_cpus": 1, "gcs_server_port": int(port), "temp_dir": temp_dir,
+            "include_dashboard": False,
+        },
+    )  # fmt: skip
+    workers = [cluster.add_node(**node) for _ in range(2)]
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    config = PipelineConfig(
+        source=data, image_size=32, batch_size=BATCH, actors=(2, 4), files_per_task=2
+    )
+    report: dict = {"epochs": []}
+    try:
+        with PoolWatch(interval_s=0.5) as watch:
+            for epoch, after in enumerate(kill_after):
+                cluster.wait_for_nodes(timeout=120)
+
+                def lose_node(i: int, after=after) -> None:
+                    if i == after:  # a worker node goes; a new one comes, as on a real cluster
+                        victim = workers.pop(0)
+                        log.warning("removing node %s after batch %d", victim.node_id, i)
+                        cluster.remove_node(victim, allow_graceful=False)
+                        workers.append(cluster.add_node(**node))
+
+                result = _epoch(config, watch, on_batch=lose_node, epoch=epoch)
+                report["epochs"].append({"kill_after": after, **result})
+            killed: list[int] = []
+            old = {a["ActorID"] for a in watch.alive()}  # the last epoch's, if still alive
+            done = threading.Event()
+            killer = threading.Thread(target=_kill_first_actor, args=(watch, killed, old, done))
+            killer.start()  # kills one as soon as the epoch's pool has an actor
+            try:
+                result = _epoch(config, watch, epoch=len(kill_after))
+            finally:
+                done.set()
+                killer.join()
+            report["actor_kill"] = {"pids": killed, **result}
+            deadline = time.monotonic() + 120  # Ray's health checks mark a lost node dead
+            while watch.summary()["nodes_lost"] < len(kill_after) < 99:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(1)
+            report["pool"] = watch.summary()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    _write(out, report)
+
+
+def _kill_first_actor(watch, killed: list[int], old: set[str], done: threading.Event) -> None:
+    """SIGKILL the process of the first alive Preprocessor actor not in ``old``."""
+    while not done.wait(0.1):
+        for a in watch.alive():
+            if a["ActorID"] not in old:
+                log.warning("killing preprocessing actor pid %d", a["Pid"])
+                os.kill(int(a["Pid"]), signal.SIGKILL)
+                killed.append(int(a["Pid"]))
+                return
+
+
+def _write(out: str, report: dict) -> None:
+    with open(out, "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    mode, *args = sys.argv[1:]
+    if mode == "autoscale":
+        autoscale(*args)
+    elif mode == "node-loss":
+        node_loss(*args[:4], [int(a) for a in args[4].split(",")])
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")

@@ -1,0 +1,285 @@
+"""Elastic: the actor pool grows and shrinks, the Ray autoscaler adds and removes nodes,
+and losing a node, a preprocessing actor or a Train worker loses no sample.
+
+The pool tests run on the session's local Ray. The cluster tests need a Ray of their
+own (a ``ray start --head`` with the fake_multinode autoscaler; a
+``ray.cluster_utils.Cluster``), so each runs its driver (tests/elastic_driver.py) in a
+subprocess, and the head it starts it stops by pid: its own process group, then any
+process left whose command line names its temp dir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+from raypipe import PipelineConfig, PoolWatch, build_dataset, iter_torch_batches
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+N_SLOW = 96  # samples of the slow-transform datasets
+
+
+def slow_images(root: Path, n: int, *, side: int = 1024, distinct: int = 4) -> Path:
+    """An image folder of ``n`` big PNGs (a slow decode: the transform outruns nothing).
+
+    A few distinct images hard-linked under many names: cheap to make, and every file
+    is its own sample with its own key.
+    """
+    rng = np.random.default_rng(0)
+    originals = []
+    for i in range(distinct):
+        base = rng.integers(0, 256, (side // 8, side // 8, 3), dtype=np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(base).resize((side, side), Image.Resampling.BILINEAR).save(
+            buf, format="PNG", compress_level=1
+        )
+        originals.append(root / f"original-{i}.png")
+        originals[-1].parent.mkdir(parents=True, exist_ok=True)
+        originals[-1].write_bytes(buf.getvalue())
+    data = root / "folder"
+    for i in range(n):
+        cls = data / f"c{i % 2}"
+        cls.mkdir(parents=True, exist_ok=True)
+        os.link(originals[i % distinct], cls / f"{i:05d}.png")
+    return data
+
+
+@pytest.fixture(scope="module")
+def slow_folder(tmp_path_factory) -> Path:
+    return slow_images(tmp_path_factory.mktemp("slow"), N_SLOW)
+
+
+def _consume(ds, watch: PoolWatch, *, pause_s: float = 0.0) -> tuple[list[int], list[int], dict]:
+    """One epoch: the keys, the alive actors at each batch, and the iterator's stats."""
+    keys, actors = [], []
+    with iter_torch_batches(ds, batch_size=8, drop_last=False, watch=watch) as batches:
+        for batch in batches:
+            keys.extend(batch["key"].tolist())
+            actors.append(watch.sample().actors)
+            time.sleep(pause_s)  # the consumer's own work: a slow trainer
+        return keys, actors, batches.stats()
+
+
+@pytest.mark.slow
+def test_pool_grows_toward_max_when_the_transform_is_slower(ray_session, slow_folder):
+    config = PipelineConfig(
+        source=str(slow_folder), image_size=32, batch_size=8, actors=(1, 3), files_per_task=1
+    )
+    with PoolWatch(interval_s=0.25) as watch:
+        keys, _, stats = _consume(build_dataset(config), watch)
+    _exactly_once(keys, N_SLOW)
+    pool = stats["pool"]
+    assert pool["actors_min"] <= 1 < pool["actors_max"] <= 3, pool
+    assert pool["nodes_lost"] == 0 and pool["samples"] == len(pool["series"])
+
+
+@pytest.mark.slow
+def test_idle_actors_are_released_while_a_slow_consumer_is_still_busy(ray_session, tmp_path):
+    data = slow_images(tmp_path, 96, side=512)
+    config = PipelineConfig(
+        source=str(data), image_size=32, batch_size=8, actors=(1, 3), files_per_task=1
+    )
+    with PoolWatch(interval_s=0.25) as watch:
+        keys, actors, stats = _consume(build_dataset(config), watch, pause_s=1.0)
+    _exactly_once(keys, 96)
+    assert max(actors) >= 1, actors
+    # every input was handed out long before the consumer's last batch: the pool let go
+    assert actors[-1] < max(actors), actors
+    assert stats["pool"]["actors_now"] < stats["pool"]["actors_max"]
+
+
+def test_pool_watch_checks_its_arguments():
+    with pytest.raises(ValueError, match="interval_s=0"):
+        PoolWatch(interval_s=0)
+    with pytest.raises(ValueError, match="max_samples=0"):
+        PoolWatch(max_samples=0)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env.update(
+        RAY_USAGE_STATS_ENABLED="0",
+        RAY_AUTH_MODE="disabled",
+        # loopback for every node, the fake ones too (their raylets ask this host's IP)
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        PYTHONPATH=str(ROOT),
+    )
+    env.update(extra)
+    return env
+
+
+def _driver(*args: str, timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.elastic_driver", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"driver failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def _exactly_once(keys: list[int], total: int) -> None:
+    assert len(keys) == len(set(keys)), "a key was delivered twice"
+    assert sorted(keys) == list(range(total)), f"{total - len(set(keys))} keys missing"
+
+
+class AutoscalingHead:
+    """``RAY_FAKE_CLUSTER=1 ray start --head --block`` with cluster/local-autoscaling.yaml.
+
+    Loopback only, free ports, its own temp dir and process group. ``stop()`` ends it by
+    pid: SIGTERM to ``ray start``, SIGKILL to its group, then to any process whose
+    command line names the temp dir (the fake nodes the autoscaler started).
+    """
+
+    def __init__(self):
+        self.temp_dir = tempfile.mkdtemp(prefix="rpe-", dir="/tmp")  # short: socket paths
+        gcs, dash, client, agent = _free_ports(4)
+        self.address = f"127.0.0.1:{gcs}"
+        config = yaml.safe_load((ROOT / "cluster" / "local-autoscaling.yaml").read_text())
+        config["provider"]["gcs_address"] = self.address  # not the default port 6379
+        config_path = os.path.join(self.temp_dir, "autoscaling.yaml")
+        Path(config_path).write_text(yaml.safe_dump(config))
+        self.log = open(os.path.join(self.temp_dir, "head.log"), "w")  # noqa: SIM115
+        cmd = [
+            str(BIN / "ray"), "start", "--head", "--block",
+            "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=1",
+            f"--autoscaling-config={config_path}",
+            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+            f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
+            "--object-store-memory=268435456", f"--temp-dir={self.temp_dir}",
+            "--disable-usage-stats",
+        ]  # fmt: skip
+        self.env = _env(
+            RAY_FAKE_CLUSTER="1",
+            AUTOSCALER_UPDATE_INTERVAL_S="1",
+            RAY_DATA_MIN_GAP_BETWEEN_AUTOSCALING_REQUESTS="2",
+            RAY_DATA_DEFAULT_CLUSTER_SCALING_UP_FACTOR="8",
+        )
+        self.proc = subprocess.Popen(
+            cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def stop(self) -> None:
+        pgid = self.proc.pid  # start_new_session: the group id is our pid
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        for pid in _pids_naming(self.temp_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.log.close()
+
+    def monitor_log(self) -> str:
+        logs = list(Path(self.temp_dir).glob("session_*/logs/monitor.*"))
+        return "\n".join(p.read_text(errors="replace") for p in logs)
+
+
+def _pids_naming(text: str) -> list[int]:
+    """Processes of this user whose command line contains ``text``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+N_AUTOSCALE = 300
+
+
+@pytest.mark.slow
+def test_autoscaler_adds_cpu_nodes_for_the_pool_and_removes_them_idle(tmp_path):
+    """Head of 1 CPU, worker type of 2 CPUs (max 3), pool (2, 6) of 1-CPU actors: the
+    pool needs more than the head has, worker nodes come, then go once idle."""
+    data = slow_images(tmp_path, N_AUTOSCALE)
+    head = AutoscalingHead()
+    try:
+        out = tmp_path / "report.json"
+        _driver("autoscale", head.address, str(data), str(out), timeout=540, env=head.env)
+        report = json.loads(out.read_text())
+    finally:
+        monitor = head.monitor_log()
+        head.stop()
+    assert not _pids_naming(head.temp_dir), "a process of the head outlived stop()"
+    pool = report["pool"]
+    print(json.dumps({k: v for k, v in pool.items() if k != "series"}), report["ended"])
+    print("series", [s for i, s in enumerate(pool["series"]) if i % 4 == 0])
+    _exactly_once(report["keys"], N_AUTOSCALE)
+    assert pool["nodes_max"] > 1, f"no worker node was added:\n{monitor[-3000:]}"
+    assert pool["actors_max"] >= 2, "the pool never outgrew the head's one CPU"
+    assert report["nodes_after"] == 1, "idle worker nodes were not removed"
+    assert pool["nodes_removed"] == pool["nodes_max"] - 1 and pool["nodes_lost"] == 0, pool
+
+
+KILL_AFTER = (0, 5, 10)  # batches (of 12) after which a worker node goes
+
+
+@pytest.mark.slow
+def test_losing_worker_nodes_and_an_actor_loses_no_sample(tmp_path):
+    """Head + 2 worker nodes; each epoch loses a worker node after a different batch
+    (a new one joins), the last loses a preprocessing actor's process to SIGKILL."""
+    data = slow_images(tmp_path, 96, side=640)
+    temp_dir = tempfile.mkdtemp(prefix="rpn-", dir="/tmp")
+    out = tmp_path / "report.json"
+    try:
+        proc = _driver(
+            "node-loss", str(data), str(out), temp_dir, str(_free_ports(1)[0]),
+            ",".join(map(str, KILL_AFTER)), timeout=540, env=_env(),
+        )  # fmt: skip
+    finally:
+        for pid in _pids_naming(temp_dir):
+            os.kill(pid, signal.SIGKILL)
+    report = json.loads(out.read_text())
+    assert [e["kill_after"] for e in report["epochs"]] == list(KILL_AFTER)
+    for epoch in report["epochs"]:
+        _exactly_once(epoch["keys"], 96)
+        assert epoch["stats"]["batches"] == 12
+    assert proc.stderr.count("removing node") == len(KILL_AFTER)
+    kill = report["actor_kill"]
+    assert len(kill["pids"]) == 1, "no preprocessing actor was killed"
+    _exactly_once(kill["keys"], 96)
+    pool = report["pool"]
+    print(json.dumps({k: v for k, v in pool.items() if k != "series"}))
+    assert pool["nodes_lost"] == len(KILL_AFTER), pool  # the loss shows in the stats
+    assert pool["actor_restarts"] >= 1, pool
