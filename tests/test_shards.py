@@ -33,8 +33,13 @@ def folder(tmp_path_factory):
     return make_imagefolder(tmp_path_factory.mktemp("shards") / "folder", COUNTS, seed=3)
 
 
+@pytest.fixture(scope="module")
+def folder_rows(ray_session, folder):
+    return _rows(folder, "imagefolder")
+
+
 @pytest.mark.parametrize("fmt", ["webdataset", "parquet"])
-def test_shards_read_back_as_the_folder(ray_session, folder, tmp_path, fmt):
+def test_shards_read_back_as_the_folder(ray_session, folder, folder_rows, tmp_path, fmt):
     config = ShardsConfig(source=str(folder), out=str(tmp_path / "out"), format=fmt, shards=4)
     summary = preprocess(config)
     assert (summary.shards, summary.written, summary.reused) == (4, 4, 0)
@@ -52,7 +57,7 @@ def test_shards_read_back_as_the_folder(ray_session, folder, tmp_path, fmt):
         assert count_samples(str(tmp_path / "out" / e["name"]), fmt) == e["samples"]
     assert [e["first_key"] for e in index["shards"]] == list(np.cumsum([0] + counts[:-1]))
 
-    assert _rows(tmp_path / "out", fmt) == _rows(folder, "imagefolder")
+    assert _rows(tmp_path / "out", fmt) == folder_rows
 
 
 def test_rerun_skips_finished_shards(ray_session, folder, tmp_path, capsys):
