@@ -1,0 +1,89 @@
+"""cluster/: the launcher YAMLs pass Ray's own validation; the KubeRay manifests have
+what KubeRay needs (autoscaling on, a CPU group from zero, a GPU group, the job)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+from raypipe.classify import RunConfig
+
+CLUSTER = Path(__file__).resolve().parents[1] / "cluster"
+
+
+def _load(name: str) -> dict:
+    return yaml.safe_load((CLUSTER / name).read_text())
+
+
+@pytest.mark.parametrize("name", ["aws.yaml", "local-autoscaling.yaml"])
+def test_launcher_yaml_passes_rays_schema(name):
+    validate_config(_load(name))  # raises jsonschema.ValidationError on any bad field
+
+
+def test_aws_yaml_survives_rays_preparation_with_cpu_and_gpu_node_types():
+    config = prepare_config(_load("aws.yaml"))  # merges the AWS defaults, as `ray up` does
+    validate_config(config)
+    types = config["available_node_types"]
+    head = types[config["head_node_type"]]
+    assert head["resources"]["CPU"] == 0, "no actor or Train worker belongs on the head"
+    cpu = types["cpu-preprocess"]
+    assert cpu["min_workers"] == 0 and cpu["max_workers"] >= 8
+    assert "GPU" not in cpu["resources"] and cpu["labels"]["raypipe-role"] == "preprocess"
+    gpu = types["gpu-train"]
+    assert gpu["resources"]["GPU"] >= 1 and gpu["labels"]["raypipe-role"] == "train"
+    # one logical CPU per GPU: the Train workers (cpus_per_worker 1) leave none for actors
+    assert gpu["resources"]["CPU"] == gpu["resources"]["GPU"]
+
+
+def test_local_autoscaling_yaml_is_the_fake_multinode_provider():
+    config = _load("local-autoscaling.yaml")
+    assert config["provider"]["type"] == "fake_multinode"
+    assert config["idle_timeout_minutes"] <= 0.5
+    workers = [
+        t for name, t in config["available_node_types"].items() if name != "ray.head.default"
+    ]
+    assert len(workers) == 1 and workers[0]["min_workers"] == 0 and workers[0]["max_workers"] >= 2
+
+
+def _docs(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((CLUSTER / "kuberay" / name).read_text()) if d]
+
+
+def test_raycluster_autoscales_a_cpu_group_from_zero_and_has_a_gpu_group():
+    (cluster,) = _docs("raycluster.yaml")
+    assert cluster["apiVersion"] == "ray.io/v1" and cluster["kind"] == "RayCluster"
+    spec = cluster["spec"]
+    assert spec["enableInTreeAutoscaling"] is True
+    head = spec["headGroupSpec"]
+    assert head["rayStartParams"]["num-cpus"] == "0"
+    assert head["template"]["spec"]["containers"][0]["image"].startswith("rayproject/ray:")
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    cpu, gpu = groups["cpu-preprocess"], groups["gpu-train"]
+    assert cpu["minReplicas"] == 0 and cpu["maxReplicas"] >= 8
+    assert cpu["minReplicas"] <= cpu["replicas"] <= cpu["maxReplicas"]
+    assert "raypipe-role=preprocess" in cpu["rayStartParams"]["labels"]
+    for group in (cpu, gpu):
+        assert group["template"]["spec"]["containers"], group["groupName"]
+        assert "rayStartParams" in group
+    gpu_limits = gpu["template"]["spec"]["containers"][0]["resources"]["limits"]
+    gpus = int(gpu_limits["nvidia.com/gpu"])
+    assert gpus >= 1 and "nvidia.com/gpu" not in str(cpu["template"])
+    assert int(gpu["rayStartParams"]["num-cpus"]) == gpus  # no CPU left for actors
+
+
+def test_rayjob_runs_train_ddp_on_the_raycluster_with_a_valid_run_config():
+    (job,) = _docs("rayjob.yaml")
+    (cluster,) = _docs("raycluster.yaml")
+    assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob"
+    spec = job["spec"]
+    assert spec["clusterSelector"]["ray.io/cluster"] == cluster["metadata"]["name"]
+    words = spec["entrypoint"].split()
+    assert words[:2] == ["python", "jobs/train_ddp.py"]
+    assert (CLUSTER.parent / words[1]).is_file()
+    run = RunConfig.from_yaml(CLUSTER.parent / words[2])  # the run config it names is valid
+    assert run.trainer.use_gpu and run.trainer.max_failures >= 1
+    assert run.trainer.cpus_per_worker == 1
+    assert "working_dir" in yaml.safe_load(spec["runtimeEnvYAML"])
