@@ -220,3 +220,29 @@ def test_relative_paths_resolve_against_the_data_root(tmp_path):
     assert raw["eval"]["source"] == "/root/dir/val"
     assert raw["trainer"]["storage_path"] == "/root/dir/runs"
     assert raw["preprocess"] == {"source": "/root/dir/imgs", "out": "s3://bucket/x"}
+
+
+def test_submit_to_something_that_is_not_a_ray_head(capsys, run_config, tmp_path):
+    """A wrong address that answers HTTP (here: 404 to everything) is named as such."""
+    import http.server
+    import threading
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        argv = ["submit", str(run_config), "--address", url, "--working-dir", str(tmp_path)]
+        line = _error_line(capsys, argv)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert f"the job API at {url} failed: Version check returned 404" in line
