@@ -225,7 +225,12 @@ def _pids_naming(text: str) -> list[int]:
     return pids
 
 
-N_AUTOSCALE = 300
+N_AUTOSCALE = 200
+
+
+def _changes(series: list, column: int) -> list:
+    """The samples where ``column`` (1 actors, 2 nodes) changed: a timeline to print."""
+    return [s for i, s in enumerate(series) if i == 0 or s[column] != series[i - 1][column]]
 
 
 @pytest.mark.slow
@@ -243,8 +248,10 @@ def test_autoscaler_adds_cpu_nodes_for_the_pool_and_removes_them_idle(tmp_path):
         head.stop()
     assert not _pids_naming(head.temp_dir), "a process of the head outlived stop()"
     pool = report["pool"]
-    print(json.dumps({k: v for k, v in pool.items() if k != "series"}), report["ended"])
-    print("series", [s for i, s in enumerate(pool["series"]) if i % 4 == 0])
+    print(json.dumps({k: v for k, v in pool.items() if k != "series"}))
+    print("node count changes (s, actors, nodes):", _changes(pool["series"], 2))
+    print("actor count changes (s, actors, nodes):", _changes(pool["series"], 1))
+    print(f"epoch ended at {report['ended']:.1f} s")
     _exactly_once(report["keys"], N_AUTOSCALE)
     assert pool["nodes_max"] > 1, f"no worker node was added:\n{monitor[-3000:]}"
     assert pool["actors_max"] >= 2, "the pool never outgrew the head's one CPU"
@@ -259,7 +266,7 @@ KILL_AFTER = (0, 5, 10)  # batches (of 12) after which a worker node goes
 def test_losing_worker_nodes_and_an_actor_loses_no_sample(tmp_path):
     """Head + 2 worker nodes; each epoch loses a worker node after a different batch
     (a new one joins), the last loses a preprocessing actor's process to SIGKILL."""
-    data = slow_images(tmp_path, 96, side=640)
+    data = slow_images(tmp_path, 96, side=512)
     temp_dir = tempfile.mkdtemp(prefix="rpn-", dir="/tmp")
     out = tmp_path / "report.json"
     try:
@@ -283,3 +290,38 @@ def test_losing_worker_nodes_and_an_actor_loses_no_sample(tmp_path):
     print(json.dumps({k: v for k, v in pool.items() if k != "series"}))
     assert pool["nodes_lost"] == len(KILL_AFTER), pool  # the loss shows in the stats
     assert pool["actor_restarts"] >= 1, pool
+
+
+@pytest.mark.slow
+def test_a_dead_train_worker_restarts_the_group_and_the_run_succeeds(
+    ray_session, datasets, tmp_path
+):
+    """Rank 0 exits its process mid-epoch on the first attempt; max_failures=1 restarts
+    the worker group, the epoch starts over, and every key still arrives once."""
+    from raypipe import TrainContext, train_ddp
+
+    marker, out = tmp_path / "died-once", tmp_path / "keys"
+    out.mkdir()
+
+    def loop(ctx: TrainContext) -> None:
+        for epoch, batches in ctx.epochs():
+            keys = []
+            for batch in batches:
+                keys.extend(int(k) for k in batch["key"])
+                if ctx.rank == 0 and not marker.exists():
+                    marker.write_text(str(os.getpid()))
+                    os._exit(1)  # the worker process dies, as on a lost GPU node
+            (out / f"{epoch}-{ctx.rank}.json").write_text(json.dumps(keys))
+            ctx.report({"epoch": epoch})
+
+    config = PipelineConfig(source=str(datasets["webdataset"]), image_size=8, batch_size=5)
+    result = train_ddp(
+        config, loop, num_workers=2, epochs=1, cpus_per_worker=0.5, max_failures=1,
+        storage_path=str(tmp_path / "runs"),
+    )  # fmt: skip
+    assert marker.exists(), "the worker never died"
+    assert result.error is None, result.error
+    ranks = [json.loads((out / f"0-{r}.json").read_text()) for r in (0, 1)]
+    assert len(ranks[0]) == len(ranks[1]) == 30  # 61 rows -> 30 per rank, after the restart
+    keys = ranks[0] + ranks[1]
+    assert len(set(keys)) == len(keys) and set(keys) <= set(range(61))
