@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+from ingest_report import chart, print_table
+from nodecpu import CpuMeter
 
 from raypipe import fastimage, transforms
 from raypipe.config import PipelineConfig
@@ -61,10 +63,11 @@ def single_process(files: list[str], limit: int) -> dict:
     out, sample = {}, files[:limit]
     for name, fn in TRANSFORMS.items():
         fn(Path(sample[0]).read_bytes(), IMAGE, chooser(0, 0))  # import + warm
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for key, f in enumerate(sample):
             np.ascontiguousarray(fn(Path(f).read_bytes(), IMAGE, chooser(key, 0)))
         out[name] = len(sample) / (time.perf_counter() - t0)
+        out[f"{name}_img_per_cpu_s"] = len(sample) / (time.process_time() - c0)
     diffs = [
         np.abs(
             transforms.decode_crop(d, IMAGE, chooser(k, 0)).astype(np.int16)
@@ -95,16 +98,19 @@ class FileDataset:
 
 
 def run_epochs(make_iter, epochs: int) -> dict:
-    """Wall time per epoch from asking for the iterator to the last batch."""
-    rates, firsts, flowing, rows = [], [], [], 0
+    """Wall time per epoch from asking for the iterator to the last batch, and node CPU."""
+    rates, firsts, flowing, cpus, by_name, rows = [], [], [], [], [], 0
     for epoch in range(epochs):
-        t0 = time.perf_counter()
         rows, t_first = 0, None
-        for batch in make_iter(epoch):
-            rows += len(batch["key"])
-            if t_first is None:
-                t_first, first_rows = time.perf_counter(), rows
-        t_end = time.perf_counter()
+        with CpuMeter() as cpu:
+            t0 = time.perf_counter()
+            for batch in make_iter(epoch):
+                rows += len(batch["key"])
+                if t_first is None:
+                    t_first, first_rows = time.perf_counter(), rows
+            t_end = time.perf_counter()
+        cpus.append(cpu.seconds)
+        by_name.append({k: round(v, 2) for k, v in cpu.by_name.items() if v >= 0.01})
         rates.append(rows / (t_end - t0))
         firsts.append(t_first - t0)
         flowing.append((rows - first_rows) / max(t_end - t_first, 1e-9))
@@ -115,6 +121,9 @@ def run_epochs(make_iter, epochs: int) -> dict:
         "steady_img_s": statistics.median(steady),
         "flowing_img_s": statistics.median(flowing[1:] or flowing),
         "first_batch_s": firsts,
+        "cpu_s_per_epoch": cpus,
+        "cpu_s_by_process": by_name,
+        "img_per_cpu_s": statistics.median(rows / max(c, 1e-9) for c in cpus[1:] or cpus),
         "rows_per_epoch": rows,
     }
 
@@ -144,21 +153,36 @@ def dataloader(shards, transform: str, epochs: int, settings: list[dict]) -> dic
 
 
 def raypipe_run(corpus: Path, epochs: int, actors: int) -> dict:
-    """(c) raypipe through iter_torch_batches, one dataset per epoch as train_ddp does."""
+    """(c) raypipe through iter_torch_batches, one dataset per epoch as train_ddp does.
+
+    Both compute modes in one Ray session: the actor pool (the default) and tasks.
+    """
     import ray
     import ray.data
 
-    from raypipe import build_dataset, iter_torch_batches
+    from raypipe import build_dataset
 
     t0 = time.perf_counter()
     ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False,
-             log_to_driver=False,
-             object_store_memory=1 << 30, configure_logging=False)  # fmt: skip
+             log_to_driver=False, object_store_memory=1 << 30,
+             configure_logging=False)  # fmt: skip
     ray.data.DataContext.get_current().enable_progress_bars = False
-    ray_up_s = time.perf_counter() - t0
+    out = {"ray_init_s": time.perf_counter() - t0}
     config = PipelineConfig(source=str(corpus), batch_size=BATCH, image_size=IMAGE,
                             seed=SEED, actors=(actors, actors))  # fmt: skip
     listing = list_shards(config)
+    for compute in ("actors", "tasks"):
+        out[compute] = raypipe_epochs(config.replace(compute=compute), listing, epochs)
+        print(f"  raypipe {compute}: steady {out[compute]['steady_img_s']:.0f} img/s")
+    ready = build_dataset(config.replace(compute="tasks"), epoch=0, listing=listing)
+    out["iterator_ms_per_batch"] = iterator_cost(ready)
+    ray.shutdown()
+    return out
+
+
+def raypipe_epochs(config: PipelineConfig, listing, epochs: int) -> dict:
+    from raypipe import build_dataset, iter_torch_batches
+
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
 
     def epoch_iter(epoch):
@@ -167,13 +191,8 @@ def raypipe_run(corpus: Path, epochs: int, actors: int) -> dict:
 
     r = run_epochs(epoch_iter, epochs)
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-    r["driver_cpu_s_per_epoch"] = (
-        cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
-    ) / epochs
-    r["ray_init_s"] = ray_up_s
-    r["iterator_ms_per_batch"] = iterator_cost(build_dataset(config, epoch=0, listing=listing))
-    ray.shutdown()
-    return r
+    driver = cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
+    return {**r, "driver_cpu_s_per_epoch": driver / epochs}
 
 
 def iterator_cost(ds, repeats: int = 3) -> float:
@@ -189,28 +208,6 @@ def iterator_cost(ds, repeats: int = 3) -> float:
             n += 1
         best = min(best, (time.perf_counter() - t0) / max(n, 1))
     return best * 1e3
-
-
-def chart(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [
-        ("1 process, Pillow", result["single_process"]["pillow"]),
-        ("1 process, fast", result["single_process"]["fast"]),
-        ("DataLoader, Pillow", result["dataloader"]["pillow"]["best"]["steady_img_s"]),
-        ("DataLoader, fast", result["dataloader"]["fast"]["best"]["steady_img_s"]),
-        ("raypipe, 1st epoch", result["raypipe"]["first_epoch_img_s"]),
-        ("raypipe, steady", result["raypipe"]["steady_img_s"]),
-    ]
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    ax.barh([r[0] for r in rows][::-1], [r[1] for r in rows][::-1], color="#4477aa")
-    ax.set_xlabel("images / s (uint8 224², batch 256)")
-    ax.set_title(f"ingest, {result['machine']['cpus']} CPUs, {result['images']} JPEGs")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -237,12 +234,15 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"single process: {result['single_process']}")
     result["dataloader"] = {t: dataloader(listing.shards, t, epochs, sweep) for t in TRANSFORMS}
     result["raypipe"] = raypipe_run(corpus, epochs, args.actors)
-    dl_pil = result["dataloader"]["pillow"]["best"]["steady_img_s"]
-    dl_fast = result["dataloader"]["fast"]["best"]["steady_img_s"]
-    rp = result["raypipe"]
+    dl = {t: result["dataloader"][t]["best"] for t in TRANSFORMS}
     result["ratios"] = {
-        "raypipe_vs_dataloader_pillow": rp["steady_img_s"] / dl_pil,
-        "raypipe_vs_dataloader_fast": rp["steady_img_s"] / dl_fast,
+        f"{compute}_vs_dataloader_{t}": {
+            "epoch": result["raypipe"][compute]["steady_img_s"] / dl[t]["steady_img_s"],
+            "in_epoch_flow": result["raypipe"][compute]["flowing_img_s"] / dl[t]["steady_img_s"],
+            "per_cpu_s": result["raypipe"][compute]["img_per_cpu_s"] / dl[t]["img_per_cpu_s"],
+        }
+        for compute in ("actors", "tasks")
+        for t in TRANSFORMS
     }
     result["machine"]["loadavg_at_end"] = os.getloadavg()
     print_table(result)
@@ -250,37 +250,6 @@ def main(argv: list[str] | None = None) -> dict:
     chart(result, args.out / "ingest.png")
     print(f"wrote {args.out / 'ingest.json'} and {args.out / 'ingest.png'}")
     return result
-
-
-def print_table(r: dict) -> None:
-    rp, sp, dl = r["raypipe"], r["single_process"], r["dataloader"]
-    rows = [
-        ("1 process, Pillow transform", sp["pillow"], ""),
-        ("1 process, fast transform", sp["fast"], f"mean |diff| {sp['fast_vs_pillow_mean_abs_diff']:.2f}"),
-        ("DataLoader best, Pillow", dl["pillow"]["best"]["steady_img_s"], dl["pillow"]["best"]["settings"]),
-        ("DataLoader best, fast", dl["fast"]["best"]["steady_img_s"], dl["fast"]["best"]["settings"]),
-        ("raypipe first epoch", rp["first_epoch_img_s"], f"first batch {rp['first_batch_s'][0]:.2f} s"),
-        ("raypipe steady (median)", rp["steady_img_s"], f"in-epoch flow {rp['flowing_img_s']:.0f} img/s"),
-    ]  # fmt: skip
-    print(f"\n{'path':32s} {'img/s':>8s}  note")
-    for name, rate, note in rows:
-        print(f"{name:32s} {rate:8.0f}  {note}")
-    ratios = r["ratios"]
-    print(
-        f"\nraypipe / DataLoader(Pillow)  = {ratios['raypipe_vs_dataloader_pillow']:.2f}  (target >= 2.0)"
-    )
-    print(
-        f"raypipe / DataLoader(fast)    = {ratios['raypipe_vs_dataloader_fast']:.2f}  (target >= 0.9)"
-    )
-    print(
-        f"Ray up {rp['ray_init_s']:.1f} s; time to first batch {rp['first_batch_s'][0]:.2f} s "
-        f"(then {statistics.median(rp['first_batch_s'][1:] or [0]):.2f} s per epoch)"
-    )
-    print(
-        f"rank iterator, data ready: {rp['iterator_ms_per_batch']:.2f} ms per batch of {BATCH} "
-        f"(target <= 0.5); driver CPU {rp['driver_cpu_s_per_epoch']:.2f} s per epoch"
-    )
-    print(f"load average at start {r['machine']['loadavg_at_start']}, end {r['machine']['loadavg_at_end']}")  # fmt: skip
 
 
 if __name__ == "__main__":

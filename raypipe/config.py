@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 FORMATS = ("imagefolder", "webdataset", "parquet")
 ON_ERROR = ("skip", "raise")
+COMPUTE = ("actors", "tasks")
 
 Format = Literal["imagefolder", "webdataset", "parquet"]
 
@@ -37,6 +38,9 @@ class PipelineConfig:
             rows reach the trainer without a copy.
         rows_per_block: samples per output block of the preprocessing actors.
         actor_cpus: logical CPUs each preprocessing actor reserves.
+        compute: ``"actors"``, an autoscaling pool per epoch (``actors``), or ``"tasks"``:
+            Ray tasks on pooled workers, at most ``actors[1]`` at once, that stay warm
+            from one epoch to the next (no pool start per epoch; no pool to watch).
         mean, std: per-channel normalization applied on the device (0..1 scale).
         max_image_pixels: an image whose header claims more pixels is a bad sample
             (``"decompression_bomb"``), refused before decoding; None for no limit.
@@ -59,6 +63,7 @@ class PipelineConfig:
     files_per_task: int = 256
     rows_per_block: int = 256
     actor_cpus: float = 1.0
+    compute: Literal["actors", "tasks"] = "actors"
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
     max_image_pixels: int | None = 89_478_485  # Pillow's default limit
@@ -144,6 +149,8 @@ def _validate(c: PipelineConfig) -> None:
         raise bad("source", "must be a non-empty path, glob or list of them")
     if c.format is not None and c.format not in FORMATS:
         raise bad("format", f"must be one of {FORMATS} or None")
+    if c.compute not in COMPUTE:
+        raise bad("compute", f"must be one of {COMPUTE}")
     if c.on_error not in ON_ERROR:
         raise bad("on_error", f"must be one of {ON_ERROR}")
     for name in ("image_size", "batch_size", "files_per_task", "rows_per_block"):

@@ -72,21 +72,26 @@ def build_dataset(
     lo, hi = config.actors
     skips = skips or SkipLog.create()  # after listing: a bad source fails before Ray starts
     ds = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // per_task)))
-    ds = ds.map_batches(
-        Preprocessor,
-        fn_constructor_kwargs={
-            "config": config,
-            "fmt": listing.format,
-            "epoch": epoch,
-            "skips": skips,
-        },
-        batch_size=per_task,
-        batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi),
-        num_cpus=config.actor_cpus,
-    )
+    kwargs = {"config": config, "fmt": listing.format, "epoch": epoch, "skips": skips}
+    if config.compute == "tasks":  # pooled workers stay warm across epochs: no pool start
+        ds = ds.map_batches(preprocess_task, fn_kwargs=kwargs, batch_size=per_task,
+                            batch_format="numpy", concurrency=hi, num_cpus=config.actor_cpus)  # fmt: skip
+    else:
+        ds = ds.map_batches(
+            Preprocessor,
+            fn_constructor_kwargs=kwargs,
+            batch_size=per_task,
+            batch_format="numpy",
+            compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi),
+            num_cpus=config.actor_cpus,
+        )
     ds._raypipe_skips = skips  # read by SkipLog.of and iter_torch_batches
     return ds
+
+
+def preprocess_task(shards: dict[str, np.ndarray], **kwargs) -> Iterator[dict[str, np.ndarray]]:
+    """`Preprocessor` as a plain Ray task (``PipelineConfig.compute="tasks"``)."""
+    yield from Preprocessor(**kwargs)(shards)
 
 
 class Preprocessor:

@@ -123,3 +123,21 @@ def test_eval_mode_is_deterministic_across_epochs(ray_session, datasets):
     assert _images_by_key(build_dataset(config, epoch=0)) == _images_by_key(
         build_dataset(config, epoch=3)
     )
+
+
+def test_task_compute_gives_the_actor_pools_rows(ray_session, datasets):
+    """``compute="tasks"``: the same keys, labels and pixels as the actor pool, two ranks."""
+    config = PipelineConfig(
+        source=str(datasets["imagefolder"]), image_size=8, actors=(1, 2), files_per_task=9
+    )
+    rows = {}
+    for compute in ("actors", "tasks"):
+        ds = build_dataset(config.replace(compute=compute), epoch=1)
+        ranks = consume_ranks(ds, 2, 5, device="cpu", normalize=False)
+        keys = check_exactly_once_and_equal(ranks, batch_size=5, total=N)
+        batches = [b for r in ranks for b in r]
+        images = np.concatenate([b["image"] for b in batches])
+        rows[compute] = {int(k): img for k, img in zip(keys, images, strict=True)}
+    shared = rows["actors"].keys() & rows["tasks"].keys()
+    assert len(shared) >= N - 2 * 5 * 2
+    assert all(np.array_equal(rows["actors"][k], rows["tasks"][k]) for k in shared)

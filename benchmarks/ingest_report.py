@@ -1,0 +1,67 @@
+"""The table and the chart of ``benchmarks/ingest.py``."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+BATCH = 256
+
+
+def rows(r: dict) -> list[tuple[str, float, float | None, str]]:
+    sp, dl = r["single_process"], r["dataloader"]
+    dlp, dlf = dl["pillow"]["best"], dl["fast"]["best"]
+    out = [
+        ("1 process, Pillow transform", sp["pillow"], sp["pillow_img_per_cpu_s"], ""),
+        ("1 process, fast transform", sp["fast"], sp["fast_img_per_cpu_s"],
+         f"mean |diff| vs Pillow {sp['fast_vs_pillow_mean_abs_diff']:.2f} grey levels"),
+        ("DataLoader best, Pillow", dlp["steady_img_s"], dlp["img_per_cpu_s"], _knobs(dlp)),
+        ("DataLoader best, fast", dlf["steady_img_s"], dlf["img_per_cpu_s"], _knobs(dlf)),
+    ]  # fmt: skip
+    for compute in ("actors", "tasks"):
+        rp = r["raypipe"][compute]
+        out.append((f"raypipe {compute}, first epoch", rp["first_epoch_img_s"], None,
+                    f"first batch {rp['first_batch_s'][0]:.2f} s after Ray is up"))  # fmt: skip
+        out.append((f"raypipe {compute}, steady", rp["steady_img_s"], rp["img_per_cpu_s"],
+                    f"in-epoch flow {rp['flowing_img_s']:.0f} img/s; later epochs' first "
+                    f"batch {statistics.median(rp['first_batch_s'][1:] or [0]):.2f} s"))  # fmt: skip
+    return out
+
+
+def _knobs(best: dict) -> str:
+    s = best["settings"]
+    return f"workers {s['num_workers']}, prefetch {s['prefetch_factor']}, persistent"
+
+
+def print_table(r: dict) -> None:
+    print(f"\n{'path':30s} {'img/s':>7s} {'img/CPU-s':>9s}  note")
+    for name, rate, per_cpu, note in rows(r):
+        per = f"{per_cpu:9.0f}" if per_cpu else " " * 9
+        print(f"{name:30s} {rate:7.0f} {per}  {note}")
+    print("\nratios (steady epoch / in-epoch flow / per CPU-second); targets 2.0 and 0.9:")
+    for name, v in r["ratios"].items():
+        print(f"  {name:32s} {v['epoch']:5.2f} / {v['in_epoch_flow']:5.2f} / {v['per_cpu_s']:5.2f}")
+    rp = r["raypipe"]
+    print(
+        f"Ray up {rp['ray_init_s']:.1f} s; rank iterator over blocks already in the object "
+        f"store: {rp['iterator_ms_per_batch']:.2f} ms per batch of {BATCH} (target <= 0.5)"
+    )
+    for compute in ("actors", "tasks"):
+        print(f"driver CPU per epoch, {compute}: {rp[compute]['driver_cpu_s_per_epoch']:.2f} s")
+    m = r["machine"]
+    print(f"load average at start {m['loadavg_at_start']}, end {m['loadavg_at_end']}")
+
+
+def chart(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = rows(r)
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    ax.barh([d[0] for d in data][::-1], [d[1] for d in data][::-1], color="#4477aa")
+    ax.set_xlabel("images / s (uint8 3×224×224, batch 256)")
+    ax.set_title(f"ingest: {r['machine']['cpus']} CPUs, {r['images']} JPEGs ~400×300")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,79 @@
+"""CPU seconds a process tree spends, counting children that start and end meanwhile.
+
+Ray's processes and a DataLoader's workers descend from the benchmark process, so the
+tree's CPU is what a path costs the node, whatever else runs on the machine. A Ray actor
+that is killed is not reaped into its parent's counters, so a thread samples
+``/proc`` and keeps each process's last value.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _snapshot(root: int) -> dict[tuple[int, int, str], float]:
+    """{(pid, start time, name): CPU seconds incl. reaped children} for ``root``'s tree."""
+    parent, cpu = {}, {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            head, tail = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        fields, pid = tail.split(), int(name)
+        parent[pid] = int(fields[1])
+        comm = head.split("(", 1)[1]
+        cpu[(pid, int(fields[19]), comm)] = sum(int(f) for f in fields[11:15]) / _TICK
+    out = {}
+    for proc, seconds in cpu.items():
+        p = proc[0]
+        while p not in (root, 0, 1) and p in parent:
+            p = parent[p]
+        if p == root:
+            out[proc] = seconds
+    return out
+
+
+class CpuMeter:
+    """``with CpuMeter() as m: ...`` then ``m.seconds``: the tree's CPU over the block.
+
+    ``m.by_name`` splits it by process name (``python``, ``raylet``, ``ray::MapWorker``...).
+    """
+
+    def __init__(self, root: int | None = None, interval_s: float = 0.1):
+        self.root = root or os.getpid()
+        self.interval_s = interval_s
+        self.seconds = 0.0
+        self.by_name: dict[str, float] = {}
+        self._first: dict[tuple[int, int, str], float] = {}
+        self._last: dict[tuple[int, int, str], float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
+
+    def _sample(self) -> None:
+        for proc, seconds in _snapshot(self.root).items():
+            self._last[proc] = seconds
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def __enter__(self) -> CpuMeter:
+        self._first = _snapshot(self.root)
+        self._last = dict(self._first)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        for proc, v in self._last.items():
+            used = v - self._first.get(proc, 0.0)
+            self.by_name[proc[2]] = self.by_name.get(proc[2], 0.0) + used
+        self.seconds = sum(self.by_name.values())
