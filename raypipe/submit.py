@@ -19,6 +19,7 @@ import os
 import shlex
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import TextIO
 from urllib.parse import urlparse
@@ -97,12 +98,8 @@ def submit(
     url = job_address(address)
     client = _client(url, token_file)
     runtime_env = {"working_dir": str(working_dir), "excludes": list(EXCLUDES)}
-    job_id = _call(
-        url,
-        lambda: client.submit_job(
-            entrypoint=command, runtime_env=runtime_env, submission_id=submission_id
-        ),
-    )
+    job_id = submission_id or f"raypipe_{kind}_{uuid.uuid4().hex[:12]}"
+    _call(url, lambda: _submit_once(client, job_id, command, runtime_env))
     print(f"submitted {kind} job {job_id} to {url}: {command}", file=out, flush=True)
     if not wait:
         print(f"follow it with: ray job logs --follow {job_id} --address {url}", file=out)
@@ -133,6 +130,20 @@ def submit(
         line += f" ({info.message.strip().splitlines()[-1]})"
     print(line, file=out, flush=True)
     return 0 if status == "SUCCEEDED" else 1
+
+
+def _submit_once(client, job_id: str, command: str, runtime_env: dict, tries: int = 3) -> None:
+    """Submit, trying again after a server error (a busy head); the fixed id keeps it once."""
+    for attempt in range(tries):
+        try:
+            client.submit_job(entrypoint=command, runtime_env=runtime_env, submission_id=job_id)
+            return
+        except RuntimeError as e:
+            if attempt > 0 and "already exists" in str(e):
+                return  # an earlier try reached the head after all
+            if attempt == tries - 1 or "status code 5" not in str(e):
+                raise
+            time.sleep(2 * (attempt + 1))
 
 
 async def _stream(client, job_id: str, out: TextIO) -> None:
@@ -191,9 +202,18 @@ def _call(url: str, fn):
             "(ray start --head --dashboard-host=127.0.0.1)"
         ) from None
     except RuntimeError as e:
-        raise SubmitError(
-            f"the job API at {url} failed: {str(e).strip().splitlines()[0]}"
-        ) from None
+        raise SubmitError(f"the job API at {url} failed: {_gist(str(e))}") from None
+
+
+def _gist(message: str) -> str:
+    """One line of an error: the exception line of a server traceback, else the first line."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return "no message"
+    head, _, _ = lines[0].partition("Traceback (most recent call last)")
+    if len(lines) > 1 and head != lines[0]:
+        return f"{head}{lines[-1]}"
+    return lines[0]
 
 
 def _repo_root() -> Path:

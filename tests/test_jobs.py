@@ -19,7 +19,6 @@ import sys
 import tempfile
 import textwrap
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -60,7 +59,8 @@ def _env(**extra: str) -> dict[str, str]:
 class Head:
     """One ``ray start --head`` bound to 127.0.0.1, started and stopped by this test."""
 
-    def __init__(self, env: dict[str, str]):
+    def __init__(self, env: dict[str, str], token: str | None = None):
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.temp_dir = tempfile.mkdtemp(prefix="rpj-", dir="/tmp")  # short: socket paths
         gcs, dash, client, agent = _free_ports(4)
         self.url = f"http://127.0.0.1:{dash}"
@@ -84,10 +84,9 @@ class Head:
                 log = Path(self.log.name).read_text()[-3000:]
                 self.stop()
                 raise RuntimeError(f"ray start exited with {self.proc.returncode}:\n{log}")
-            try:
-                urllib.request.urlopen(f"{self.url}/api/version", timeout=2).close()
-                return
-            except urllib.error.HTTPError:  # 401 with token auth: up, and closed
+            request = urllib.request.Request(f"{self.url}/api/jobs/", headers=self.headers)
+            try:  # the job manager answers: ready for submissions
+                urllib.request.urlopen(request, timeout=5).close()
                 return
             except OSError:
                 pass
@@ -162,11 +161,11 @@ def project(tmp_path_factory) -> Path:
     return root
 
 
-def _start_head(env: dict[str, str], attempts: int = 3) -> Head:
+def _start_head(env: dict[str, str], token: str | None = None, attempts: int = 3) -> Head:
     """Start a head; another process may take a probed port first, so try again."""
     for attempt in range(attempts):
         try:
-            return Head(env)
+            return Head(env, token)
         except RuntimeError:
             if attempt == attempts - 1:
                 raise
@@ -251,7 +250,7 @@ def _wait_for_job(url: str, job_id: str, timeout: float = 300) -> str:
 def auth_head(tmp_path_factory):
     token = tmp_path_factory.mktemp("auth") / "token"
     token.write_text(TOKEN)
-    h = _start_head(_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token)))
+    h = _start_head(_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token)), TOKEN)
     h.token = token
     yield h
     h.stop()
