@@ -104,20 +104,21 @@ class Progress:
         self.start, self.start_dir = start, start_dir
         self._where: tuple[int, Any, np.ndarray | None] | None = None
 
-    def _resumed(self) -> tuple[PipelineState | None, str | None]:
-        """This run's latest checkpoint (after a restart) beats ``start``."""
+    def _resumed(self) -> PipelineState | None:
+        """This run's latest checkpoint (after a restart) beats ``start``; `EpochDataset`
+        reads the same one, the last that Ray Train registered."""
         import ray.train
 
         checkpoint = ray.train.get_checkpoint()
         if checkpoint is not None:
             with checkpoint.as_directory() as d:
                 if os.path.isfile(os.path.join(d, STATE_FILE)):
-                    return PipelineState.load(d), checkpoint.path
-        return self.start, self.start_dir
+                    return PipelineState.load(d)
+        return self.start
 
     def first_epoch(self) -> int:
-        state, _ = self._resumed()
-        self.start = state
+        """The epoch to start at; later reports count from the state resumed."""
+        state = self.start = self._resumed()
         self._where = (state.epoch, None, state.consumed) if state else (0, None, None)
         return self._where[0]
 
