@@ -15,8 +15,11 @@ from pathlib import Path
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _snapshot(root: int) -> dict[tuple[int, int, str], float]:
-    """{(pid, start time, name): CPU seconds incl. reaped children} for ``root``'s tree."""
+def _snapshot(root: int) -> dict[tuple[int, int], tuple[str, float]]:
+    """{(pid, start time): (name, CPU seconds incl. reaped children)} for ``root``'s tree.
+
+    A Ray worker renames itself for each task, so the name is not part of the identity.
+    """
     parent, cpu = {}, {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -28,7 +31,7 @@ def _snapshot(root: int) -> dict[tuple[int, int, str], float]:
         fields, pid = tail.split(), int(name)
         parent[pid] = int(fields[1])
         comm = head.split("(", 1)[1]
-        cpu[(pid, int(fields[19]), comm)] = sum(int(f) for f in fields[11:15]) / _TICK
+        cpu[(pid, int(fields[19]))] = (comm, sum(int(f) for f in fields[11:15]) / _TICK)
     out = {}
     for proc, seconds in cpu.items():
         p = proc[0]
@@ -50,8 +53,8 @@ class CpuMeter:
         self.interval_s = interval_s
         self.seconds = 0.0
         self.by_name: dict[str, float] = {}
-        self._first: dict[tuple[int, int, str], float] = {}
-        self._last: dict[tuple[int, int, str], float] = {}
+        self._first: dict[tuple[int, int], tuple[str, float]] = {}
+        self._last: dict[tuple[int, int], tuple[str, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
 
@@ -73,7 +76,7 @@ class CpuMeter:
         self._stop.set()
         self._thread.join()
         self._sample()
-        for proc, v in self._last.items():
-            used = v - self._first.get(proc, 0.0)
-            self.by_name[proc[2]] = self.by_name.get(proc[2], 0.0) + used
+        for proc, (name, seconds) in self._last.items():
+            used = seconds - self._first.get(proc, (name, 0.0))[1]
+            self.by_name[name] = self.by_name.get(name, 0.0) + used
         self.seconds = sum(self.by_name.values())
