@@ -68,7 +68,7 @@ class PoolWatch:
         self._t0 = 0.0
         self._seen_nodes: set[str] = set()
         self._gone_nodes: dict[str, bool] = {}  # node id -> lost (not a planned removal)
-        self._restarts: dict[str, int] = {}  # actor id -> NumRestarts, of this job's actors
+        self._restarts: dict[str, int] = {}  # actor id -> NumRestarts, of restarted actors
         self._errors = 0
 
     def start(self) -> PoolWatch:
@@ -86,7 +86,11 @@ class PoolWatch:
         return self
 
     def _run(self) -> None:
+        import ray
+
         while not self._stop.wait(self.interval_s):
+            if not ray.is_initialized():  # Ray went first: never start a new one from here
+                return
             try:
                 self.sample()
             except Exception:  # a GCS hiccup (e.g. while a node goes) costs one sample
@@ -117,7 +121,8 @@ class PoolWatch:
                     self._gone_nodes[n["NodeID"]] = n.get("DeathReason") not in PLANNED
             self._seen_nodes |= alive
             for a in actors:
-                self._restarts[a["ActorID"]] = int(a.get("NumRestarts", 0))
+                if int(a.get("NumRestarts", 0)) > 0:
+                    self._restarts[a["ActorID"]] = int(a["NumRestarts"])
             s = PoolSample(
                 round(time.monotonic() - self._t0, 3),
                 len(actors),

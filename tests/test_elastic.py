@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -101,6 +102,18 @@ def test_idle_actors_are_released_while_a_slow_consumer_is_still_busy(ray_sessio
     # every input was handed out long before the consumer's last batch: the pool let go
     assert actors[-1] < max(actors), actors
     assert stats["pool"]["actors_now"] < stats["pool"]["actors_max"]
+
+
+def test_pool_watch_owns_one_thread_that_close_stops(ray_session):
+    watch = PoolWatch(interval_s=0.05).start()
+    with pytest.raises(RuntimeError, match="already started"):
+        watch.start()
+    assert watch.sample().nodes >= 1
+    watch.close()
+    assert not any(t.name == "raypipe-poolwatch" for t in threading.enumerate())
+    summary = watch.summary()
+    assert summary["samples"] == len(watch.samples()) >= 2
+    assert summary["nodes_now"] >= 1 and summary["nodes_lost"] == 0
 
 
 def test_pool_watch_checks_its_arguments():
