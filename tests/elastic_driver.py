@@ -69,27 +69,35 @@ def node_loss(data: str, out: str, temp_dir: str, port: str, kill_after: list[in
     import ray
     from ray.cluster_utils import Cluster
 
-    node = {"num_cpus": 2, "object_store_memory": 1 << 28, "node_ip_address": "127.0.0.1"}
+    node = {
+        "num_cpus": 2, "object_store_memory": 1 << 28, "node_ip_address": "127.0.0.1",
+        "labels": {"raypipe-role": "preprocess"},
+    }  # fmt: skip
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
             **node, "num_cpus": 1, "gcs_server_port": int(port), "temp_dir": temp_dir,
-            "include_dashboard": False,
+            "include_dashboard": False, "labels": {"raypipe-role": "head"},
         },
     )  # fmt: skip
     workers = [cluster.add_node(**node) for _ in range(2)]
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False
+    # README "Running at scale": actors only on preprocess nodes, never on the head
+    context.execution_options.label_selector = {"raypipe-role": "preprocess"}
     config = PipelineConfig(
         source=data, image_size=32, batch_size=BATCH, actors=(2, 4), files_per_task=2
     )
-    report: dict = {"epochs": []}
+    actor_nodes: set[str] = set()
+    report: dict = {"epochs": [], "head": cluster.head_node.node_id}
     try:
         with PoolWatch(interval_s=0.5) as watch:
             for epoch, after in enumerate(kill_after):
                 cluster.wait_for_nodes(timeout=120)
 
                 def lose_node(i: int, after=after) -> None:
+                    actor_nodes.update(a["Address"]["NodeID"] for a in watch.alive())
                     if i == after:  # a worker node goes; a new one comes, as on a real cluster
                         victim = workers.pop(0)
                         log.warning("removing node %s after batch %d", victim.node_id, i)
@@ -115,6 +123,7 @@ def node_loss(data: str, out: str, temp_dir: str, port: str, kill_after: list[in
                     break
                 time.sleep(1)
             report["pool"] = watch.summary()
+            report["actor_nodes"] = sorted(actor_nodes)
     finally:
         ray.shutdown()
         cluster.shutdown()
