@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -218,6 +219,9 @@ class AutoscalingHead:
                 os.kill(pid, signal.SIGKILL)
         self.log.close()
 
+    def remove(self) -> None:
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
     def monitor_log(self) -> str:
         logs = list(Path(self.temp_dir).glob("session_*/logs/monitor.*"))
         return "\n".join(p.read_text(errors="replace") for p in logs)
@@ -260,6 +264,7 @@ def test_autoscaler_adds_cpu_nodes_for_the_pool_and_removes_them_idle(tmp_path):
         monitor = head.monitor_log()
         head.stop()
     assert not _pids_naming(head.temp_dir), "a process of the head outlived stop()"
+    head.remove()
     pool = report["pool"]
     print(json.dumps({k: v for k, v in pool.items() if k != "series"}))
     print("node count changes (s, actors, nodes):", _changes(pool["series"], 2))
@@ -289,7 +294,9 @@ def test_losing_worker_nodes_and_an_actor_loses_no_sample(tmp_path):
         )  # fmt: skip
     finally:
         for pid in _pids_naming(temp_dir):
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp_dir, ignore_errors=True)
     report = json.loads(out.read_text())
     assert [e["kill_after"] for e in report["epochs"]] == list(KILL_AFTER)
     for epoch in report["epochs"]:
