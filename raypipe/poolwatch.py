@@ -51,10 +51,17 @@ class PoolWatch:
         match: counted actors have this in their name (Ray Data names a `build_dataset`
             pool's actors ``MapWorker(MapBatches(Preprocessor))``).
         max_samples: samples kept (the oldest go first).
+        new_only: count only actors that were not alive at ``start()`` (leave out the pools
+            of datasets already running, e.g. one an earlier consumer abandoned).
     """
 
     def __init__(
-        self, *, interval_s: float = 0.5, match: str = "Preprocessor", max_samples: int = 4096
+        self,
+        *,
+        interval_s: float = 0.5,
+        match: str = "Preprocessor",
+        max_samples: int = 4096,
+        new_only: bool = False,
     ):
         if not isinstance(interval_s, (int, float)) or not interval_s > 0:
             raise ValueError(f"{interval_s=} must be a number > 0")
@@ -70,6 +77,8 @@ class PoolWatch:
         self._gone_nodes: dict[str, bool] = {}  # node id -> lost (not a planned removal)
         self._restarts: dict[str, int] = {}  # actor id -> NumRestarts, of restarted actors
         self._errors = 0
+        self._new_only = new_only
+        self._old: set[str] = set()  # actor ids alive at start(), with new_only
 
     def start(self) -> PoolWatch:
         """Take a first sample now, then one every ``interval_s`` on a daemon thread."""
@@ -80,6 +89,8 @@ class PoolWatch:
         if not ray.is_initialized():
             raise RuntimeError("PoolWatch needs a connected Ray (ray.init() first)")
         self._t0 = time.monotonic()
+        if self._new_only:
+            self._old = {a["ActorID"] for a in self.alive()}
         self.sample()
         self._thread = threading.Thread(target=self._run, name="raypipe-poolwatch", daemon=True)
         self._thread.start()
@@ -105,7 +116,7 @@ class PoolWatch:
         return [
             a
             for a in state.actors(actor_state_name="ALIVE").values()
-            if a.get("JobID") == job and self.match in _name(a)
+            if a.get("JobID") == job and self.match in _name(a) and a["ActorID"] not in self._old
         ]
 
     def sample(self) -> PoolSample:

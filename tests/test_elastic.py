@@ -82,7 +82,7 @@ def test_pool_grows_toward_max_when_the_transform_is_slower(ray_session, slow_fo
     config = PipelineConfig(
         source=str(slow_folder), image_size=32, batch_size=8, actors=(1, 3), files_per_task=1
     )
-    with PoolWatch(interval_s=0.25) as watch:
+    with PoolWatch(interval_s=0.25, new_only=True) as watch:
         keys, _, stats = _consume(build_dataset(config), watch)
     _exactly_once(keys, N_SLOW)
     pool = stats["pool"]
@@ -96,7 +96,7 @@ def test_idle_actors_are_released_while_a_slow_consumer_is_still_busy(ray_sessio
     config = PipelineConfig(
         source=str(data), image_size=32, batch_size=8, actors=(1, 3), files_per_task=1
     )
-    with PoolWatch(interval_s=0.25) as watch:
+    with PoolWatch(interval_s=0.25, new_only=True) as watch:
         keys, actors, stats = _consume(build_dataset(config), watch, pause_s=1.0)
     _exactly_once(keys, 96)
     assert max(actors) >= 1, actors
@@ -115,6 +115,17 @@ def test_pool_watch_owns_one_thread_that_close_stops(ray_session):
     summary = watch.summary()
     assert summary["samples"] == len(watch.samples()) >= 2
     assert summary["nodes_now"] >= 1 and summary["nodes_lost"] == 0
+
+
+def test_pool_watch_new_only_leaves_out_a_pool_already_running(ray_session, slow_folder):
+    config = PipelineConfig(
+        source=str(slow_folder), image_size=32, batch_size=8, actors=(1, 1), files_per_task=1
+    )
+    with iter_torch_batches(build_dataset(config), batch_size=8) as batches:
+        next(iter(batches))  # the pool is up, most of the epoch is ahead
+        with PoolWatch() as everyone, PoolWatch(new_only=True) as fresh:
+            assert len(everyone.alive()) >= 1 and everyone.summary()["actors_max"] >= 1
+            assert fresh.alive() == [] and fresh.summary()["actors_max"] == 0
 
 
 def test_pool_watch_checks_its_arguments():
