@@ -436,6 +436,7 @@ INVALID = {
     "mean": [(0.5, 0.5), ("a", 0, 0)],
     "std": [(0.2, 0.0, 0.2), (1, 1)],
     "max_image_pixels": [0, 1.5e8],
+    "compute": ["threads", None],
 }
 
 
