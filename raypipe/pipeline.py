@@ -26,8 +26,9 @@ import numpy as np
 from raypipe.config import PipelineConfig
 from raypipe.fastimage import decode_crop
 from raypipe.resume import pending_rows, unpack_done
+from raypipe.shardfiles import RawSample
 from raypipe.skips import BadSample, SampleError, SkipLog, SkipRecord, detail_of, reason_of
-from raypipe.sources import Listing, RawSample, epoch_order, list_shards, read_shard
+from raypipe.sources import Listing, epoch_order, list_shards, read_shard
 from raypipe.transforms import Plan, plan, sample_rng
 
 __all__ = ["Preprocessor", "SampleError", "build_dataset"]

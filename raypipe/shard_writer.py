@@ -15,7 +15,8 @@ import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from raypipe.sources import WDS_IMAGE_EXTS, read_shard
+from raypipe.shardfiles import WDS_IMAGE_EXTS
+from raypipe.sources import read_shard
 
 EXTENSIONS = {"webdataset": ".tar", "parquet": ".parquet"}
 

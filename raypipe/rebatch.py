@@ -1,0 +1,66 @@
+"""Step 2 of the rank iterator: re-batch to exactly ``batch_size`` rows.
+
+``streaming_split(equal=True)`` gives every rank the same number of rows but not the same
+blocks, and Ray's own batcher can cut short batches mid-stream (Ray issue 66085). Cutting
+batches here makes every rank's batch count ``rows // batch_size`` (with ``drop_last``),
+so DDP ranks run the same number of steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+
+def rebatch(
+    batches: Iterable[dict[str, np.ndarray]], batch_size: int, *, drop_last: bool
+) -> Iterator[dict[str, np.ndarray]]:
+    """Step 2: batches of exactly ``batch_size`` rows; a short last one only if not drop_last.
+
+    A batch that already has the right size passes through without a copy.
+    """
+    pending: list[dict[str, np.ndarray]] = []
+    have = 0
+    for batch in batches:
+        rows = _rows(batch)
+        if rows == 0:
+            continue
+        if have == 0 and rows == batch_size:
+            yield batch
+            continue
+        pending.append(batch)
+        have += rows
+        while have >= batch_size:
+            out, pending = _split(pending, batch_size)
+            have -= batch_size
+            yield out
+    if have and not drop_last:
+        yield _concat(pending)
+
+
+def _rows(batch: dict[str, np.ndarray]) -> int:
+    return len(next(iter(batch.values())))
+
+
+def _split(pieces: list[dict[str, np.ndarray]], n: int):
+    """First ``n`` rows of ``pieces`` as one batch, and the rest."""
+    head, rest, need = [], [], n
+    for piece in pieces:
+        rows = _rows(piece)
+        if need == 0:
+            rest.append(piece)
+        elif rows <= need:
+            head.append(piece)
+            need -= rows
+        else:
+            head.append({k: v[:need] for k, v in piece.items()})
+            rest.append({k: v[need:] for k, v in piece.items()})
+            need = 0
+    return _concat(head), rest
+
+
+def _concat(pieces: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    if len(pieces) == 1:
+        return pieces[0]
+    return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
