@@ -148,6 +148,14 @@ def _summary(title: str, rows: list[tuple[str, str]]) -> None:
         print(f"  {key:<{width}}  {value}")
 
 
+def _add_ray_address(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to join (default: RAY_ADDRESS, else start a local Ray)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="raypipe",
@@ -171,8 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train the classifier job of a run config (data, eval, "
                        "trainer sections) with DDP on Ray Train.")  # fmt: skip
     p.add_argument("config", help="run config YAML, e.g. jobs/configs/digits.yaml")
-    p.add_argument("--address", default=None,
-                   help="Ray cluster to join (default: RAY_ADDRESS, else start a local Ray)")  # fmt: skip
+    _add_ray_address(p)
     p.add_argument("--epochs", type=int, default=None, help="override trainer.epochs")
     p.add_argument("--storage-path", default=None, help="override trainer.storage_path")
     p.add_argument("--data-root", default=".",
@@ -186,8 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "index.json with per-shard sample counts. Shards already finished by an "
                        "earlier run are kept; each new shard is read back and checked.")  # fmt: skip
     p.add_argument("config", help="preprocess config YAML, e.g. jobs/configs/digits-shards.yaml")
-    p.add_argument("--address", default=None,
-                   help="Ray cluster to join (default: RAY_ADDRESS, else start a local Ray)")  # fmt: skip
+    _add_ray_address(p)
     p.add_argument("--data-root", default=".",
                    help="resolve relative paths in the config against this folder "
                    "(default: the current one)")  # fmt: skip
