@@ -5,9 +5,9 @@
    steps (and at the epoch's end) → Progress.save: one all_reduce ORs the ranks'
    delivered keys (N/8 bytes on gloo) → rank 0 writes raypipe_state.bin (+ state.pt) into the
    Ray Train checkpoint
- driver: load_checkpoint(resume_from) → PipelineState → each epoch's dataset is an
-   EpochDataset, built when the worker group (re)starts: the interrupted epoch leaves
-   out its consumed keys before reading them
+ driver: load_checkpoint(resume_from) → PipelineState; every rank (when the worker
+   group starts or restarts) builds its Pipeline from it: the interrupted epoch leaves
+   out its consumed keys before they are split, read or decoded
 ```
 
 Which position a run resumes from: the latest checkpoint of the run itself (Ray Train's
@@ -17,7 +17,6 @@ Which position a run resumes from: the latest checkpoint of the run itself (Ray 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -25,12 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from raypipe.config import PipelineConfig
-from raypipe.pipeline import build_dataset
 from raypipe.resume import STATE_FILE, PipelineState, merge_states
-from raypipe.sources import Listing
 
-__all__ = ["EpochBatches", "EpochDataset", "Progress", "load_checkpoint"]
+__all__ = ["EpochBatches", "Progress", "load_checkpoint"]
 assert __all__ == sorted(__all__)
 
 USER_STATE = "state.pt"
@@ -65,30 +61,6 @@ def _latest_in_run(run_dir: str) -> tuple[PipelineState, str] | None:
         return PipelineState.load(d), checkpoint.path
 
 
-@dataclasses.dataclass
-class EpochDataset:
-    """One epoch's dataset, made when Ray Train (re)starts the worker group.
-
-    The run's own latest checkpoint, else ``start``, says which keys of this epoch were
-    consumed; a restarted group then reads only the rest, as `Progress` expects.
-    """
-
-    config: PipelineConfig
-    epoch: int
-    listing: Listing
-    skips: Any
-    run_dir: str
-    start: PipelineState | None
-
-    def __call__(self):
-        found = _latest_in_run(self.run_dir)
-        state = found[0] if found else self.start
-        consumed = state.consumed if state is not None and state.epoch == self.epoch else None
-        return build_dataset(
-            self.config, epoch=self.epoch, listing=self.listing, skips=self.skips, consumed=consumed
-        )
-
-
 class Progress:
     """One rank's place in the run: its epoch, the batches of it, and what came before.
 
@@ -105,8 +77,8 @@ class Progress:
         self._where: tuple[int, Any, np.ndarray | None] | None = None
 
     def _resumed(self) -> PipelineState | None:
-        """This run's latest checkpoint (after a restart) beats ``start``; `EpochDataset`
-        reads the same one, the last that Ray Train registered."""
+        """This run's latest checkpoint (after a restart) beats ``start``: the last one
+        that Ray Train registered."""
         import ray.train
 
         checkpoint = ray.train.get_checkpoint()

@@ -32,7 +32,7 @@ import numpy as np
 from raypipe.h2d import HostToDevice
 from raypipe.rebatch import rebatch
 from raypipe.resume import Delivered
-from raypipe.stats import IterStats
+from raypipe.stats import IterStats, bound
 
 Batch = dict[str, Any]
 
@@ -78,42 +78,46 @@ def iter_torch_batches(
         raise ValueError(f"{prefetch_batches=} must be an integer >= 0")
     if not isinstance(shuffle_buffer, int) or shuffle_buffer < 0:
         raise ValueError(f"{shuffle_buffer=} must be an integer >= 0")
+    shuffle = (shuffle_buffer, shuffle_seed)
     return TorchBatches(
-        source,
-        batch_size=batch_size,
+        functools.partial(_ray_host, source, batch_size, prefetch_batches, shuffle, drop_last),
         device=resolve_device(device),
         pin_memory=pin_memory,
         prefetch_batches=prefetch_batches,
-        drop_last=drop_last,
         normalize=(mean, std) if normalize else None,
-        shuffle_buffer=shuffle_buffer,
-        shuffle_seed=shuffle_seed,
         channels_last=channels_last,
         skips=skips if skips is not None else getattr(source, "_raypipe_skips", None),
         watch=watch,
     )
 
 
-class TorchBatches:
-    """Iterable returned by `iter_torch_batches`; owns the running pass and its stats."""
+def _ray_host(source, batch_size, prefetch, shuffle, drop_last) -> Iterator[dict[str, np.ndarray]]:
+    """Steps 1-2 over a Ray source: Ray's batches re-cut to exactly ``batch_size`` rows."""
+    return rebatch(host_batches(source, batch_size, prefetch, *shuffle), batch_size,
+                   drop_last=drop_last)  # fmt: skip
 
-    def __init__(self, source, *, batch_size, device, pin_memory, prefetch_batches, drop_last,
-                 normalize, shuffle_buffer, shuffle_seed, channels_last=False,
-                 skips=None, watch=None):  # fmt: skip
-        self._source = source
-        self._batch_size = batch_size
+
+class TorchBatches:
+    """Iterable returned by `iter_torch_batches`; owns the running pass and its stats.
+
+    ``host()`` starts steps 1-2 of a pass: exact-size numpy batches on the host.
+    ``more_stats()``, when given, adds its entries to `stats`.
+    """
+
+    def __init__(self, host, *, device, pin_memory, prefetch_batches, normalize,
+                 channels_last=False, skips=None, watch=None, more_stats=None,
+                 first_pass=0):  # fmt: skip
+        self._host = host
         self._device = device
-        self._prefetch = prefetch_batches
-        self._drop_last = drop_last
         self._normalize = normalize
-        self._shuffle = (shuffle_buffer, shuffle_seed)
         self._h2d = HostToDevice(device, pin_memory=pin_memory, prefetch=max(prefetch_batches, 1),
                                  channels_last=channels_last)  # fmt: skip
         self._stays = getattr(device, "type", str(device)) == "cpu" and not channels_last
         self._stats = IterStats()
         self._delivered = Delivered()  # keys handed to the consumer this pass
-        self._epoch = -1
+        self._epoch = first_pass - 1  # the epoch number of the next pass, minus one
         self._running: Iterator[Batch] | None = None
+        self._more_stats = more_stats
         self.skips = skips  # the source's raypipe.SkipLog, or None
         self.watch = watch  # a raypipe.PoolWatch (its owner closes it), or None
 
@@ -131,8 +135,7 @@ class TorchBatches:
 
     def _pass(self) -> Iterator[Batch]:
         # 1 → 5: the straight line described in the module docstring.
-        host = host_batches(self._source, self._batch_size, self._prefetch, *self._shuffle)
-        exact = self._delivered.track(rebatch(host, self._batch_size, drop_last=self._drop_last))
+        exact = self._delivered.track(self._host())
         tensors = (to_tensors(b) for b in exact)
         on_device = _Stay(tensors) if self._stays else self._h2d(tensors)
         out = (normalize(b, *self._normalize) for b in on_device) if self._normalize else on_device
@@ -152,7 +155,11 @@ class TorchBatches:
     def stats(self) -> dict[str, Any]:
         skipped = self.skips.counts() if self.skips is not None else {}
         pool = {"pool": self.watch.summary()} if self.watch is not None else {}
-        return {"epoch": max(self._epoch, 0), **self._stats.as_dict(), "skipped": skipped, **pool}
+        more = self._more_stats() if self._more_stats is not None else {}
+        if "stalls" in more:
+            more["bound"] = bound(self._stats.as_dict()["wait_fraction"], more["stalls"])
+        return {"epoch": max(self._epoch, 0), **self._stats.as_dict(), "skipped": skipped,
+                **pool, **more}  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         """The pass so far; ``keys`` (int64) are those delivered, for `raypipe.resume`."""

@@ -116,6 +116,11 @@ class Preprocessor:
         Image.MAX_IMAGE_PIXELS = None
 
     def __call__(self, shards: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+        yield from self._blocks(shards, self.epoch, self.skips)
+
+    def _blocks(self, shards: dict[str, np.ndarray], epoch: int, skips: SkipLog | None):
+        """Blocks of ``rows_per_block`` decoded samples of ``shards`` (rows as `pending_rows`
+        makes them), the last one shorter; skips reach ``skips`` before the rows after them."""
         c = self.config
         out, pending = _BlockBuilder(c.image_size, c.rows_per_block), []
         for path, first_key, num_samples, label, done in zip(
@@ -125,16 +130,16 @@ class Preprocessor:
             done = unpack_done(done, int(num_samples))
             for raw in self._samples(str(path), int(first_key), int(num_samples), int(label), done):
                 try:
-                    image = self._decode(raw)
+                    image = self._decode(raw, epoch)
                 except Exception as e:  # any read or decoder failure is a bad sample
                     pending.append(self._bad(raw, e))
                     if len(pending) >= SKIPS_PER_SEND:  # a shard of nothing but bad rows
-                        self._flush(pending)
+                        _flush(pending, skips)
                     continue
                 if out.add(image, raw.label, raw.key):
-                    self._flush(pending)  # skips reach the log before the rows after them
+                    _flush(pending, skips)  # skips reach the log before the rows after them
                     yield out.take()
-        self._flush(pending)
+        _flush(pending, skips)
         if len(out):
             yield out.take()
 
@@ -160,12 +165,12 @@ class Preprocessor:
         for key in filter(todo, range(next_key, end)):
             yield RawSample(key, -1, None, f"{path}:key{key}", detail, "unreadable_shard")
 
-    def _decode(self, raw: RawSample) -> np.ndarray:
+    def _decode(self, raw: RawSample, epoch: int) -> np.ndarray:
         if raw.reason is not None:
             raise BadSample(raw.reason, raw.error or raw.reason)
         if not raw.data:
             raise BadSample("empty_file", "zero bytes")
-        rng = sample_rng(self.config.seed, self.epoch, raw.key)
+        rng = sample_rng(self.config.seed, epoch, raw.key)
         return decode_crop(raw.data, self.config.image_size, lambda w, h: self._plan(w, h, rng))
 
     def _plan(self, width: int, height: int, rng: np.random.Generator) -> Plan:
@@ -190,10 +195,11 @@ class Preprocessor:
             log.warning("raypipe: skipped %s (key %d): %s: %s", raw.where, raw.key, reason, detail)
         return SkipRecord(raw.key, raw.where, reason, detail)
 
-    def _flush(self, pending: list[SkipRecord]) -> None:
-        if pending and self.skips is not None:
-            self.skips.add(pending)
-        pending.clear()
+
+def _flush(pending: list[SkipRecord], skips: SkipLog | None) -> None:
+    if pending and skips is not None:
+        skips.add(pending)
+    pending.clear()
 
 
 class _BlockBuilder:

@@ -257,6 +257,10 @@ class SkipLog:
             raise ValueError("this dataset was not made by raypipe.build_dataset")
         return log
 
+    def epoch(self, epoch: int) -> SkipLog:
+        """The log of one epoch of a run-long pipeline (a run of its own in the store)."""
+        return SkipLog(self._handle, f"{self.run}/epoch{epoch}", self.max_records)
+
     def add(self, records: list[SkipRecord]) -> None:
         """Store ``records`` and wait until they are stored (called by the actors)."""
         import ray

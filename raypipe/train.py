@@ -1,15 +1,16 @@
 """`train_ddp`: one call from a `PipelineConfig` and a train loop to DDP on Ray Train.
 
 ```
- driver: one Dataset per epoch (seeded order + augmentation) [+ an eval Dataset]
-   ▼ Ray Train DataConfig: streaming_split(num_workers, equal=True) per dataset
- TorchTrainer workers: loop(ctx) → ctx.epochs() yields (epoch, per-rank batches)
+ driver: list the shards once; one EpochLedger actor; [an eval Dataset, split by Train]
+   ▼ TorchTrainer workers, rank r of W: loop(ctx) → ctx.epochs()
+ rank r: Pipeline(config, rank=r, world_size=W): its planned keys of every epoch through
+   one run-long execution and one warm actor pool → (epoch, equal exact-size batches)
 ```
 
-Each epoch is its own dataset so that its file order and augmentation come from
-``(seed, epoch)``; datasets are lazy, so an epoch's pool starts when it is iterated.
-Checkpoints carry the pipeline's position (`raypipe.checkpoint`): a run resumes
-mid-epoch, exactly once, with any number of workers.
+Every rank reads its own seeded slice of each epoch (`raypipe.plan`), so the same seed
+gives every rank the same samples whatever the timing; the ledger keeps batch counts
+equal when bad samples are skipped. Checkpoints carry the pipeline's position
+(`raypipe.checkpoint`): a run resumes mid-epoch, exactly once, with any number of workers.
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from raypipe.checkpoint import EpochBatches, EpochDataset, Progress, load_checkpoint
+from raypipe.checkpoint import EpochBatches, Progress, load_checkpoint
 from raypipe.config import PipelineConfig
+from raypipe.epochs import Pipeline
+from raypipe.ledger import create_ledger
 from raypipe.loader import TorchBatches, iter_torch_batches
 from raypipe.pipeline import build_dataset
 from raypipe.resume import fingerprint
 from raypipe.skips import SkipLog, write_reports
-from raypipe.sources import list_shards
+from raypipe.sources import Listing, list_shards
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +50,14 @@ class TrainContext:
         eval_config: the held-out `PipelineConfig`, or None.
         loop_config: the user's own settings, passed through unchanged.
         num_epochs: epochs to run.
+        prefetch_batches: batches each rank's iterator holds ready.
         skip_logs: the `SkipLog` of each dataset, by dataset name; the batches'
             ``stats()["skipped"]`` reads them.
         checkpoint_every: steps between the checkpoints `epochs` saves (0: none).
         progress: the run's pipeline position (`raypipe.checkpoint.Progress`).
+        listing: the training source's shards, listed once on the driver.
+        skips: the training run's `SkipLog` (one log per epoch under it).
+        ledger: the ranks' `raypipe.ledger.EpochLedger` (None with one worker).
     """
 
     config: PipelineConfig
@@ -61,6 +68,9 @@ class TrainContext:
     skip_logs: dict[str, SkipLog] = dataclasses.field(default_factory=dict)
     checkpoint_every: int = 0
     progress: Progress | None = None
+    listing: Listing | None = None
+    skips: SkipLog | None = None
+    ledger: Any = None
 
     @property
     def rank(self) -> int:
@@ -95,14 +105,18 @@ class TrainContext:
         With ``checkpoint_every``, a checkpoint is saved every that many steps and at each
         epoch's end, holding rank 0's ``state()`` (model, optimizer; see `restored`).
         """
-        import ray.train
-
-        for epoch in range(self.progress.first_epoch(), self.num_epochs):
-            name = _train_name(epoch)
-            batches = self._batches(
-                ray.train.get_dataset_shard(name), self.config, drop_last=True, name=name
-            )
-            yield epoch, EpochBatches(batches, epoch, self.progress, self.checkpoint_every, state)
+        first = self.progress.first_epoch()
+        if first >= self.num_epochs:
+            return
+        pipeline = Pipeline(
+            self.config, epochs=self.num_epochs, rank=self.rank, world_size=self.world_size,
+            ledger=self.ledger, group=_group_id(), prefetch_batches=self.prefetch_batches,
+            listing=self.listing, skips=self.skips, start=self.progress.start,
+        )  # fmt: skip
+        with pipeline:
+            for epoch, batches in pipeline.epochs():
+                yield epoch, EpochBatches(batches, epoch, self.progress, self.checkpoint_every,
+                                          state)  # fmt: skip
 
     def restored(self) -> dict[str, Any] | None:
         """The ``state`` saved with the checkpoint this run resumed from, or None."""
@@ -146,6 +160,16 @@ class TrainContext:
         """Report metrics from every rank; rank 0 also checkpoints ``state`` if given,
         with the pipeline's position (all ranks call it together, as Ray Train wants)."""
         self.progress.save(metrics, state)
+
+
+def _group_id() -> str:
+    """One id for this group of ranks, from rank 0 (a restarted group gets a new one)."""
+    import torch.distributed as dist
+
+    ids = [uuid.uuid4().hex]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(ids, src=0)
+    return ids[0]
 
 
 def train_ddp(
@@ -206,19 +230,18 @@ def train_ddp(
     name = name or f"raypipe_{uuid.uuid4().hex[:12]}"
     storage = storage_path or DEFAULT_STORAGE_PATH
     storage = storage if "://" in storage else os.path.abspath(storage)
-    skip_logs = {_train_name(e): SkipLog.create() for e in range(epochs)}
-    run_dir = os.path.join(storage, name)
-    datasets = {  # made when the worker group (re)starts: see raypipe.checkpoint
-        _train_name(e): EpochDataset(config, e, listing, skip_logs[_train_name(e)], run_dir, start)
-        for e in range(epochs)
-    }
+    skips = SkipLog.create()
+    skip_logs = {_train_name(e): skips.epoch(e) for e in range(epochs)}
+    datasets = {}
     if eval_config is not None:
         datasets[EVAL] = build_dataset(eval_config)
         skip_logs[EVAL] = SkipLog.of(datasets[EVAL])
     progress = Progress(seed=config.seed, num_samples=listing.num_samples,
                         fingerprint=fingerprint(listing), start=start, start_dir=start_dir)  # fmt: skip
+    ledger = create_ledger(num_workers) if num_workers > 1 else None
     ctx = TrainContext(config, eval_config, dict(loop_config or {}), epochs, skip_logs=skip_logs,
-                       checkpoint_every=checkpoint_every, progress=progress)  # fmt: skip
+                       checkpoint_every=checkpoint_every, progress=progress, listing=listing,
+                       skips=skips, ledger=ledger)  # fmt: skip
 
     def per_worker(_: dict) -> None:
         train_loop(ctx)
