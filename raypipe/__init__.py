@@ -2,6 +2,9 @@
 
 Public contract:
 
+- `Pipeline(config, epochs=)`: the warm path for a whole run: ``epochs()`` yields
+  ``(epoch, batches)``, every epoch from one preprocessing pool started once; each rank
+  reads its own seeded slice of every epoch (``rank=``, ``world_size=``, ``ledger=``).
 - `PipelineConfig`: every setting of one dataset's pipeline (also from YAML).
 - `build_dataset(config, epoch=)`: a Ray Dataset of ``image`` (uint8 C×H×W),
   ``label`` and ``key`` (int64), preprocessed on an autoscaling actor pool.
@@ -18,6 +21,7 @@ Public contract:
 """
 
 from raypipe.config import PipelineConfig
+from raypipe.epochs import Pipeline
 from raypipe.loader import iter_torch_batches
 from raypipe.pipeline import build_dataset
 from raypipe.poolwatch import PoolWatch
@@ -25,6 +29,7 @@ from raypipe.skips import SampleError, SkipLog
 from raypipe.train import TrainContext, train_ddp
 
 __all__ = [
+    "Pipeline",
     "PipelineConfig",
     "PoolWatch",
     "SampleError",

@@ -122,7 +122,7 @@ class Pipeline:
                 )  # fmt: skip
                 yield e, batches
                 batches.close()
-                feeder.finish()
+                feeder.finish(e)
         finally:
             self.close()
 

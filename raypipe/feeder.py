@@ -47,6 +47,8 @@ def block_columns(bundles) -> Iterator[Columns]:
     for bundle in bundles:
         slices = getattr(bundle, "slices", None) or [None] * len(bundle.blocks)
         for entry, piece in zip(bundle.blocks, slices, strict=True):
+            if entry.metadata.num_rows == 0:  # a task whose every sample was skipped
+                continue
             block = BlockAccessor.for_block(ray.get(entry.ref))
             if piece is not None:
                 block = BlockAccessor.for_block(block.slice(piece.start_offset, piece.end_offset))
@@ -110,13 +112,15 @@ class Feeder:
         """This rank's batches of ``epoch``; epochs are read in order, each at most once."""
         if epoch != self._next:
             raise ValueError(f"epoch {epoch} asked for, but the next one is {self._next}")
-        self.finish()
+        self.finish(epoch - 1)
         self._next += 1
         self._open = self._read(epoch)
         return self._open
 
-    def finish(self) -> None:
-        """Read the open epoch to its end (batches the consumer left are dropped)."""
+    def finish(self, epoch: int) -> None:
+        """Read ``epoch`` to its end, if the consumer did not (its batches are dropped)."""
+        if self._next == epoch:  # never asked for
+            self.epoch(epoch)
         if self._open is not None:
             for _ in self._open:
                 pass

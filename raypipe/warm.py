@@ -1,7 +1,7 @@
 """One rank's run-long dataset: every epoch it still has to read, through one actor pool.
 
 ```
- ray.data.range(tasks): one row per task, all epochs in order (epoch e's tasks before e+1's)
+ from_items(task ids): one block per task, all epochs in order (epoch e's tasks first)
    ▼ preserve_order: blocks come out in task order, so epochs never interleave
  RankPreprocessor pool (this rank's share of config.actors), started once for the run:
    task id → (epoch, lo, hi) → keys plan.keys(epoch)[lo:hi] → read + decode + crop
@@ -50,7 +50,10 @@ def rank_dataset(config: PipelineConfig, listing: Listing, plan: RankPlan, epoch
     if len(table) == 0:
         return None
     lo, hi = rank_pool(config.actors, world_size)
-    ds = ray.data.range(len(table), override_num_blocks=len(table))
+    # One block per task, so that every task can go to another actor; no read tasks,
+    # which would compete with the pool for CPUs.
+    ids = [{"id": i} for i in range(len(table))]
+    ds = ray.data.from_items(ids, override_num_blocks=len(table))
     ds = ds.map_batches(
         RankPreprocessor,
         fn_constructor_kwargs={

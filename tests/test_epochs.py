@@ -1,0 +1,154 @@
+"""The run-long Pipeline through a real local Ray: several epochs from one warm pool,
+exactly once and equal batches per epoch for every rank, with skips and shuffling."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from raypipe import Pipeline, PipelineConfig, PoolWatch, SkipLog
+from tests.test_bad_data import mixed_source
+
+FORMATS = ["imagefolder", "webdataset", "parquet"]
+
+
+def run_ranks(config, world: int, epochs: int, *, pause_s=(0.0,), skips=None, **kw):
+    """Every epoch of ``world`` ranks (one thread each): ``out[rank][epoch]`` is the list
+    of that epoch's batches (numpy), ``stats[rank][epoch]`` the epoch's ``stats()``."""
+    import time
+
+    ledger = Pipeline.ledger(world) if world > 1 else None
+    out = [[[] for _ in range(epochs)] for _ in range(world)]
+    stats = [[None] * epochs for _ in range(world)]
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            pipe = Pipeline(config, epochs=epochs, rank=r, world_size=world, ledger=ledger,
+                            device="cpu", skips=skips, **kw)  # fmt: skip
+            for epoch, batches in pipe.epochs():
+                for batch in batches:
+                    out[r][epoch].append({k: v.numpy().copy() for k, v in batch.items()})
+                    time.sleep(pause_s[r % len(pause_s)])
+                stats[r][epoch] = batches.stats()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    if errors:
+        raise errors[0]
+    return out, stats
+
+
+def check_epoch(out, epoch: int, batch_size: int, good: set[int]) -> np.ndarray:
+    """Exactly once and equal exact-size batches in ``epoch``; returns its keys."""
+    counts = [len(r[epoch]) for r in out]
+    assert len(set(counts)) == 1, f"epoch {epoch}: ranks got {counts} batches"
+    assert all(len(b["key"]) == batch_size for r in out for b in r[epoch])
+    keys = np.concatenate([b["key"] for r in out for b in r[epoch]])
+    assert len(np.unique(keys)) == len(keys), f"epoch {epoch}: a key twice"
+    assert set(keys.tolist()) <= good
+    return keys
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_epochs_exactly_once_and_equal_with_skips_two_ranks(ray_session, tmp_path, fmt):
+    source, expected = mixed_source(tmp_path, fmt)
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=6, actors=(2, 2),
+                            files_per_task=9, rows_per_block=4)  # fmt: skip
+    out, stats = run_ranks(config, 2, 3, skips=SkipLog.create())  # one log for both ranks
+    total = stats[0][0]["planned"] + stats[1][0]["planned"]
+    bad = sum(expected.values())
+    for epoch in range(3):
+        good_rows = [stats[r][epoch]["good"] for r in range(2)]
+        assert sum(good_rows) == total - bad  # every good sample reached a rank
+        keys = check_epoch(out, epoch, 6, set(range(total)))
+        assert len(keys) == 2 * 6 * (min(good_rows) // 6)
+        assert sum(stats[r][epoch]["dropped"] for r in range(2)) == total - bad - len(keys)
+        assert sum(stats[0][epoch]["skipped"].values()) == bad  # the epoch's, over all ranks
+    orders = {tuple(np.concatenate([b["key"] for b in out[0][e]])) for e in range(3)}
+    assert len(orders) > 1, "epochs should read in different orders"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_one_rank_reads_every_epoch_whole(ray_session, datasets, fmt):
+    config = PipelineConfig(source=str(datasets[fmt]), image_size=8, batch_size=7,
+                            rows_per_block=3, files_per_task=5)  # fmt: skip
+    out, stats = run_ranks(config, 1, 2)
+    for epoch in range(2):
+        keys = check_epoch(out, epoch, 7, set(range(61)))
+        assert len(keys) == 56 and stats[0][epoch]["dropped"] == 5
+        assert stats[0][epoch]["epoch"] == epoch
+
+
+def test_shuffle_buffer_keeps_epochs_equal_and_is_seeded(ray_session, datasets):
+    config = PipelineConfig(source=str(datasets["webdataset"]), image_size=8, batch_size=6,
+                            rows_per_block=5, shuffle_buffer=9, actors=(2, 2))  # fmt: skip
+    a, _ = run_ranks(config, 2, 2)
+    b, _ = run_ranks(config.replace(actors=(4, 4)), 2, 2, pause_s=(0.0, 0.01))
+    for epoch in range(2):
+        check_epoch(a, epoch, 6, set(range(61)))
+        for r in range(2):
+            assert [x["key"].tolist() for x in a[r][epoch]] == [
+                x["key"].tolist() for x in b[r][epoch]
+            ]
+
+
+def test_the_pool_is_the_same_processes_in_epoch_0_and_epoch_2(ray_session, datasets):
+    """Every actor alive at any time of a 3-epoch run is one of epoch 0's two (a dataset
+    per epoch would start a new pool, new pids, per epoch)."""
+    config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=8, batch_size=4,
+                            files_per_task=4, actors=(2, 2))  # fmt: skip
+    seen: dict[int, set] = {}
+    with PoolWatch(match="RankPreprocessor", interval_s=0.05, new_only=True) as watch:
+        ever: set = set()
+        with Pipeline(config, epochs=3, device="cpu") as pipe:
+            for epoch, batches in pipe.epochs():
+                for _ in batches:
+                    alive = {(a["ActorID"], a["Pid"]) for a in watch.alive()}
+                    seen.setdefault(epoch, alive)
+                    ever |= alive
+                assert batches.stats()["batches"] == 61 // 4
+        assert watch.summary()["actors_max"] <= 2
+    assert len(seen[0]) == 2
+    assert seen[2] <= seen[0] and ever <= seen[0]
+    assert not watch.alive(), "the pool should end with the run"
+
+
+def test_stopping_early_ends_the_thread_and_the_pool(ray_session, datasets):
+    config = PipelineConfig(source=str(datasets["parquet"]), image_size=8, batch_size=4)
+    pipe = Pipeline(config, epochs=5, device="cpu")
+    for epoch, batches in pipe.epochs():
+        next(iter(batches))
+        if epoch == 1:
+            break
+    pipe.close()
+    assert not [t for t in threading.enumerate() if t.name == "raypipe-feeder"]
+
+
+def test_an_epoch_left_unread_is_skipped_and_the_next_is_whole(ray_session, datasets):
+    config = PipelineConfig(source=str(datasets["webdataset"]), image_size=8, batch_size=5)
+    with Pipeline(config, epochs=3, device="cpu") as pipe:
+        lens = [
+            sum(len(b["key"]) for b in batches) if e != 1 else 0 for e, batches in pipe.epochs()
+        ]
+    assert lens == [60, 0, 60]
+
+
+def test_bad_settings_name_the_value(ray_session, datasets):
+    config = PipelineConfig(source=str(datasets["webdataset"]))
+    with pytest.raises(ValueError, match="ledger"):
+        Pipeline(config, epochs=2, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="rank=2"):
+        Pipeline(config, epochs=2, rank=2, world_size=2, ledger=object())
+    with pytest.raises(ValueError, match="epochs=0"):
+        Pipeline(config, epochs=0)
+    with pytest.raises(TypeError, match="PipelineConfig"):
+        Pipeline({"source": "x"}, epochs=1)

@@ -1,0 +1,71 @@
+"""Equal batch counts per epoch through the ledger, with ranks that lose rows to skips."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from raypipe.ledger import EpochLedger, Gate, create_ledger
+
+
+def test_ledger_answers_the_least_sure_and_the_least_final_rows():
+    ledger = EpochLedger(3)
+    assert ledger.report("a", 0, 0, 10, False) == (0, float("inf"))
+    ledger.report("a", 0, 1, 12, False)
+    assert ledger.report("a", 0, 2, 7, True) == (7, 7)
+    assert ledger.report("a", 0, 0, 9, False) == (7, 7)  # counts only grow
+    assert ledger.report("b", 0, 0, 1, False) == (0, float("inf"))  # another group
+    ledger.report("a", 5, 0, 1, False)
+    assert ("a", 0) not in ledger._rows  # old epochs are forgotten
+
+
+def run_ranks(ledger, group: str, good: list[int], batch_size: int, planned: int):
+    """Each rank receives its good rows in random-sized blocks at random times and
+    yields every batch the gate allows; returns the batches yielded per rank."""
+    yielded = [0] * len(good)
+
+    def rank(r: int) -> None:
+        rng = random.Random(r * 7919 + len(group))
+        gate = Gate(ledger, group, r, batch_size)
+        gate.start(0, planned)
+        have, k = 0, 0
+        while have < good[r]:
+            n = min(rng.randint(1, 2 * batch_size), good[r] - have)
+            have += n
+            gate.add(n, done=have == good[r])
+            time.sleep(rng.random() * 0.003)
+            while (k + 1) * batch_size <= have and gate.allows(k):
+                k += 1
+        gate.add(0, done=True)
+        while (k + 1) * batch_size <= have and gate.allows(k):
+            k += 1
+        yielded[r] = k
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(good))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return yielded
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_every_rank_yields_min_good_rows_over_batch_size(ray_session, trial):
+    rng = random.Random(trial)
+    world, batch_size, planned = rng.choice([2, 3, 4]), rng.choice([3, 8]), 60
+    good = [planned - rng.choice([0, 0, 1, 5, 17]) for _ in range(world)]
+    ledger = create_ledger(world)
+    yielded = run_ranks(ledger, f"t{trial}", good, batch_size, planned)
+    assert yielded == [min(good) // batch_size] * world, (good, yielded)
+
+
+def test_one_rank_needs_no_ledger():
+    gate = Gate(None, "", 0, 4)
+    gate.start(0, 10)
+    gate.add(8, done=True)
+    assert gate.allows(0) and gate.allows(1)
+    assert not gate.allows(2)  # 12 > 10 planned rows
