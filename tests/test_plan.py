@@ -81,7 +81,7 @@ def test_tasks_cover_the_rank_keys_and_hold_per_task_shard_pieces(per_task):
     for plan in plans(lst, 2, per_task=per_task):
         keys, tasks = plan.keys(1), plan.tasks(1)
         assert tasks[0][0] == 0 and tasks[-1][1] == len(keys)
-        assert all(a[1] == b[0] for a, b in zip(tasks, tasks[1:]))
+        assert all(a[1] == b[0] for a, b in zip(tasks[:-1], tasks[1:], strict=True))
         for lo, hi in tasks:
             assert len(np.unique(plan.shard_of(keys[lo:hi]))) <= per_task
 
