@@ -1,0 +1,97 @@
+"""Driver for tests/test_seeds.py, run in a subprocess: a Ray of its own whose workers
+sleep a random time before every decode, so that blocks finish in a different order on
+every run.
+
+``python -m tests.seed_driver SOURCE OUT``: for each run in RUNS (world size, actors, a
+slow rank), every epoch of every rank through `raypipe.Pipeline`; writes
+``{run name: [[keys of rank r in epoch e, in order] ...]}`` and the stats as JSON to OUT.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+import ray
+
+from raypipe import Pipeline, PipelineConfig, SkipLog
+
+EPOCHS, BATCH = 2, 16
+# name: (world size, PipelineConfig.actors, seconds each rank sleeps per batch)
+RUNS = {
+    "w1-a": (1, (1, 1), (0.0,)),
+    "w1-b": (1, (2, 2), (0.01,)),
+    "w2-a": (2, (2, 2), (0.0, 0.0)),
+    "w2-b": (2, (4, 4), (0.0, 0.02)),
+    "w2-c": (2, (2, 4), (0.015, 0.0)),
+}
+
+
+def jitter() -> None:
+    """Worker setup: every decode waits 0-12 ms, drawn from the OS's randomness."""
+    import random
+
+    import raypipe.pipeline as pipeline
+
+    rng, decode = random.SystemRandom(), pipeline.decode_crop
+
+    def slow_decode(*args, **kwargs):
+        time.sleep(rng.random() * 0.012)
+        return decode(*args, **kwargs)
+
+    pipeline.decode_crop = slow_decode
+
+
+def run(config: PipelineConfig, world: int, pauses: tuple[float, ...]) -> dict:
+    ledger = Pipeline.ledger(world) if world > 1 else None
+    skips = SkipLog.create()
+    keys = [[[] for _ in range(EPOCHS)] for _ in range(world)]
+    stats = [[None] * EPOCHS for _ in range(world)]
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            pipe = Pipeline(config, epochs=EPOCHS, rank=r, world_size=world, ledger=ledger,
+                            skips=skips, device="cpu", normalize=False)  # fmt: skip
+            for epoch, batches in pipe.epochs():
+                for batch in batches:
+                    keys[r][epoch].append(batch["key"].tolist())
+                    time.sleep(pauses[r])
+                stats[r][epoch] = {k: v for k, v in batches.stats().items() if k != "stalls"}
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return {"keys": keys, "stats": stats}
+
+
+def main(source: str, out: str) -> None:
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             object_store_memory=256 << 20, configure_logging=False,
+             runtime_env={"worker_process_setup_hook": jitter})  # fmt: skip
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    config = PipelineConfig(source=source, image_size=8, batch_size=BATCH, seed=7,
+                            files_per_task=6, rows_per_block=4, actor_cpus=0.5)  # fmt: skip
+    report = {}
+    try:
+        for name, (world, actors, pauses) in RUNS.items():
+            t0 = time.perf_counter()
+            report[name] = run(config.replace(actors=actors), world, pauses)
+            print(f"{name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    finally:
+        ray.shutdown()
+    with open(out, "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
