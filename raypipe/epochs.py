@@ -17,9 +17,11 @@ are skipped.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
+from raypipe.blocks import execute
 from raypipe.config import PipelineConfig
 from raypipe.feeder import Feeder
 from raypipe.ledger import Gate, create_ledger
@@ -143,12 +145,5 @@ class Pipeline:
 
 
 def _starter(ds):
-    """Start ``ds``'s execution (on the feeder thread): its bundles and how to stop it."""
-    if ds is None:
-        return None
-
-    def start():
-        bundles, _, executor = ds._execute_to_iterator()
-        return bundles, (lambda: executor.shutdown(force=True)) if executor else None
-
-    return start
+    """Start ``ds``'s execution on the feeder thread; None when the rank has no task."""
+    return None if ds is None else functools.partial(execute, ds)

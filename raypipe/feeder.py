@@ -26,33 +26,18 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from raypipe.blocks import block_columns
 from raypipe.ledger import Gate
 from raypipe.plan import RankPlan
 from raypipe.rebatch import rebatch
 
-__all__ = ["Feeder", "block_columns", "shuffled"]
+__all__ = ["Feeder", "shuffled"]
 assert __all__ == sorted(__all__)
 
 Columns = dict[str, np.ndarray]
 _END, _BATCH, _FAIL = "end", "batch", "fail"
 _POLL_S = 0.05  # how often a blocked put checks for close()
 STAGES = ("ray_s", "peers_s", "iterator_s", "trainer_s")
-
-
-def block_columns(bundles) -> Iterator[Columns]:
-    """Step 1: the numpy columns of every block of a stream of Ray ``RefBundle``s."""
-    import ray
-    from ray.data.block import BlockAccessor
-
-    for bundle in bundles:
-        slices = getattr(bundle, "slices", None) or [None] * len(bundle.blocks)
-        for entry, piece in zip(bundle.blocks, slices, strict=True):
-            if entry.metadata.num_rows == 0:  # a task whose every sample was skipped
-                continue
-            block = BlockAccessor.for_block(ray.get(entry.ref))
-            if piece is not None:
-                block = BlockAccessor.for_block(block.slice(piece.start_offset, piece.end_offset))
-            yield block.to_batch_format("numpy")
 
 
 def shuffled(blocks, batch_size: int, buffer: int, rng: np.random.Generator):

@@ -2,7 +2,8 @@
 
 A straight line of iterator-to-iterator stages, each testable alone::
 
-    1. host_batches   Ray's iter_batches (prefetch threads, optional local shuffle)
+    1. host_batches   a Dataset's blocks read directly (raypipe.blocks), or Ray's
+                      iter_batches for a split's iterator or a local shuffle buffer
     2. rebatch        exactly ``batch_size`` rows per batch, whatever Ray yields
     3. to_tensors     zero-copy numpy → torch on the host
     4. to_device      pinned ring slot → copy on a side CUDA stream (``raypipe.h2d``);
@@ -29,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from raypipe.blocks import dataset_columns
 from raypipe.h2d import HostToDevice
 from raypipe.rebatch import rebatch
 from raypipe.resume import Delivered
@@ -92,9 +94,16 @@ def iter_torch_batches(
 
 
 def _ray_host(source, batch_size, prefetch, shuffle, drop_last) -> Iterator[dict[str, np.ndarray]]:
-    """Steps 1-2 over a Ray source: Ray's batches re-cut to exactly ``batch_size`` rows."""
-    return rebatch(host_batches(source, batch_size, prefetch, *shuffle), batch_size,
-                   drop_last=drop_last)  # fmt: skip
+    """Steps 1-2 over a Ray source, re-cut to exactly ``batch_size`` rows: a Dataset's
+    blocks read directly (`raypipe.blocks`), else Ray's batches (a split's iterator, or
+    Ray's local shuffle buffer)."""
+    import ray.data
+
+    if isinstance(source, ray.data.Dataset) and not shuffle[0]:
+        host = dataset_columns(source)
+    else:
+        host = host_batches(source, batch_size, prefetch, *shuffle)
+    return rebatch(host, batch_size, drop_last=drop_last)
 
 
 class TorchBatches:
