@@ -183,7 +183,9 @@ def main() -> None:
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              configure_logging=False)  # fmt: skip
     ray.data.DataContext.get_current().enable_progress_bars = False
-    config = PipelineConfig(source=str(root), image_size=64, batch_size=64, actors=(1, 1))
+    config = PipelineConfig(
+        source=str(root), image_size=64, batch_size=64, actors=(1, 1), actor_cpus=0.5
+    )  # two rank pools + two workers fit 2 CPUs
     with tempfile.TemporaryDirectory() as tmp:
         resume = resume_cost(config, args.resume_repeats, tmp)
         print(

@@ -7,12 +7,15 @@ One run measures, on one generated corpus of ~400×300 photo JPEGs
   (b) torch DataLoader, best of a small sweep (workers, persistent workers, prefetch
       factor, pin_memory where CUDA exists), with the standard Pillow transform and
       with raypipe's fast transform;
-  (c) raypipe ``build_dataset`` → ``iter_torch_batches``: first epoch with startup,
-      then the median of several epochs; and the per-batch cost of the rank iterator
-      over blocks already in the object store.
+  (c) raypipe's warm run-long ``Pipeline`` (one actor pool for every epoch; also with
+      ``compute="tasks"``) and, for comparison, the previous shape: a ``build_dataset``
+      per epoch (a new pool per epoch): first epoch with start-up, then the median of
+      the later epochs; the stall view of every warm epoch; and the per-batch cost of
+      the rank iterator over blocks already in the object store.
 
 Every path yields uint8 N×3×224×224 batches of 256 on the host (normalisation belongs
-on the device). Prints a table, writes ``ingest.json`` and ``ingest.png`` under --out.
+on the device). Prints a table, writes ``ingest.json``, ``ingest.png`` and the warm
+path's stall view ``stalls.png`` under --out.
 
     python benchmarks/ingest.py --size small
 """
@@ -30,7 +33,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from ingest_report import chart, print_table
+from ingest_report import chart, print_table, stall_chart
 from nodecpu import CpuMeter
 
 from raypipe import fastimage, transforms
@@ -152,11 +155,11 @@ def dataloader(shards, transform: str, epochs: int, settings: list[dict]) -> dic
     return {"best": best, "sweep": results}
 
 
-def raypipe_run(corpus: Path, epochs: int, actors: int) -> dict:
-    """(c) raypipe through iter_torch_batches, one dataset per epoch as train_ddp does.
+PATHS = ("warm", "warm_tasks", "per_epoch")  # keys of result["raypipe"]
 
-    Both compute modes in one Ray session: the actor pool (the default) and tasks.
-    """
+
+def raypipe_run(corpus: Path, epochs: int, actors: int) -> dict:
+    """(c) raypipe's paths in one Ray session, and the rank iterator's cost per batch."""
     import ray
     import ray.data
 
@@ -171,16 +174,47 @@ def raypipe_run(corpus: Path, epochs: int, actors: int) -> dict:
     config = PipelineConfig(source=str(corpus), batch_size=BATCH, image_size=IMAGE,
                             seed=SEED, actors=(actors, actors))  # fmt: skip
     listing = list_shards(config)
-    for compute in ("actors", "tasks"):
-        out[compute] = raypipe_epochs(config.replace(compute=compute), listing, epochs)
-        print(f"  raypipe {compute}: steady {out[compute]['steady_img_s']:.0f} img/s")
+    out["warm"] = warm_epochs(config, listing, epochs)
+    out["warm_tasks"] = warm_epochs(config.replace(compute="tasks"), listing, epochs)
+    out["per_epoch"] = per_epoch_datasets(config, listing, epochs)
+    for path in PATHS:
+        print(f"  raypipe {path}: steady {out[path]['steady_img_s']:.0f} img/s")
     ready = build_dataset(config.replace(compute="tasks"), epoch=0, listing=listing)
     out["iterator_ms_per_batch"] = iterator_cost(ready)
     ray.shutdown()
     return out
 
 
-def raypipe_epochs(config: PipelineConfig, listing, epochs: int) -> dict:
+def warm_epochs(config: PipelineConfig, listing, epochs: int) -> dict:
+    """The run-long Pipeline: each epoch timed from asking for it to its last batch."""
+    from raypipe import Pipeline
+
+    cpu0, stalls = resource.getrusage(resource.RUSAGE_SELF), []
+    with Pipeline(config, epochs=epochs, listing=listing, device="cpu", normalize=False) as pipe:
+        run = pipe.epochs()
+        last = []
+
+        def epoch_iter(epoch):
+            if last:
+                stalls.append(_stall_row(last.pop().stats()))
+            _, batches = next(run)
+            last.append(batches)
+            return iter(batches)
+
+        r = run_epochs(epoch_iter, epochs)
+        stalls.append(_stall_row(last.pop().stats()))
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    driver = cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
+    return {**r, "driver_cpu_s_per_epoch": driver / epochs, "stalls": stalls}
+
+
+def _stall_row(stats: dict) -> dict:
+    return {"wait_s": stats["wait_s"], "elapsed_s": stats["elapsed_s"],
+            "bound": stats["bound"], **stats["stalls"]}  # fmt: skip
+
+
+def per_epoch_datasets(config: PipelineConfig, listing, epochs: int) -> dict:
+    """The previous shape: one dataset, and so one new actor pool, per epoch."""
     from raypipe import build_dataset, iter_torch_batches
 
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -195,8 +229,9 @@ def raypipe_epochs(config: PipelineConfig, listing, epochs: int) -> dict:
     return {**r, "driver_cpu_s_per_epoch": driver / epochs}
 
 
-def iterator_cost(ds, repeats: int = 3) -> float:
-    """Per-batch time of the rank iterator over blocks already in the object store."""
+def iterator_cost(ds, repeats: int = 5) -> float:
+    """Per-batch time of the rank iterator over blocks already in the object store
+    (best of ``repeats`` passes; blocks are one batch each)."""
     from raypipe import iter_torch_batches
 
     ready = ds.materialize()
@@ -238,17 +273,20 @@ def main(argv: list[str] | None = None) -> dict:
     result["ratios"] = {
         f"{compute}_vs_dataloader_{t}": {
             "epoch": result["raypipe"][compute]["steady_img_s"] / dl[t]["steady_img_s"],
+            "first_epoch": result["raypipe"][compute]["first_epoch_img_s"]
+            / dl[t]["first_epoch_img_s"],
             "in_epoch_flow": result["raypipe"][compute]["flowing_img_s"] / dl[t]["steady_img_s"],
             "per_cpu_s": result["raypipe"][compute]["img_per_cpu_s"] / dl[t]["img_per_cpu_s"],
         }
-        for compute in ("actors", "tasks")
+        for compute in PATHS
         for t in TRANSFORMS
     }
     result["machine"]["loadavg_at_end"] = os.getloadavg()
     print_table(result)
     (args.out / "ingest.json").write_text(json.dumps(result, indent=2, default=str))
     chart(result, args.out / "ingest.png")
-    print(f"wrote {args.out / 'ingest.json'} and {args.out / 'ingest.png'}")
+    stall_chart(result, args.out / "stalls.png")
+    print(f"wrote {args.out / 'ingest.json'}, {args.out / 'ingest.png'}, {args.out / 'stalls.png'}")
     return result
 
 

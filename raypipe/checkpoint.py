@@ -48,10 +48,13 @@ def _latest_in_run(run_dir: str) -> tuple[PipelineState, str] | None:
     """The state in the latest checkpoint Ray Train registered in ``run_dir`` (a local
     path or a storage URI), with that checkpoint's path; None when there is none."""
     import ray.train
+    from ray.train.v2._internal.exceptions import CheckpointManagerInitializationError
 
     try:
         checkpoint = ray.train.Result.from_path(run_dir).checkpoint
     except (RuntimeError, OSError):  # no run folder, or nothing registered in it yet
+        return None
+    except CheckpointManagerInitializationError:  # read while Ray Train rewrites its state
         return None
     if checkpoint is None:
         return None

@@ -31,6 +31,7 @@ from raypipe.pipeline import build_dataset
 from raypipe.resume import fingerprint
 from raypipe.skips import SkipLog, write_reports
 from raypipe.sources import Listing, list_shards
+from raypipe.warm import rank_pool
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +163,27 @@ class TrainContext:
         self.progress.save(metrics, state)
 
 
+def _warn_if_short_of_cpus(config, eval_config, num_workers: int, cpus_per_worker: float):
+    """Say so when the workers and the smallest pools cannot all start on today's cluster
+    (the run would wait for the autoscaler, or forever): every rank's pool holds its CPUs
+    for the whole run."""
+    import ray
+
+    lo, _ = rank_pool(config.actors, num_workers)
+    need = num_workers * (cpus_per_worker + lo * config.actor_cpus)
+    if eval_config is not None:
+        need += eval_config.actors[0] * eval_config.actor_cpus
+    have = ray.cluster_resources().get("CPU", 0)
+    if need > have:
+        log.warning(
+            "raypipe: this run needs at least %.2f CPUs (%d workers x %.2f + %d rank pools "
+            "of %d actor(s) x %.2f%s) and the cluster has %.2f now: it waits for more nodes; "
+            "lower cpus_per_worker, actors or actor_cpus to fit", need, num_workers,
+            cpus_per_worker, num_workers, lo, config.actor_cpus,
+            " + the eval pool" if eval_config is not None else "", have,
+        )  # fmt: skip
+
+
 def _group_id() -> str:
     """One id for this group of ranks, from rank 0 (a restarted group gets a new one)."""
     import torch.distributed as dist
@@ -238,6 +260,7 @@ def train_ddp(
         skip_logs[EVAL] = SkipLog.of(datasets[EVAL])
     progress = Progress(seed=config.seed, num_samples=listing.num_samples,
                         fingerprint=fingerprint(listing), start=start, start_dir=start_dir)  # fmt: skip
+    _warn_if_short_of_cpus(config, eval_config, num_workers, cpus_per_worker)
     ledger = create_ledger(num_workers) if num_workers > 1 else None
     ctx = TrainContext(config, eval_config, dict(loop_config or {}), epochs, skip_logs=skip_logs,
                        checkpoint_every=checkpoint_every, progress=progress, listing=listing,

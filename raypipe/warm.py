@@ -24,7 +24,7 @@ from raypipe.pipeline import Preprocessor
 from raypipe.plan import RankPlan
 from raypipe.sources import Listing
 
-__all__ = ["RankPreprocessor", "rank_dataset", "rank_pool", "task_table"]
+__all__ = ["RankPreprocessor", "rank_dataset", "rank_pool", "rank_task", "task_table"]
 assert __all__ == sorted(__all__)
 
 
@@ -54,24 +54,26 @@ def rank_dataset(config: PipelineConfig, listing: Listing, plan: RankPlan, epoch
     # which would compete with the pool for CPUs.
     ids = [{"id": i} for i in range(len(table))]
     ds = ray.data.from_items(ids, override_num_blocks=len(table))
-    ds = ds.map_batches(
-        RankPreprocessor,
-        fn_constructor_kwargs={
-            "config": config,
-            "fmt": listing.format,
-            "plan": plan,
-            "table": table,
-            "paths": [s.path for s in listing.shards],
-            "labels": np.fromiter((s.label for s in listing.shards), np.int64),
-            "skips": skips,
-        },  # fmt: skip
-        batch_size=1,
-        batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi),
-        num_cpus=config.actor_cpus,
-    )
+    kwargs = {
+        "config": config, "fmt": listing.format, "plan": plan, "table": table,
+        "paths": [s.path for s in listing.shards],
+        "labels": np.fromiter((s.label for s in listing.shards), np.int64),
+        "skips": skips,
+    }  # fmt: skip
+    common = {"batch_size": 1, "batch_format": "numpy", "num_cpus": config.actor_cpus}
+    if config.compute == "tasks":  # Ray tasks on pooled workers, at most ``hi`` at once
+        ds = ds.map_batches(rank_task, fn_kwargs=kwargs, concurrency=hi, **common)
+    else:
+        ds = ds.map_batches(RankPreprocessor, fn_constructor_kwargs=kwargs,
+                            compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi),
+                            **common)  # fmt: skip
     ds.context.execution_options.preserve_order = True
     return ds
+
+
+def rank_task(ids: dict[str, np.ndarray], **kwargs):
+    """`RankPreprocessor` as a plain Ray task (``PipelineConfig.compute="tasks"``)."""
+    yield from RankPreprocessor(**kwargs)(ids)
 
 
 class RankPreprocessor(Preprocessor):
