@@ -100,23 +100,33 @@ class FileDataset:
         return {"image": torch.from_numpy(image), "label": s.label, "key": s.first_key}
 
 
-def run_epochs(make_iter, epochs: int) -> dict:
-    """Wall time per epoch from asking for the iterator to the last batch, and node CPU."""
-    rates, firsts, flowing, cpus, by_name, rows = [], [], [], [], [], 0
+def run_epochs(make_iter, epochs: int, pause_s: float = 0.0) -> dict:
+    """Wall time per epoch from asking for the iterator to the last batch, and node CPU;
+    the consumer sleeps ``pause_s`` after each batch (0: as fast as batches come)."""
+    rates, firsts, flowing, cpus, by_name, waits, rows = [], [], [], [], [], [], 0
     for epoch in range(epochs):
-        rows, t_first = 0, None
+        rows, t_first, waited = 0, None, 0.0
         with CpuMeter() as cpu:
             t0 = time.perf_counter()
-            for batch in make_iter(epoch):
+            batches = make_iter(epoch)
+            while True:
+                t_ask = time.perf_counter()
+                batch = next(batches, None)
+                if batch is None:
+                    break
+                waited += time.perf_counter() - t_ask
                 rows += len(batch["key"])
                 if t_first is None:
                     t_first, first_rows = time.perf_counter(), rows
+                if pause_s:
+                    time.sleep(pause_s)
             t_end = time.perf_counter()
         cpus.append(cpu.seconds)
         by_name.append({k: round(v, 2) for k, v in cpu.by_name.items() if v >= 0.01})
         rates.append(rows / (t_end - t0))
         firsts.append(t_first - t0)
         flowing.append((rows - first_rows) / max(t_end - t_first, 1e-9))
+        waits.append(waited / (t_end - t0))
     steady = rates[1:] or rates
     return {
         "epoch_img_s": rates,
@@ -124,6 +134,7 @@ def run_epochs(make_iter, epochs: int) -> dict:
         "steady_img_s": statistics.median(steady),
         "flowing_img_s": statistics.median(flowing[1:] or flowing),
         "first_batch_s": firsts,
+        "wait_fraction": waits,
         "cpu_s_per_epoch": cpus,
         "cpu_s_by_process": by_name,
         "img_per_cpu_s": statistics.median(rows / max(c, 1e-9) for c in cpus[1:] or cpus),
@@ -156,6 +167,9 @@ def dataloader(shards, transform: str, epochs: int, settings: list[dict]) -> dic
 
 
 PATHS = ("warm", "warm_tasks", "per_epoch")  # keys of result["raypipe"]
+# A trainer slower than the pipeline: seconds of "compute" per batch, so that the next
+# epoch can be ready before it is asked for (the DataLoader's persistent workers + prefetch).
+PACE_S = 0.25
 
 
 def raypipe_run(corpus: Path, epochs: int, actors: int) -> dict:
@@ -174,9 +188,21 @@ def raypipe_run(corpus: Path, epochs: int, actors: int) -> dict:
     config = PipelineConfig(source=str(corpus), batch_size=BATCH, image_size=IMAGE,
                             seed=SEED, actors=(actors, actors))  # fmt: skip
     listing = list_shards(config)
-    out["warm"] = warm_epochs(config, listing, epochs)
+    sweep = {}  # the DataLoader gets the best of its sweep; the warm pool gets two sizes
+    for n in (actors, actors + 1):
+        sweep[n] = warm_epochs(config.replace(actors=(n, n)), listing, epochs)
+        print(f"  raypipe warm, {n} actors: steady {sweep[n]['steady_img_s']:.0f} img/s")
+    best = max(sweep, key=lambda n: sweep[n]["steady_img_s"])
+    out["warm"] = {**sweep[best], "actors": best,
+                   "sweep": {n: r["steady_img_s"] for n, r in sweep.items()}}  # fmt: skip
+    config = config.replace(actors=(best, best))
     out["warm_tasks"] = warm_epochs(config.replace(compute="tasks"), listing, epochs)
     out["per_epoch"] = per_epoch_datasets(config, listing, epochs)
+    out["pace_s"] = PACE_S
+    out["paced"] = {
+        "warm": warm_epochs(config, listing, epochs, pause_s=PACE_S),
+        "per_epoch": per_epoch_datasets(config, listing, epochs, pause_s=PACE_S),
+    }
     for path in PATHS:
         print(f"  raypipe {path}: steady {out[path]['steady_img_s']:.0f} img/s")
     ready = build_dataset(config.replace(compute="tasks"), epoch=0, listing=listing)
@@ -185,8 +211,9 @@ def raypipe_run(corpus: Path, epochs: int, actors: int) -> dict:
     return out
 
 
-def warm_epochs(config: PipelineConfig, listing, epochs: int) -> dict:
-    """The run-long Pipeline: each epoch timed from asking for it to its last batch."""
+def warm_epochs(config: PipelineConfig, listing, epochs: int, pause_s: float = 0.0) -> dict:
+    """The run-long Pipeline: each epoch timed from asking for it to its last batch;
+    ``pause_s`` per batch plays a trainer's step."""
     from raypipe import Pipeline
 
     cpu0, stalls = resource.getrusage(resource.RUSAGE_SELF), []
@@ -201,7 +228,7 @@ def warm_epochs(config: PipelineConfig, listing, epochs: int) -> dict:
             last.append(batches)
             return iter(batches)
 
-        r = run_epochs(epoch_iter, epochs)
+        r = run_epochs(epoch_iter, epochs, pause_s)
         stalls.append(_stall_row(last.pop().stats()))
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     driver = cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
@@ -213,7 +240,7 @@ def _stall_row(stats: dict) -> dict:
             "bound": stats["bound"], **stats["stalls"]}  # fmt: skip
 
 
-def per_epoch_datasets(config: PipelineConfig, listing, epochs: int) -> dict:
+def per_epoch_datasets(config: PipelineConfig, listing, epochs: int, pause_s: float = 0.0) -> dict:
     """The previous shape: one dataset, and so one new actor pool, per epoch."""
     from raypipe import build_dataset, iter_torch_batches
 
@@ -223,7 +250,7 @@ def per_epoch_datasets(config: PipelineConfig, listing, epochs: int) -> dict:
         ds = build_dataset(config, epoch=epoch, listing=listing)
         return iter(iter_torch_batches(ds, batch_size=BATCH, device="cpu", normalize=False))
 
-    r = run_epochs(epoch_iter, epochs)
+    r = run_epochs(epoch_iter, epochs, pause_s)
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     driver = cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
     return {**r, "driver_cpu_s_per_epoch": driver / epochs}

@@ -82,6 +82,11 @@ def print_table(r: dict) -> None:
     )
     for compute in PATHS:
         print(f"driver CPU per epoch, {compute}: {rp[compute]['driver_cpu_s_per_epoch']:.2f} s")
+    for path in ("warm", "per_epoch"):
+        pr = rp["paced"][path]
+        print(f"trainer at {rp['pace_s']} s per batch, {path}: first batch of each epoch "
+              f"{[round(x, 3) for x in pr['first_batch_s']]} s, wait "
+              f"{[round(x, 3) for x in pr['wait_fraction']]}")  # fmt: skip
     m = r["machine"]
     print(f"load average at start {m['loadavg_at_start']}, end {m['loadavg_at_end']}")
 

@@ -110,6 +110,7 @@ def classify_loop(ctx: TrainContext) -> None:
             "wait_fraction": wait / ctx.world_size,
             "steps_per_rank": steps,
             "skipped": sum(it["skipped"].values()),  # the epoch's, over all ranks
+            "bound": it["bound"],  # rank 0's stall view
         }
         if ctx.eval_config is not None:
             metrics["val_accuracy"] = evaluate(ctx, model)
@@ -140,9 +141,10 @@ def _unwrap(model):
 def format_epoch(m: dict[str, Any]) -> str:
     acc = f"  val_acc {m['val_accuracy']:.3f}" if "val_accuracy" in m else ""
     skipped = f", {m['skipped']} bad skipped" if m.get("skipped") else ""
+    bound = f"  bound: {m['bound'].split(':')[0]}" if m.get("bound") else ""
     return (
         f"epoch {m['epoch']}: loss {m['loss']:.4f}{acc}  {m['samples_per_s']:.0f} samples/s"
-        f"  wait {m['wait_fraction']:.1%}  ({m['samples']} samples{skipped})"
+        f"  wait {m['wait_fraction']:.1%}{bound}  ({m['samples']} samples{skipped})"
     )
 
 

@@ -47,16 +47,16 @@ class IterStats:
 
 WAITS_BELOW = 0.1  # a trainer waiting less than this share of its time is the bound
 STAGE_NAMES = {
-    "ray_s": "preprocessing (Ray Data: read, decode, object store): add actors or nodes",
-    "peers_s": "other ranks (equal batch counts wait for the slowest rank's data)",
-    "iterator_s": "the rank iterator (block fetch, re-batching)",
+    "ray_s": "preprocessing: reading, decoding or the object store; add actors or nodes",
+    "peers_s": "other ranks: equal batch counts wait for the rank whose data comes last",
+    "iterator_s": "rank iterator: fetching blocks and re-batching",
 }
 
 
 def bound(wait_fraction: float, stalls: dict[str, float]) -> str:
     """Which stage bounds the epoch: the trainer when it barely waited for data, else the
-    stage of the data side that held the rank's feeder longest."""
+    stage of the data side that held the rank's feeder longest (name: what to do)."""
     if wait_fraction < WAITS_BELOW:
-        return "trainer (data was ready; more preprocessing would not help)"
+        return "trainer: data was ready; more preprocessing would not help"
     stage = max(STAGE_NAMES, key=lambda k: stalls.get(k, 0.0))
     return STAGE_NAMES[stage]
