@@ -42,7 +42,7 @@ from raypipe.demo import write_photos
 from raypipe.sources import list_shards
 from raypipe.transforms import plan, sample_rng
 
-SIZES = {"small": (2048, 3), "medium": (6144, 4), "large": (16384, 5)}  # images, epochs
+SIZES = {"small": (2048, 5), "medium": (6144, 5), "large": (16384, 5)}  # images, epochs
 BATCH, IMAGE, SEED = 256, 224, 0
 TRANSFORMS = {"pillow": transforms.decode_crop, "fast": fastimage.decode_crop}
 
