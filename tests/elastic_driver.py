@@ -5,8 +5,9 @@
 needs more CPUs than the head has, then wait for the idle worker nodes to go.
 
 ``python -m tests.elastic_driver node-loss DATA OUT TEMP_DIR PORT AFTER,AFTER,..``: a ``ray.cluster_utils.Cluster``
-(head + 2 worker nodes); one epoch per AFTER that loses a worker node after that batch,
-then one that loses a preprocessing actor's process (``os.kill``).
+(head + 2 worker nodes); one warm `raypipe.Pipeline` run with one epoch per AFTER that
+loses a worker node after that batch, then one that loses a preprocessing actor's
+process (``os.kill``).
 
 Each writes a JSON report to OUT; the test asserts on it.
 """
@@ -21,7 +22,7 @@ import sys
 import threading
 import time
 
-from raypipe import PipelineConfig, PoolWatch, build_dataset, iter_torch_batches
+from raypipe import Pipeline, PipelineConfig, PoolWatch, build_dataset, iter_torch_batches
 
 BATCH = 8
 
@@ -91,32 +92,35 @@ def node_loss(data: str, out: str, temp_dir: str, port: str, kill_after: list[in
     )
     actor_nodes: set[str] = set()
     report: dict = {"epochs": [], "head": cluster.head_node.node_id}
+    epochs = len(kill_after) + 1  # the last one loses an actor
     try:
-        with PoolWatch(interval_s=0.5) as watch:
-            for epoch, after in enumerate(kill_after):
+        with PoolWatch(interval_s=0.5) as watch, Pipeline(config, epochs=epochs) as pipe:
+            for epoch, batches in pipe.epochs():
+                after = kill_after[epoch] if epoch < len(kill_after) else None
                 cluster.wait_for_nodes(timeout=120)
-
-                def lose_node(i: int, after=after) -> None:
+                killed: list[int] = []
+                done = threading.Event()
+                if after is None:  # kill one of the pool's processes as the epoch starts
+                    killer = threading.Thread(target=_kill_first_actor,
+                                              args=(watch, killed, set(), done))  # fmt: skip
+                    killer.start()
+                keys = []
+                for i, batch in enumerate(batches):
+                    keys.extend(int(k) for k in batch["key"])
                     actor_nodes.update(a["Address"]["NodeID"] for a in watch.alive())
                     if i == after:  # a worker node goes; a new one comes, as on a real cluster
                         victim = workers.pop(0)
                         log.warning("removing node %s after batch %d", victim.node_id, i)
                         cluster.remove_node(victim, allow_graceful=False)
                         workers.append(cluster.add_node(**node))
-
-                result = _epoch(config, watch, on_batch=lose_node, epoch=epoch)
-                report["epochs"].append({"kill_after": after, **result})
-            killed: list[int] = []
-            old = {a["ActorID"] for a in watch.alive()}  # the last epoch's, if still alive
-            done = threading.Event()
-            killer = threading.Thread(target=_kill_first_actor, args=(watch, killed, old, done))
-            killer.start()  # kills one as soon as the epoch's pool has an actor
-            try:
-                result = _epoch(config, watch, epoch=len(kill_after))
-            finally:
-                done.set()
-                killer.join()
-            report["actor_kill"] = {"pids": killed, **result}
+                result = {"keys": keys, "stats": batches.stats(),
+                          "ended": time.monotonic() - watch._t0}  # fmt: skip
+                if after is None:
+                    done.set()
+                    killer.join()
+                    report["actor_kill"] = {"pids": killed, **result}
+                else:
+                    report["epochs"].append({"kill_after": after, **result})
             deadline = time.monotonic() + 120  # Ray's health checks mark a lost node dead
             while watch.summary()["nodes_lost"] < len(kill_after) < 99:
                 if time.monotonic() > deadline:
