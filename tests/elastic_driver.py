@@ -5,9 +5,10 @@
 needs more CPUs than the head has, then wait for the idle worker nodes to go.
 
 ``python -m tests.elastic_driver node-loss DATA OUT TEMP_DIR PORT AFTER,AFTER,..``: a ``ray.cluster_utils.Cluster``
-(head + 2 worker nodes); one warm `raypipe.Pipeline` run with one epoch per AFTER that
-loses a worker node after that batch, then one that loses a preprocessing actor's
-process (``os.kill``).
+(head + 2 worker nodes); one warm `raypipe.Pipeline` run whose first epoch loses a
+preprocessing actor's process (``os.kill``) as soon as the pool has one, then one epoch
+per AFTER that loses a worker node after that batch (with the blocks of later epochs
+that its object store may hold).
 
 Each writes a JSON report to OUT; the test asserts on it.
 """
@@ -92,11 +93,11 @@ def node_loss(data: str, out: str, temp_dir: str, port: str, kill_after: list[in
     )
     actor_nodes: set[str] = set()
     report: dict = {"epochs": [], "head": cluster.head_node.node_id}
-    epochs = len(kill_after) + 1  # the last one loses an actor
+    epochs = len(kill_after) + 1  # the first one loses an actor
     try:
         with PoolWatch(interval_s=0.5) as watch, Pipeline(config, epochs=epochs) as pipe:
             for epoch, batches in pipe.epochs():
-                after = kill_after[epoch] if epoch < len(kill_after) else None
+                after = kill_after[epoch - 1] if epoch > 0 else None
                 cluster.wait_for_nodes(timeout=120)
                 killed: list[int] = []
                 done = threading.Event()
