@@ -256,17 +256,16 @@ def per_epoch_datasets(config: PipelineConfig, listing, epochs: int, pause_s: fl
     return {**r, "driver_cpu_s_per_epoch": driver / epochs}
 
 
-def iterator_cost(ds, repeats: int = 5) -> float:
-    """Per-batch time of the rank iterator over blocks already in the object store
-    (best of ``repeats`` passes; blocks are one batch each)."""
+def iterator_cost(ds, repeats: int = 10) -> float:
+    """Per-batch time of the rank iterator over blocks already in the object store: the
+    best of ``repeats`` whole passes, start of the pass included (blocks are one batch)."""
     from raypipe import iter_torch_batches
 
     ready = ds.materialize()
     best = float("inf")
     for _ in range(repeats):
-        it = iter_torch_batches(ready, batch_size=BATCH, device="cpu", normalize=False)
         t0, n = time.perf_counter(), 0
-        for _ in it:
+        for _ in iter_torch_batches(ready, batch_size=BATCH, device="cpu", normalize=False):
             n += 1
         best = min(best, (time.perf_counter() - t0) / max(n, 1))
     return best * 1e3

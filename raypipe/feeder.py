@@ -19,6 +19,7 @@ ranks, on its own conversion, or on the trainer.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -61,6 +62,10 @@ def _draw(held: Columns, n: int, rng: np.random.Generator, rest: list):
     take, keep = order[:n], order[n:]
     rest.append({k: v[keep] for k, v in held.items()})
     yield {k: v[take] for k, v in held.items()}
+
+
+class _Closed(Exception):
+    """The consumer closed the feeder: its thread ends quietly."""
 
 
 class Feeder:
@@ -151,10 +156,11 @@ class Feeder:
             ahead = None
             for e in self._epochs:
                 ahead = self._epoch(e, blocks, ahead, startup if e == self._epochs.start else 0)
-                if ahead is False:
-                    return
-        except BaseException as e:  # reaches the consumer
-            self._put((_FAIL, -1, e))
+        except _Closed:
+            return
+        except BaseException as e:  # reaches the consumer, unless it is gone
+            with contextlib.suppress(_Closed):
+                self._put((_FAIL, -1, e))
 
     def _epoch(self, e: int, blocks, ahead, startup: float):
         """Feed epoch ``e``; returns the first block of the next epoch if it was read."""
@@ -198,15 +204,13 @@ class Feeder:
             stall["peers_s"] += self._gate.waited_s - waited
             if not allowed:
                 break
-            if not self._put((_BATCH, e, batch), stall):
-                return False
+            self._put((_BATCH, e, batch), stall)
             k += 1
             t0, ray0 = time.perf_counter(), stall["ray_s"]
         for _ in source:  # the rest of the epoch's rows, if the gate ended it early
             pass
         self._counts[e] = {"planned": planned, "good": got, "batches": k, "dropped": got - k * B}
-        if not self._put((_END, e, None), stall):
-            return False
+        self._put((_END, e, None), stall)
         return state["ahead"]
 
     def _timed(self, it: Iterator[Columns], stage: str) -> Iterator[Columns]:
@@ -220,16 +224,17 @@ class Feeder:
                 self._current[stage] += time.perf_counter() - t0
             yield item
 
-    def _put(self, item, stall: dict[str, float] | None = None) -> bool:
+    def _put(self, item, stall: dict[str, float] | None = None) -> None:
+        """Queue ``item`` for the consumer; raises `_Closed` once `close` was called."""
         t0 = time.perf_counter()
         try:
             while not self._closed.is_set():
                 try:
                     self._queue.put(item, timeout=_POLL_S)
-                    return True
+                    return
                 except queue.Full:
                     continue
-            return False
+            raise _Closed
         finally:
             if stall is not None:
                 stall["trainer_s"] += time.perf_counter() - t0
