@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 import time
 
 import ray
 
-from raypipe import Pipeline, PipelineConfig, SkipLog
+from raypipe import PipelineConfig, SkipLog
+from tests.ranks import run_ranks
 
 EPOCHS, BATCH = 2, 16
 # name: (world size, PipelineConfig.actors, seconds each rank sleeps per batch)
@@ -45,32 +45,10 @@ def jitter() -> None:
 
 
 def run(config: PipelineConfig, world: int, pauses: tuple[float, ...]) -> dict:
-    ledger = Pipeline.ledger(world) if world > 1 else None
-    skips = SkipLog.create()
-    keys = [[[] for _ in range(EPOCHS)] for _ in range(world)]
-    stats = [[None] * EPOCHS for _ in range(world)]
-    errors: list[BaseException] = []
-
-    def rank(r: int) -> None:
-        try:
-            pipe = Pipeline(config, epochs=EPOCHS, rank=r, world_size=world, ledger=ledger,
-                            skips=skips, device="cpu", normalize=False)  # fmt: skip
-            for epoch, batches in pipe.epochs():
-                for batch in batches:
-                    keys[r][epoch].append(batch["key"].tolist())
-                    time.sleep(pauses[r])
-                stats[r][epoch] = {k: v for k, v in batches.stats().items() if k != "stalls"}
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=240)
-    if errors:
-        raise errors[0]
-    assert not any(t.is_alive() for t in threads), "a rank hung"
+    out, stats = run_ranks(config, world, EPOCHS, pause_s=pauses, skips=SkipLog.create(),
+                           normalize=False)  # fmt: skip
+    keys = [[[b["key"].tolist() for b in epoch] for epoch in rank] for rank in out]
+    stats = [[{k: v for k, v in s.items() if k != "stalls"} for s in rank] for rank in stats]
     return {"keys": keys, "stats": stats}
 
 

@@ -9,42 +9,10 @@ import numpy as np
 import pytest
 
 from raypipe import Pipeline, PipelineConfig, PoolWatch, SkipLog
+from tests.ranks import run_ranks
 from tests.test_bad_data import mixed_source
 
 FORMATS = ["imagefolder", "webdataset", "parquet"]
-
-
-def run_ranks(config, world: int, epochs: int, *, pause_s=(0.0,), skips=None, **kw):
-    """Every epoch of ``world`` ranks (one thread each): ``out[rank][epoch]`` is the list
-    of that epoch's batches (numpy), ``stats[rank][epoch]`` the epoch's ``stats()``."""
-    import time
-
-    ledger = Pipeline.ledger(world) if world > 1 else None
-    out = [[[] for _ in range(epochs)] for _ in range(world)]
-    stats = [[None] * epochs for _ in range(world)]
-    errors: list[BaseException] = []
-
-    def rank(r: int) -> None:
-        try:
-            pipe = Pipeline(config, epochs=epochs, rank=r, world_size=world, ledger=ledger,
-                            device="cpu", skips=skips, **kw)  # fmt: skip
-            for epoch, batches in pipe.epochs():
-                for batch in batches:
-                    out[r][epoch].append({k: v.numpy().copy() for k, v in batch.items()})
-                    time.sleep(pause_s[r % len(pause_s)])
-                stats[r][epoch] = batches.stats()
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    if errors:
-        raise errors[0]
-    return out, stats
 
 
 def check_epoch(out, epoch: int, batch_size: int, good: set[int]) -> np.ndarray:

@@ -1,0 +1,40 @@
+"""Ranks of one `raypipe.Pipeline` run as threads of this process, for the tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from raypipe import Pipeline
+
+
+def run_ranks(config, world: int, epochs: int, *, pause_s=(0.0,), skips=None, **kw):
+    """Every epoch of ``world`` ranks (one thread each, rank r sleeping
+    ``pause_s[r % len(pause_s)]`` after each batch): ``out[rank][epoch]`` is the list of
+    that epoch's batches (numpy), ``stats[rank][epoch]`` the epoch's ``stats()``."""
+    ledger = Pipeline.ledger(world) if world > 1 else None
+    out = [[[] for _ in range(epochs)] for _ in range(world)]
+    stats = [[None] * epochs for _ in range(world)]
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            pipe = Pipeline(config, epochs=epochs, rank=r, world_size=world, ledger=ledger,
+                            device="cpu", skips=skips, **kw)  # fmt: skip
+            for epoch, batches in pipe.epochs():
+                for batch in batches:
+                    out[r][epoch].append({k: v.numpy().copy() for k, v in batch.items()})
+                    time.sleep(pause_s[r % len(pause_s)])
+                stats[r][epoch] = batches.stats()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    if errors:
+        raise errors[0]
+    return out, stats
