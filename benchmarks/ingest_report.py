@@ -28,31 +28,39 @@ def rows(r: dict) -> list[tuple[str, float, float | None, str]]:
 
 
 PATHS = ("warm", "warm_tasks", "per_epoch")
-STALLS = (("wait_s", "trainer waited for data", "#cc3311"),
-          ("ray_s", "feeder waited on Ray Data (actors, read, store)", "#4477aa"),
+STALLS = (("ray_s", "feeder waited on Ray Data (actors, read, store)", "#4477aa"),
           ("peers_s", "feeder waited on other ranks", "#999933"),
           ("iterator_s", "rank iterator's own work", "#66ccee"),
-          ("trainer_s", "data ready, waiting on the trainer", "#228833"))  # fmt: skip
+          ("trainer_s", "batches ready, feeder waited on the trainer", "#228833"))  # fmt: skip
 
 
 def stall_chart(r: dict, path: Path) -> None:
-    """The warm path's stall view: where each epoch's time went, per stage."""
+    """The warm path's stall view: per epoch, the trainer's time (waiting for data or
+    working) above the rank feeder's time by stage."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = r["raypipe"]["warm"]["stalls"]
-    fig, ax = plt.subplots(figsize=(8, 3.2))
+    fig, ax = plt.subplots(figsize=(8, 0.9 + 0.55 * len(rows)))
+    trainer_y = [3 * i for i in range(len(rows))]
+    feeder_y = [y + 1 for y in trainer_y]
+    waits = [row["wait_s"] for row in rows]
+    ax.barh(trainer_y, waits, color="#cc3311", label="trainer waited for data")
+    ax.barh(trainer_y, [row["elapsed_s"] - w for row, w in zip(rows, waits, strict=True)],
+            left=waits, color="#bbbbbb", label="trainer had data (its own work)")  # fmt: skip
     left = [0.0] * len(rows)
-    labels = [f"epoch {i}" for i in range(len(rows))]
     for key, name, color in STALLS:
         values = [row[key] for row in rows]
-        ax.barh(labels, values, left=left, color=color, label=name)
+        ax.barh(feeder_y, values, left=left, color=color, label=name)
         left = [a + b for a, b in zip(left, values, strict=True)]
+    ax.set_yticks(trainer_y + feeder_y,
+                  [f"epoch {i} trainer" for i in range(len(rows))]
+                  + [f"epoch {i} feeder" for i in range(len(rows))])  # fmt: skip
     ax.invert_yaxis()
-    ax.set_xlabel("seconds (the trainer's wait; the feeder thread's time by stage)")
-    ax.set_title("raypipe stall view, warm pipeline: " + rows[-1]["bound"].split(" (")[0])
+    ax.set_xlabel("seconds")
+    ax.set_title(f"raypipe stall view, warm pipeline; bound: {rows[-1]['bound'].split(':')[0]}")
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -73,7 +81,7 @@ def print_table(r: dict) -> None:
         print(f"  {name:34s} {v['epoch']:5.2f} / {v['first_epoch']:5.2f} / "
               f"{v['in_epoch_flow']:5.2f} / {v['per_cpu_s']:5.2f}")  # fmt: skip
     for i, row in enumerate(r["raypipe"]["warm"]["stalls"]):
-        parts = ", ".join(f"{k} {row[k]:.2f}" for k, _, _ in STALLS)
+        parts = ", ".join(f"{k} {row[k]:.2f}" for k in ("wait_s", *(k for k, _, _ in STALLS)))
         print(f"warm epoch {i}: {parts}; bound: {row['bound']}")
     rp = r["raypipe"]
     print(
