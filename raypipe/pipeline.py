@@ -31,7 +31,7 @@ from raypipe.skips import BadSample, SampleError, SkipLog, SkipRecord, detail_of
 from raypipe.sources import Listing, epoch_order, list_shards, read_shard
 from raypipe.transforms import Plan, plan, sample_rng
 
-__all__ = ["Preprocessor", "SampleError", "build_dataset"]
+__all__ = ["Preprocessor", "SampleError", "build_dataset", "check_block_fits"]
 assert __all__ == sorted(__all__)
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ def build_dataset(
     rows = pending_rows(shards, None if consumed is None else np.asarray(consumed, bool))
     lo, hi = config.actors
     skips = skips or SkipLog.create()  # after listing: a bad source fails before Ray starts
+    check_block_fits(config)
     ds = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // per_task)))
     kwargs = {"config": config, "fmt": listing.format, "epoch": epoch, "skips": skips}
     if config.compute == "tasks":  # pooled workers stay warm across epochs: no pool start
@@ -88,6 +89,22 @@ def build_dataset(
         )
     ds._raypipe_skips = skips  # read by SkipLog.of and iter_torch_batches
     return ds
+
+
+def check_block_fits(config: PipelineConfig) -> None:
+    """Refuse, before any work, a block larger than every node's object store: no actor
+    could ever store it. Blocks should be a few percent of the store (README, Memory)."""
+    import ray
+
+    block = config.rows_per_block * 3 * config.image_size**2
+    stores = [n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n["Alive"]]
+    if stores and block > max(stores):
+        raise ValueError(
+            f"PipelineConfig.rows_per_block={config.rows_per_block} x image_size="
+            f"{config.image_size} (3x{config.image_size}x{config.image_size} uint8) makes "
+            f"blocks of {block / 2**20:.1f} MiB, more than the largest object store "
+            f"({max(stores) / 2**20:.1f} MiB): lower rows_per_block or image_size"
+        )
 
 
 def preprocess_task(shards: dict[str, np.ndarray], **kwargs) -> Iterator[dict[str, np.ndarray]]:

@@ -8,10 +8,12 @@ import time
 from raypipe import Pipeline
 
 
-def run_ranks(config, world: int, epochs: int, *, pause_s=(0.0,), skips=None, **kw):
+def run_ranks(config, world: int, epochs: int, *, pause_s=(0.0,), skips=None,
+              keys_only: bool = False, **kw):  # fmt: skip
     """Every epoch of ``world`` ranks (one thread each, rank r sleeping
     ``pause_s[r % len(pause_s)]`` after each batch): ``out[rank][epoch]`` is the list of
-    that epoch's batches (numpy), ``stats[rank][epoch]`` the epoch's ``stats()``."""
+    that epoch's batches (numpy; with ``keys_only``, their keys as lists), and
+    ``stats[rank][epoch]`` the epoch's ``stats()``."""
     ledger = Pipeline.ledger(world) if world > 1 else None
     out = [[[] for _ in range(epochs)] for _ in range(world)]
     stats = [[None] * epochs for _ in range(world)]
@@ -23,7 +25,11 @@ def run_ranks(config, world: int, epochs: int, *, pause_s=(0.0,), skips=None, **
                             device="cpu", skips=skips, **kw)  # fmt: skip
             for epoch, batches in pipe.epochs():
                 for batch in batches:
-                    out[r][epoch].append({k: v.numpy().copy() for k, v in batch.items()})
+                    out[r][epoch].append(
+                        batch["key"].tolist()
+                        if keys_only
+                        else {k: v.numpy().copy() for k, v in batch.items()}
+                    )
                     time.sleep(pause_s[r % len(pause_s)])
                 stats[r][epoch] = batches.stats()
         except BaseException as e:
