@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 LOGGED_SKIPS = 20  # per actor; the SkipLog has them all
 SKIPS_PER_SEND = 1024  # records an actor holds at most before sending them
+BLOCK_SHARE = 0.05  # a block above this share of the object store is warned about
 
 
 def build_dataset(
@@ -98,6 +99,12 @@ def check_block_fits(config: PipelineConfig) -> None:
 
     block = config.rows_per_block * 3 * config.image_size**2
     stores = [n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n["Alive"]]
+    if stores and block > max(stores) * BLOCK_SHARE:
+        log.warning(
+            "raypipe: blocks of %.1f MiB are %.0f%% of the object store (%.0f MiB): expect "
+            "spilling under backpressure; keep them near 2%% (lower rows_per_block)",
+            block / 2**20, 100 * block / max(stores), max(stores) / 2**20,
+        )  # fmt: skip
     if stores and block > max(stores):
         raise ValueError(
             f"PipelineConfig.rows_per_block={config.rows_per_block} x image_size="

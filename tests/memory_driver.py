@@ -2,7 +2,7 @@
 its own with a small object store, an epoch whose decoded output is many times the store,
 read by ranks slower than the pool.
 
-``python -m tests.memory_driver DATA OUT STORE_MIB EPOCHS PAUSE_S``: a warm
+``python -m tests.memory_driver DATA OUT STORE_MIB EPOCHS PAUSE_S [ROWS_PER_BLOCK]``: a warm
 `raypipe.Pipeline` of EPOCHS epochs over DATA with 2 ranks (threads), each sleeping PAUSE_S
 per batch; a sampler reads the object store's use and the bytes spilled every 0.2 s and
 the proportional set size of this process tree. Writes keys per rank and epoch, the stats and
@@ -61,7 +61,8 @@ def tree_pss_mib() -> float:
     return total / 1024
 
 
-def main(data: str, out: str, store_mib: str, epochs: str, pause_s: str) -> None:
+def main(data: str, out: str, store_mib: str, epochs: str, pause_s: str,
+         rows_per_block: str = str(ROWS_PER_BLOCK)) -> None:  # fmt: skip
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              object_store_memory=int(store_mib) << 20, configure_logging=False)  # fmt: skip
     ray.data.DataContext.get_current().enable_progress_bars = False
@@ -79,8 +80,8 @@ def main(data: str, out: str, store_mib: str, epochs: str, pause_s: str) -> None
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     config = PipelineConfig(source=data, image_size=IMAGE, batch_size=BATCH, actors=(2, 2),
-                            actor_cpus=0.5, files_per_task=ROWS_PER_BLOCK,
-                            rows_per_block=ROWS_PER_BLOCK)  # fmt: skip
+                            actor_cpus=0.5, files_per_task=int(rows_per_block),
+                            rows_per_block=int(rows_per_block))  # fmt: skip
     t0 = time.perf_counter()
     try:
         keys, stats = run_ranks(config, 2, int(epochs), pause_s=(float(pause_s),),
@@ -92,7 +93,8 @@ def main(data: str, out: str, store_mib: str, epochs: str, pause_s: str) -> None
     ray.shutdown()
     report = {"keys": keys, "stats": [[{k: v for k, v in s.items() if k != "stalls"}
                                        for s in rank] for rank in stats],
-              "peaks": peaks, "seconds": seconds, "store_mib": int(store_mib)}  # fmt: skip
+              "peaks": peaks, "seconds": seconds, "store_mib": int(store_mib),
+              "rows_per_block": int(rows_per_block)}  # fmt: skip
     with open(out, "w") as f:
         json.dump(report, f)
 
