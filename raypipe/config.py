@@ -36,7 +36,10 @@ class PipelineConfig:
         files_per_task: image-folder files one actor call reads and decodes; one call
             makes blocks of up to ``rows_per_block`` rows, and blocks of ``batch_size``
             rows reach the trainer without a copy.
-        rows_per_block: samples per output block of the preprocessing actors.
+        rows_per_block: samples per output block of the preprocessing actors; None (the
+            default): ``batch_size``, or fewer when such a block would be over 5 % of the
+            smallest node's object store (then about 2 %), so backpressure holds the data
+            in the store instead of spilling it.
         actor_cpus: logical CPUs each preprocessing actor reserves.
         compute: ``"actors"``, an autoscaling pool per epoch (``actors``), or ``"tasks"``:
             Ray tasks on pooled workers, at most ``actors[1]`` at once, that stay warm
@@ -61,7 +64,7 @@ class PipelineConfig:
     shuffle_files: bool = True
     shuffle_buffer: int = 0
     files_per_task: int = 256
-    rows_per_block: int = 256
+    rows_per_block: int | None = None
     actor_cpus: float = 1.0
     compute: Literal["actors", "tasks"] = "actors"
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
@@ -155,8 +158,10 @@ def _validate(c: PipelineConfig) -> None:
         raise bad("on_error", f"must be one of {ON_ERROR}")
     for name in ("image_size", "batch_size", "files_per_task", "rows_per_block"):
         value = getattr(c, name)
+        if name == "rows_per_block" and value is None:
+            continue
         if not _is_int(value) or value < 1:
-            raise bad(name, "must be an integer >= 1")
+            raise bad(name, "must be an integer >= 1" + (", or None" * (name == "rows_per_block")))
     for name in ("seed", "shuffle_buffer"):
         value = getattr(c, name)
         if not _is_int(value) or value < 0:

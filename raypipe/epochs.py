@@ -26,7 +26,7 @@ from raypipe.config import PipelineConfig
 from raypipe.feeder import Feeder
 from raypipe.ledger import Gate, create_ledger
 from raypipe.loader import TorchBatches, resolve_device
-from raypipe.pipeline import check_block_fits
+from raypipe.pipeline import sized_blocks
 from raypipe.plan import RankPlan
 from raypipe.skips import SkipLog
 from raypipe.sources import Listing, list_shards
@@ -79,7 +79,7 @@ class Pipeline:
         self.config, self.num_epochs, self.rank, self.world_size = config, epochs, rank, world_size
         self.listing = listing or list_shards(config)
         self.skips = skips or SkipLog.create()  # starts Ray if it is not up yet
-        check_block_fits(config)
+        self.config = config = sized_blocks(config)
         self.first_epoch = start.epoch if start is not None else 0
         self.plan = RankPlan.of(
             self.listing, seed=config.seed, shuffle=config.shuffle_files, rank=rank,

@@ -31,7 +31,7 @@ from raypipe.skips import BadSample, SampleError, SkipLog, SkipRecord, detail_of
 from raypipe.sources import Listing, epoch_order, list_shards, read_shard
 from raypipe.transforms import Plan, plan, sample_rng
 
-__all__ = ["Preprocessor", "SampleError", "build_dataset", "check_block_fits"]
+__all__ = ["Preprocessor", "SampleError", "build_dataset", "sized_blocks"]
 assert __all__ == sorted(__all__)
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 LOGGED_SKIPS = 20  # per actor; the SkipLog has them all
 SKIPS_PER_SEND = 1024  # records an actor holds at most before sending them
 BLOCK_SHARE = 0.05  # a block above this share of the object store is warned about
+BLOCK_TARGET = 0.02  # the share an automatic block size aims at when batch_size is too big
 
 
 def build_dataset(
@@ -73,7 +74,7 @@ def build_dataset(
     rows = pending_rows(shards, None if consumed is None else np.asarray(consumed, bool))
     lo, hi = config.actors
     skips = skips or SkipLog.create()  # after listing: a bad source fails before Ray starts
-    check_block_fits(config)
+    config = sized_blocks(config)
     ds = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // per_task)))
     kwargs = {"config": config, "fmt": listing.format, "epoch": epoch, "skips": skips}
     if config.compute == "tasks":  # pooled workers stay warm across epochs: no pool start
@@ -92,26 +93,40 @@ def build_dataset(
     return ds
 
 
-def check_block_fits(config: PipelineConfig) -> None:
-    """Refuse, before any work, a block larger than every node's object store: no actor
-    could ever store it. Blocks should be a few percent of the store (README, Memory)."""
+def sized_blocks(config: PipelineConfig) -> PipelineConfig:
+    """``config`` with ``rows_per_block`` set: ``batch_size`` when unset, or fewer rows when
+    such a block would be over 5 % of the smallest node's object store (then about 2 %).
+    Warns about a block set over 5 %; refuses, before any work, one no store can hold."""
     import ray
 
-    block = config.rows_per_block * 3 * config.image_size**2
-    stores = [n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n["Alive"]]
-    if stores and block > max(stores) * BLOCK_SHARE:
-        log.warning(
-            "raypipe: blocks of %.1f MiB are %.0f%% of the object store (%.0f MiB): expect "
-            "spilling under backpressure; keep them near 2%% (lower rows_per_block)",
-            block / 2**20, 100 * block / max(stores), max(stores) / 2**20,
-        )  # fmt: skip
-    if stores and block > max(stores):
+    sample = 3 * config.image_size**2
+    stores = [
+        n["Resources"]["object_store_memory"]
+        for n in ray.nodes()
+        if n["Alive"] and n["Resources"].get("object_store_memory")
+    ]
+    if not stores:
+        return config if config.rows_per_block else config.replace(rows_per_block=config.batch_size)
+    if config.rows_per_block is None:
+        rows = config.batch_size
+        if rows * sample > min(stores) * BLOCK_SHARE:
+            rows = max(1, int(min(stores) * BLOCK_TARGET) // sample)
+        return config.replace(rows_per_block=rows)
+    block = config.rows_per_block * sample
+    if block > max(stores):
         raise ValueError(
             f"PipelineConfig.rows_per_block={config.rows_per_block} x image_size="
             f"{config.image_size} (3x{config.image_size}x{config.image_size} uint8) makes "
             f"blocks of {block / 2**20:.1f} MiB, more than the largest object store "
             f"({max(stores) / 2**20:.1f} MiB): lower rows_per_block or image_size"
         )
+    if block > min(stores) * BLOCK_SHARE:
+        log.warning(
+            "raypipe: blocks of %.1f MiB are %.0f%% of the object store (%.0f MiB): expect "
+            "spilling under backpressure; keep them near 2%% (lower rows_per_block)",
+            block / 2**20, 100 * block / min(stores), min(stores) / 2**20,
+        )  # fmt: skip
+    return config
 
 
 def preprocess_task(shards: dict[str, np.ndarray], **kwargs) -> Iterator[dict[str, np.ndarray]]:
@@ -146,7 +161,7 @@ class Preprocessor:
         """Blocks of ``rows_per_block`` decoded samples of ``shards`` (rows as `pending_rows`
         makes them), the last one shorter; skips reach ``skips`` before the rows after them."""
         c = self.config
-        out, pending = _BlockBuilder(c.image_size, c.rows_per_block), []
+        out, pending = _BlockBuilder(c.image_size, c.rows_per_block or c.batch_size), []
         for path, first_key, num_samples, label, done in zip(
             shards["path"], shards["first_key"], shards["num_samples"], shards["label"],
             shards["done"], strict=True,

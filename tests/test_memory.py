@@ -58,8 +58,22 @@ def test_ten_stores_of_data_stream_through_a_small_store(tmp_path):
         assert all(s[epoch]["batches"] == 70 for s in report["stats"])
     peaks = report["peaks"]
     print(json.dumps(peaks))
-    assert peaks["samples"] >= 20, "the sampler should have run through the epochs"
+    assert peaks["samples"] >= 20, f"the sampler should have run through the epochs: {peaks}"
     assert peaks["store_mib"] <= STORE_MIB  # backpressure held it, no fallback allocation
     assert peaks["spilled_mib"] <= STORE_MIB / 4  # 2.5% of the data at most, 0 when seen
     # Ray's memory monitor says one of these when it kills a worker
     assert "OutOfMemory" not in proc.stderr and "low on memory" not in proc.stderr
+
+
+def test_default_blocks_are_one_batch_unless_the_store_is_too_small(ray_session, datasets):
+    from raypipe.pipeline import sized_blocks
+
+    store = min(n["Resources"]["object_store_memory"] for n in ray_session.nodes() if n["Alive"])
+    config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=224, batch_size=64)
+    assert config.rows_per_block is None
+    assert sized_blocks(config).rows_per_block == 64  # 9 MiB: under 5 % of the 1 GiB store
+    big = sized_blocks(config.replace(batch_size=4096))  # 588 MiB batches
+    assert (
+        big.rows_per_block * 3 * 224 * 224 <= 0.02 * store < (big.rows_per_block + 1) * 3 * 224**2
+    )
+    assert sized_blocks(config.replace(rows_per_block=7)).rows_per_block == 7  # set: kept
