@@ -40,7 +40,7 @@ def test_a_block_larger_than_the_object_store_is_refused_before_work(ray_session
 
 @pytest.mark.slow
 def test_ten_stores_of_data_stream_through_a_small_store(tmp_path):
-    """2 epochs of 9,000 images at 224² (1.24 GiB each, 9.9× a 128 MiB store), 2 ranks
+    """2 epochs of 9,000 images at 224² (1.26 GiB each, 10.1× a 128 MiB store), 2 ranks
     that take 0.15 s per batch of 64 (slower than the pool): every epoch exactly once,
     the store never over its capacity, nothing spilled, nothing killed."""
     data = small_jpegs(tmp_path / "data", 9000)
