@@ -30,6 +30,7 @@ from raypipe.pipeline import sized_blocks
 from raypipe.plan import RankPlan
 from raypipe.skips import SkipLog
 from raypipe.sources import Listing, list_shards
+from raypipe.stats import bound
 from raypipe.warm import rank_dataset
 
 __all__ = ["Pipeline"]
@@ -94,7 +95,6 @@ class Pipeline:
             "normalize": (config.mean, config.std) if normalize else None,
         }  # fmt: skip
         self._gate = Gate(ledger if world_size > 1 else None, group, rank, config.batch_size)
-        self._prefetch = prefetch_batches
         self._feeder: Feeder | None = None
 
     @staticmethod
@@ -115,14 +115,14 @@ class Pipeline:
                           world_size=self.world_size)  # fmt: skip
         self._feeder = feeder = Feeder(
             _starter(ds), self.plan, self._gate, epochs, batch_size=self.config.batch_size,
-            prefetch=self._prefetch, shuffle_buffer=self.config.shuffle_buffer,
+            prefetch=self._loader["prefetch_batches"], shuffle_buffer=self.config.shuffle_buffer,
             seed=self.config.seed,
         )  # fmt: skip
         try:
             for e in epochs:
                 batches = TorchBatches(
                     lambda e=e: feeder.epoch(e), skips=self.skips.epoch(e),
-                    more_stats=lambda e=e: self._epoch_stats(e), first_pass=e, **self._loader,
+                    more_stats=functools.partial(self._epoch_stats, e), first_pass=e, **self._loader,
                 )  # fmt: skip
                 yield e, batches
                 batches.close()
@@ -130,9 +130,10 @@ class Pipeline:
         finally:
             self.close()
 
-    def _epoch_stats(self, epoch: int) -> dict[str, Any]:
+    def _epoch_stats(self, epoch: int, base: dict[str, Any]) -> dict[str, Any]:
         stalls = {k: round(v, 6) for k, v in self._feeder.stalls(epoch).items()}
-        return {**self._feeder.counts(epoch), "stalls": stalls}
+        return {**self._feeder.counts(epoch), "stalls": stalls,
+                "bound": bound(base["wait_fraction"], stalls)}  # fmt: skip
 
     def close(self) -> None:
         """Stop the feeder thread and the execution (the pool's actors end with it)."""

@@ -34,7 +34,7 @@ from raypipe.blocks import dataset_columns
 from raypipe.h2d import HostToDevice
 from raypipe.rebatch import rebatch
 from raypipe.resume import Delivered
-from raypipe.stats import IterStats, bound
+from raypipe.stats import IterStats
 
 Batch = dict[str, Any]
 
@@ -110,7 +110,7 @@ class TorchBatches:
     """Iterable returned by `iter_torch_batches`; owns the running pass and its stats.
 
     ``host()`` starts steps 1-2 of a pass: exact-size numpy batches on the host.
-    ``more_stats()``, when given, adds its entries to `stats`.
+    ``more_stats(stats)``, when given, adds its entries to `stats`.
     """
 
     def __init__(self, host, *, device, pin_memory, prefetch_batches, normalize,
@@ -164,11 +164,8 @@ class TorchBatches:
     def stats(self) -> dict[str, Any]:
         skipped = self.skips.counts() if self.skips is not None else {}
         pool = {"pool": self.watch.summary()} if self.watch is not None else {}
-        more = self._more_stats() if self._more_stats is not None else {}
-        if "stalls" in more:
-            more["bound"] = bound(self._stats.as_dict()["wait_fraction"], more["stalls"])
-        return {"epoch": max(self._epoch, 0), **self._stats.as_dict(), "skipped": skipped,
-                **pool, **more}  # fmt: skip
+        base = {"epoch": max(self._epoch, 0), **self._stats.as_dict(), "skipped": skipped, **pool}
+        return {**base, **self._more_stats(base)} if self._more_stats is not None else base
 
     def state_dict(self) -> dict[str, Any]:
         """The pass so far; ``keys`` (int64) are those delivered, for `raypipe.resume`."""

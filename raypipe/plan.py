@@ -90,7 +90,9 @@ class RankPlan:
 
     def sizes(self, epoch: int) -> list[int]:
         """Samples each rank is given in ``epoch`` (before bad ones are skipped)."""
-        total = len(self.all_keys(epoch))
+        total = self.num_samples
+        if epoch == self.resume_epoch and self.consumed is not None:
+            total -= int(self.consumed.sum())
         q, r = divmod(total, self.world_size)
         return [q + (i < r) for i in range(self.world_size)]
 

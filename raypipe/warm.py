@@ -104,8 +104,8 @@ class RankPreprocessor(Preprocessor):
         rows: dict[str, list] = {
             k: [] for k in ("path", "first_key", "num_samples", "label", "done")
         }
-        for piece in np.split(keys, cuts):
-            s = int(self.plan.shard_of(piece[:1])[0])
+        for piece, s in zip(np.split(keys, cuts), shard[np.r_[0, cuts]], strict=True):
+            s = int(s)
             first, count = int(self.plan.first[s]), int(self.plan.counts[s])
             done = b""
             if len(piece) < count:

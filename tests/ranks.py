@@ -8,6 +8,16 @@ import time
 from raypipe import Pipeline
 
 
+def in_threads(rank, world: int, *, timeout: float) -> None:
+    """Run ``rank(r)`` for r in 0..world-1, one thread each; fail if one outlives ``timeout``."""
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+
+
 def run_ranks(config, world: int, epochs: int, *, pause_s=(0.0,), skips=None,
               keys_only: bool = False, **kw):  # fmt: skip
     """Every epoch of ``world`` ranks (one thread each, rank r sleeping
@@ -35,12 +45,7 @@ def run_ranks(config, world: int, epochs: int, *, pause_s=(0.0,), skips=None,
         except BaseException as e:
             errors.append(e)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
+    in_threads(rank, world, timeout=300)
     if errors:
         raise errors[0]
     return out, stats

@@ -12,7 +12,6 @@ import dataclasses
 import io
 import os
 import tarfile
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ from raypipe.skips import REASONS, SkipStore, reason_of
 from raypipe.sources import list_shards
 from raypipe.transforms import Box, Plan
 from raypipe.transforms import decode_crop as pillow_decode_crop
+from tests.ranks import in_threads
 
 from .conftest import image_bytes, make_imagefolder, make_parquet, make_webdataset
 
@@ -522,12 +522,7 @@ def run_ranks(ds, world_size: int, batch_size: int, **kwargs):
         except Exception as e:
             errors[r] = e
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=240)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
+    in_threads(rank, world_size, timeout=240)
     return keys, sizes, stats, errors
 
 

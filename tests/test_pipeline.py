@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
 from raypipe import PipelineConfig, build_dataset, iter_torch_batches
+from tests.ranks import in_threads
 
 FORMATS = ["imagefolder", "webdataset", "parquet"]
 N = 61  # every generated dataset holds 61 samples
@@ -26,12 +25,7 @@ def consume_ranks(ds, world_size: int, batch_size: int, **kwargs) -> list[list[d
         except BaseException as e:  # surfaced in the main thread below
             errors.append(e)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
+    in_threads(rank, world_size, timeout=300)
     if errors:
         raise errors[0]
     return out
