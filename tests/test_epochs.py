@@ -70,23 +70,24 @@ def test_shuffle_buffer_keeps_epochs_equal_and_is_seeded(ray_session, datasets):
 
 
 def test_the_pool_is_the_same_processes_in_epoch_0_and_epoch_2(ray_session, datasets):
-    """Every actor alive at any time of a 3-epoch run is one of epoch 0's two (a dataset
-    per epoch would start a new pool, new pids, per epoch)."""
+    """A 3-epoch run starts at most its two actors, ever, and epoch 2 is served by a process
+    that served epoch 0 (a dataset per epoch would start new actors, new pids, per epoch).
+    The second actor may still be starting when epoch 0's first batches arrive, so each
+    epoch's set is everything seen alive while it was read."""
     config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=8, batch_size=4,
                             files_per_task=4, actors=(2, 2))  # fmt: skip
     seen: dict[int, set] = {}
     with PoolWatch(match="RankPreprocessor", interval_s=0.05, new_only=True) as watch:
-        ever: set = set()
         with Pipeline(config, epochs=3, device="cpu") as pipe:
             for epoch, batches in pipe.epochs():
                 for _ in batches:
                     alive = {(a["ActorID"], a["Pid"]) for a in watch.alive()}
-                    seen.setdefault(epoch, alive)
-                    ever |= alive
+                    seen.setdefault(epoch, set()).update(alive)
                 assert batches.stats()["batches"] == 61 // 4
         assert watch.summary()["actors_max"] <= 2
-    assert len(seen[0]) == 2
-    assert seen[2] <= seen[0] and ever <= seen[0]
+    ever = set().union(*seen.values())
+    assert 1 <= len(ever) <= 2, ever
+    assert seen[0] & seen[2], seen
     assert not watch.alive(), "the pool should end with the run"
 
 
