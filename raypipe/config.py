@@ -20,8 +20,21 @@ class PipelineConfig:
     """One dataset's pipeline: where the shards are, how samples are made, how many actors.
 
     Args:
-        source: a directory, a glob, a file, or a list of those.
+        source: a directory, a glob, a file, or a list of those; local, or URIs of object
+            storage (``s3://bucket/prefix/``, ``gs://...``, any fsspec protocol).
         format: ``"imagefolder"``, ``"webdataset"`` or ``"parquet"``; inferred when None.
+        storage_options: settings of a remote source's file system, e.g. ``endpoint_url``,
+            ``access_key``/``secret_key``, ``region``, ``anonymous`` for S3 (pyarrow's
+            ``S3FileSystem`` names, or s3fs's); None: the environment and config files.
+        image_column, label_column: Parquet columns of the image (binary, or a struct
+            with ``bytes`` as Hugging Face ``datasets`` writes) and of the label
+            (integers, or strings mapped through their sorted set).
+        label_member: the WebDataset member holding the label: ``"cls"``, ``"txt"``
+            (an integer) or ``"json"``; None: the first of those a sample has.
+        label_key: the key of the label in a ``.json`` member.
+        max_skipped: the share of an epoch's samples that may be skipped as bad; the run
+            stops with an error as soon as more are certain to be. None: no limit, but an
+            epoch with every sample skipped still fails.
         image_size: side of the square uint8 C×H×W image each sample becomes.
         train: random-resized-crop (+ flip) when True; resize + center crop when False.
         batch_size: rows per batch on each rank.
@@ -52,6 +65,12 @@ class PipelineConfig:
 
     source: str | tuple[str, ...]
     format: Format | None = None
+    storage_options: dict[str, Any] | None = None
+    image_column: str = "image"
+    label_column: str = "label"
+    label_member: str | None = None
+    label_key: str = "label"
+    max_skipped: float | None = 0.05
     image_size: int = 224
     train: bool = True
     batch_size: int = 256
@@ -150,6 +169,19 @@ def _validate(c: PipelineConfig) -> None:
         or not all(isinstance(s, str) and s for s in c.source)
     ):
         raise bad("source", "must be a non-empty path, glob or list of them")
+    if c.storage_options is not None and not isinstance(c.storage_options, Mapping):
+        raise bad("storage_options", "must be a mapping of settings, or None")
+    for name in ("image_column", "label_column", "label_key"):
+        if not isinstance(getattr(c, name), str) or not getattr(c, name):
+            raise bad(name, "must be a non-empty string")
+    if c.label_member is not None and (
+        not isinstance(c.label_member, str) or not c.label_member or "/" in c.label_member
+    ):
+        raise bad(
+            "label_member", 'must be a member extension such as "cls", "txt", "json", or None'
+        )
+    if c.max_skipped is not None and (not _is_num(c.max_skipped) or not 0 <= c.max_skipped <= 1):
+        raise bad("max_skipped", "must be a fraction 0 <= x <= 1, or None for no limit")
     if c.format is not None and c.format not in FORMATS:
         raise bad("format", f"must be one of {FORMATS} or None")
     if c.compute not in COMPUTE:

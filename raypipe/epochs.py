@@ -50,7 +50,9 @@ class Pipeline:
         pin_memory, prefetch_batches, channels_last: as in `raypipe.iter_torch_batches`.
         normalize: ``(x/255 - config.mean) / config.std`` on the device; else uint8.
         listing: the source's listing (listed once by the caller), or None to list it.
-        skips: the run's `SkipLog` (one log per epoch under it); a new one when None.
+        skips: the run's `SkipLog` (one log per epoch under it), shared by all its ranks
+            (`train_ddp` does so); None: a log of this rank's own. The skip budget
+            (``config.max_skipped``) counts the samples of the ranks that share the log.
         start: a `raypipe.resume.PipelineState` to resume from: its epoch leaves out
             the keys it marks consumed, and the run starts there.
 
@@ -79,6 +81,7 @@ class Pipeline:
             )
         self.config, self.num_epochs, self.rank, self.world_size = config, epochs, rank, world_size
         self.listing = listing or list_shards(config)
+        self._shared_skips = skips is not None and world_size > 1
         self.skips = skips or SkipLog.create()  # starts Ray if it is not up yet
         self.config = config = sized_blocks(config)
         self.first_epoch = start.epoch if start is not None else 0
@@ -112,7 +115,7 @@ class Pipeline:
             raise RuntimeError("Pipeline.epochs() runs once; make a new Pipeline for a new run")
         epochs = range(self.first_epoch, self.num_epochs)
         ds = rank_dataset(self.config, self.listing, self.plan, epochs, self.skips,
-                          world_size=self.world_size)  # fmt: skip
+                          world_size=self.world_size, shared_skips=self._shared_skips)  # fmt: skip
         self._feeder = feeder = Feeder(
             _starter(ds), self.plan, self._gate, epochs, batch_size=self.config.batch_size,
             prefetch=self._loader["prefetch_batches"], shuffle_buffer=self.config.shuffle_buffer,

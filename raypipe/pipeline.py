@@ -27,8 +27,17 @@ from raypipe.config import PipelineConfig
 from raypipe.fastimage import decode_crop
 from raypipe.resume import pending_rows, unpack_done
 from raypipe.shardfiles import RawSample
-from raypipe.skips import BadSample, SampleError, SkipLog, SkipRecord, detail_of, reason_of
-from raypipe.sources import Listing, epoch_order, list_shards, read_shard
+from raypipe.skips import (
+    BadSample,
+    SampleError,
+    SkipBudgetError,
+    SkipLog,
+    SkipRecord,
+    detail_of,
+    reason_of,
+    skip_limit,
+)
+from raypipe.sources import Listing, Reader, epoch_order, list_shards
 from raypipe.transforms import Plan, plan, sample_rng
 
 __all__ = ["Preprocessor", "SampleError", "build_dataset", "sized_blocks"]
@@ -76,7 +85,8 @@ def build_dataset(
     skips = skips or SkipLog.create()  # after listing: a bad source fails before Ray starts
     config = sized_blocks(config)
     ds = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // per_task)))
-    kwargs = {"config": config, "fmt": listing.format, "epoch": epoch, "skips": skips}
+    kwargs = {"config": config, "reader": listing.reader, "epoch": epoch, "skips": skips,
+              "samples": listing.num_samples - (0 if consumed is None else int(np.sum(consumed)))}  # fmt: skip
     if config.compute == "tasks":  # pooled workers stay warm across epochs: no pool start
         ds = ds.map_batches(preprocess_task, fn_kwargs=kwargs, batch_size=per_task,
                             batch_format="numpy", concurrency=hi, num_cpus=config.actor_cpus)  # fmt: skip
@@ -142,11 +152,13 @@ class Preprocessor:
     `SampleError`, ``"skip"`` keeps a `SkipRecord` for ``skips``.
     """
 
-    def __init__(self, config: PipelineConfig, fmt: str, epoch: int, skips: SkipLog | None = None):
+    def __init__(self, config: PipelineConfig, reader: Reader | str, epoch: int,
+                 skips: SkipLog | None = None, samples: int | None = None):  # fmt: skip
         from PIL import Image
 
         self.config = config
-        self.fmt = fmt
+        self.samples = samples  # the epoch's samples to read, for the skip budget
+        self.reader = reader if isinstance(reader, Reader) else Reader(reader)
         self.epoch = epoch
         self.skips = skips
         self.skipped = 0
@@ -173,12 +185,12 @@ class Preprocessor:
                 except Exception as e:  # any read or decoder failure is a bad sample
                     pending.append(self._bad(raw, e))
                     if len(pending) >= SKIPS_PER_SEND:  # a shard of nothing but bad rows
-                        _flush(pending, skips)
+                        self._flush(pending, skips, epoch)
                     continue
                 if out.add(image, raw.label, raw.key):
-                    _flush(pending, skips)  # skips reach the log before the rows after them
+                    self._flush(pending, skips, epoch)  # skips reach the log before the rows
                     yield out.take()
-        _flush(pending, skips)
+        self._flush(pending, skips, epoch)
         if len(out):
             yield out.take()
 
@@ -193,7 +205,7 @@ class Preprocessor:
         detail = "the shard holds fewer samples than when it was listed"
         todo = (lambda key: True) if done is None else (lambda key: not done[key - first_key])
         try:
-            for raw in read_shard(path, self.fmt, first_key, label, done):
+            for raw in self.reader.read(path, first_key, label, done):
                 if raw.key >= end:
                     return  # the shard grew since it was listed
                 next_key = raw.key + 1
@@ -234,11 +246,20 @@ class Preprocessor:
             log.warning("raypipe: skipped %s (key %d): %s: %s", raw.where, raw.key, reason, detail)
         return SkipRecord(raw.key, raw.where, reason, detail)
 
+    def epoch_samples(self, epoch: int) -> int | None:
+        """The samples epoch ``epoch`` reads (over all ranks), for the skip budget."""
+        return self.samples
 
-def _flush(pending: list[SkipRecord], skips: SkipLog | None) -> None:
-    if pending and skips is not None:
-        skips.add(pending)
-    pending.clear()
+    def _flush(self, pending: list[SkipRecord], skips: SkipLog | None, epoch: int) -> None:
+        """Send ``pending`` to ``skips``; stop the run once the epoch's skips pass the budget
+        (`SkipBudgetError`): past ``max_skipped`` of its samples, or all of them."""
+        if pending and skips is not None:
+            total, samples = skips.add(pending), self.epoch_samples(epoch)
+            limit = None if samples is None else skip_limit(samples, self.config.max_skipped)
+            if limit is not None and total > limit:
+                raise SkipBudgetError.of(epoch, samples, limit, self.config.max_skipped,
+                                         skips.report())  # fmt: skip
+        pending.clear()
 
 
 class _BlockBuilder:

@@ -1,36 +1,31 @@
 """Shards: list them with dense, stable keys; order them per epoch; read raw samples.
 
-A shard is one file. An image-folder shard holds one sample; a WebDataset tar or a
-Parquet file holds many. Keys are dense: shards are sorted by path and sample ``i``
-of a shard whose first key is ``k`` gets key ``k + i``, so a key names the same
-sample in every epoch and run as long as the files do not change.
+A shard is one file, local or in object storage (`raypipe.storage`). An image-folder
+shard holds one sample; a WebDataset tar or a Parquet file holds many. Keys are dense:
+shards are sorted by path and sample ``i`` of a shard whose first key is ``k`` gets key
+``k + i``, so a key names the same sample in every epoch and run as long as the files do
+not change.
 
 Bad data never raises here: a sample that cannot be read is yielded with a ``reason``
-(one of ``raypipe.skips.REASONS``) for the policy to act on. Tar and Parquet shards are
-counted and read by `raypipe.shardfiles`.
+(one of ``raypipe.skips.REASONS``) for the policy to act on. Tar shards are counted and
+read by `raypipe.shardfiles`, Parquet shards by `raypipe.parquetfiles`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 
 from raypipe.config import PipelineConfig
-from raypipe.shardfiles import (
-    RawSample,
-    count_parquet_rows,
-    count_tar_samples,
-    os_error,
-    read_parquet,
-    read_tar,
-)
+from raypipe.parquetfiles import count_parquet_rows, parquet_labels, read_parquet
+from raypipe.shardfiles import RawSample, count_tar_samples, os_error, read_tar
+from raypipe.storage import Storage
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+_SHARD_EXT = {"webdataset": ".tar", "parquet": ".parquet"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +37,59 @@ class Shard:
 
 
 @dataclasses.dataclass(frozen=True)
+class Reader:
+    """How the actors read one source's shards (pickled into each of them).
+
+    ``classes`` maps string labels (Parquet) to their index; the column and member
+    settings are `PipelineConfig`'s.
+    """
+
+    format: str
+    storage: Storage = dataclasses.field(default_factory=Storage)
+    image_column: str = "image"
+    label_column: str = "label"
+    label_member: str | None = None
+    label_key: str = "label"
+    classes: tuple[str, ...] = ()
+
+    def count(self, path: str) -> int:
+        if self.format == "webdataset":
+            return count_tar_samples(self.storage, path)
+        return count_parquet_rows(self.storage, path)
+
+    def read(self, path: str, first_key: int, label: int,
+             done: np.ndarray | None = None) -> Iterator[RawSample]:  # fmt: skip
+        """The raw samples of one shard in key order; members marked in ``done`` (a bool
+        per member, for a resumed epoch) are passed over without reading their bytes."""
+        if self.format == "imagefolder":
+            try:
+                data = self.storage.read_bytes(path)
+            except OSError as e:
+                yield RawSample(first_key, label, None, path, os_error(e), "unreadable")
+                return
+            yield RawSample(first_key, label, data, path)
+        elif self.format == "webdataset":
+            yield from read_tar(self.storage, path, first_key, done,
+                                label_member=self.label_member, label_key=self.label_key)  # fmt: skip
+        elif self.format == "parquet":
+            yield from read_parquet(self.storage, path, first_key, done,
+                                    image_column=self.image_column,
+                                    label_column=self.label_column, classes=self.classes)  # fmt: skip
+        else:
+            raise ValueError(f"unknown format {self.format!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Listing:
     format: str
     shards: tuple[Shard, ...]
     classes: tuple[str, ...] = ()
+    reader: Reader | None = None  # None: the format's defaults on local files
+    labels: str = ""  # where the labels come from, in words (for ``raypipe inspect``)
+
+    def __post_init__(self) -> None:
+        if self.reader is None:
+            object.__setattr__(self, "reader", Reader(self.format))
 
     @property
     def num_samples(self) -> int:
@@ -53,23 +97,41 @@ class Listing:
 
 
 def list_shards(config: PipelineConfig) -> Listing:
-    """Resolve ``config.source`` into sorted shards with dense keys."""
-    paths = _expand(config.source)
-    fmt = config.format or infer_format(paths)
+    """Resolve ``config.source`` into sorted shards with dense keys (on the driver: a
+    source that cannot be listed fails here, before any Ray work, naming the URI)."""
+    storage = Storage.for_source(config.source, config.storage_options)
+    paths = storage.expand(config.source)
+    fmt = config.format or infer_format(paths, storage)
+    reader = Reader(fmt, storage, config.image_column, config.label_column,
+                    config.label_member, config.label_key)  # fmt: skip
     if fmt == "imagefolder":
-        return _list_imagefolder(paths)
-    files = sorted({p for p in _files_with(paths, _SHARD_EXT[fmt])})
+        return _list_imagefolder(paths, reader)
+    files = sorted(set(_files_with(paths, _SHARD_EXT[fmt], storage)))
     if not files:
         raise ValueError(f"no {_SHARD_EXT[fmt]} shards found in source {config.source!r}")
-    counter = count_tar_samples if fmt == "webdataset" else count_parquet_rows
     shards, key = [], 0
     for f in files:
-        n = counter(f)
+        n = reader.count(f)
         shards.append(Shard(f, key, n))
         key += n
     if key == 0:
         raise ValueError(f"the {fmt} shards in {config.source!r} hold no samples")
-    return Listing(fmt, tuple(shards))
+    if fmt == "parquet":
+        classes, labels = parquet_labels(storage, files, config.label_column)
+        reader = dataclasses.replace(reader, classes=classes)
+    else:
+        member = config.label_member
+        labels = f".{member} member" if member else "the first of .cls, .json, .txt members"
+        labels += f" (key {config.label_key!r} of .json)" if member in (None, "json") else ""
+        classes = ()
+    return Listing(fmt, tuple(shards), classes, reader, labels)
+
+
+def read_shard(path: str, fmt: str | Reader, first_key: int, label: int,
+               done: np.ndarray | None = None) -> Iterator[RawSample]:  # fmt: skip
+    """`Reader.read` with a format name meaning that format's defaults on local files."""
+    reader = fmt if isinstance(fmt, Reader) else Reader(fmt)
+    return reader.read(path, first_key, label, done)
 
 
 def epoch_order(shards: tuple[Shard, ...], *, seed: int, epoch: int, shuffle: bool) -> list[Shard]:
@@ -80,34 +142,18 @@ def epoch_order(shards: tuple[Shard, ...], *, seed: int, epoch: int, shuffle: bo
     return [shards[i] for i in perm]
 
 
-def read_shard(
-    path: str, fmt: str, first_key: int, label: int, done: np.ndarray | None = None
-) -> Iterator[RawSample]:
-    """Yield the raw samples of one shard in key order; members marked in ``done`` (a bool
-    per member, for a resumed epoch) are passed over without reading their bytes."""
-    if fmt == "imagefolder":
-        try:
-            data = Path(path).read_bytes()
-        except OSError as e:
-            yield RawSample(first_key, label, None, path, os_error(e), "unreadable")
-            return
-        yield RawSample(first_key, label, data, path)
-    elif fmt == "webdataset":
-        yield from read_tar(path, first_key, done)
-    elif fmt == "parquet":
-        yield from read_parquet(path, first_key, done)
-    else:
-        raise ValueError(f"unknown format {fmt!r}")
-
-
-def infer_format(paths: list[str]) -> str:
-    files = [p for p in paths if os.path.isfile(p)]
-    dirs = [p for p in paths if os.path.isdir(p)]
-    for d in dirs:
-        for _, _, names in os.walk(d):
-            files.extend(names)
-            if len(files) > 64:
-                break
+def infer_format(paths: list[str], storage: Storage | None = None) -> str:
+    storage = storage or Storage()
+    files: list[str] = []
+    dirs = [p for p in paths if storage.kind(p) == "dir"]
+    for p in paths:
+        if p in dirs:
+            for i, f in enumerate(storage.walk(p)):
+                files.append(f)
+                if i > 64:
+                    break
+        else:
+            files.append(p)
     exts = {os.path.splitext(f)[1].lower() for f in files}
     if ".tar" in exts:
         return "webdataset"
@@ -118,52 +164,31 @@ def infer_format(paths: list[str]) -> str:
     raise ValueError(f"cannot infer the format of {paths!r}: set PipelineConfig.format")
 
 
-_SHARD_EXT = {"webdataset": ".tar", "parquet": ".parquet"}
-
-
-def _expand(source: str | tuple[str, ...]) -> list[str]:
-    items = [source] if isinstance(source, str) else list(source)
-    out: list[str] = []
-    for item in items:
-        if glob.has_magic(item):
-            matched = sorted(glob.glob(item, recursive=True))
-            if not matched:
-                raise ValueError(f"PipelineConfig.source: glob {item!r} matches nothing")
-            out.extend(matched)
-        elif os.path.exists(item):
-            out.append(item)
-        else:
-            raise ValueError(f"PipelineConfig.source: path {item!r} does not exist")
-    return out
-
-
-def _files_with(paths: list[str], ext: str) -> Iterator[str]:
+def _files_with(paths: list[str], ext: str, storage: Storage) -> Iterator[str]:
     for p in paths:
-        if os.path.isdir(p):
-            for root, _, names in os.walk(p):
-                yield from (os.path.join(root, n) for n in names if n.endswith(ext))
+        if storage.kind(p) == "dir":
+            yield from (f for f in storage.walk(p) if f.endswith(ext))
         elif p.endswith(ext):
             yield p
 
 
-def _list_imagefolder(paths: list[str]) -> Listing:
+def _list_imagefolder(paths: list[str], reader: Reader) -> Listing:
     """Class sub-folders become labels, by sorted class name; one shard per image."""
-    if len(paths) != 1 or not os.path.isdir(paths[0]):
+    storage = reader.storage
+    if len(paths) != 1 or storage.kind(paths[0]) != "dir":
         raise ValueError(f"an image folder source is one directory, got {paths!r}")
     root = paths[0]
-    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    classes = storage.dirs(root)
     if not classes:
         raise ValueError(f"image folder {root!r} has no class sub-folders")
     files: list[tuple[str, int]] = []
     for label, name in enumerate(classes):
-        for dirpath, dirnames, names in os.walk(os.path.join(root, name)):
-            dirnames.sort()
-            files.extend(
-                (os.path.join(dirpath, n), label)
-                for n in sorted(names)
-                if n.lower().endswith(IMAGE_EXTS)
-            )
+        files.extend(
+            (f, label)
+            for f in storage.walk(storage.join(root, name))
+            if f.lower().endswith(IMAGE_EXTS)
+        )
     if not files:
         raise ValueError(f"no images ({', '.join(IMAGE_EXTS)}) found under {root!r}")
     shards = tuple(Shard(p, key, 1, label) for key, (p, label) in enumerate(files))
-    return Listing("imagefolder", shards, tuple(classes))
+    return Listing("imagefolder", shards, tuple(classes), reader, "class sub-folders")

@@ -22,7 +22,7 @@ import numpy as np
 from raypipe.config import PipelineConfig
 from raypipe.pipeline import Preprocessor
 from raypipe.plan import RankPlan
-from raypipe.sources import Listing
+from raypipe.sources import Listing, Reader
 
 __all__ = ["RankPreprocessor", "rank_dataset", "rank_pool", "rank_task", "task_table"]
 assert __all__ == sorted(__all__)
@@ -42,8 +42,11 @@ def task_table(plan: RankPlan, epochs: range) -> np.ndarray:
 
 
 def rank_dataset(config: PipelineConfig, listing: Listing, plan: RankPlan, epochs: range,
-                 skips, *, world_size: int):  # fmt: skip
-    """The lazy run-long dataset of ``plan``'s rank over ``epochs``; None if it has no task."""
+                 skips, *, world_size: int, shared_skips: bool = False):  # fmt: skip
+    """The lazy run-long dataset of ``plan``'s rank over ``epochs``; None if it has no task.
+
+    ``shared_skips``: every rank writes to ``skips``, so the skip budget is the epoch's
+    (all ranks' samples); else this rank's own samples."""
     import ray.data
 
     table = task_table(plan, epochs)
@@ -55,10 +58,10 @@ def rank_dataset(config: PipelineConfig, listing: Listing, plan: RankPlan, epoch
     ids = [{"id": i} for i in range(len(table))]
     ds = ray.data.from_items(ids, override_num_blocks=len(table))
     kwargs = {
-        "config": config, "fmt": listing.format, "plan": plan, "table": table,
+        "config": config, "reader": listing.reader, "plan": plan, "table": table,
         "paths": [s.path for s in listing.shards],
         "labels": np.fromiter((s.label for s in listing.shards), np.int64),
-        "skips": skips,
+        "skips": skips, "shared_skips": shared_skips,
     }  # fmt: skip
     common = {"batch_size": 1, "batch_format": "numpy", "num_cpus": config.actor_cpus}
     if config.compute == "tasks":  # Ray tasks on pooled workers, at most ``hi`` at once
@@ -82,10 +85,15 @@ class RankPreprocessor(Preprocessor):
     Blocks carry an ``epoch`` column; skips go to that epoch's log (``skips.epoch(e)``).
     """
 
-    def __init__(self, config: PipelineConfig, fmt: str, plan: RankPlan, table: np.ndarray,
-                 paths: list[str], labels: np.ndarray, skips=None):  # fmt: skip
-        super().__init__(config, fmt, 0, skips)
+    def __init__(self, config: PipelineConfig, reader: Reader, plan: RankPlan, table: np.ndarray,
+                 paths: list[str], labels: np.ndarray, skips=None, shared_skips=False):  # fmt: skip
+        super().__init__(config, reader, 0, skips)
         self.plan, self.table, self.paths, self.labels = plan, table, paths, labels
+        self.shared_skips = shared_skips
+
+    def epoch_samples(self, epoch: int) -> int:
+        sizes = self.plan.sizes(epoch)
+        return int(sum(sizes)) if self.shared_skips else sizes[self.plan.rank]
 
     def __call__(self, ids: dict[str, np.ndarray]):
         for task in ids["id"]:

@@ -58,7 +58,8 @@ def main(source: str, out: str) -> None:
              runtime_env={"worker_process_setup_hook": jitter})  # fmt: skip
     ray.data.DataContext.get_current().enable_progress_bars = False
     config = PipelineConfig(source=source, image_size=8, batch_size=BATCH, seed=7,
-                            files_per_task=6, rows_per_block=4, actor_cpus=0.5)  # fmt: skip
+                            files_per_task=6, rows_per_block=4, actor_cpus=0.5,
+                            max_skipped=None)  # fmt: skip
     report = {}
     try:
         for name, (world, actors, pauses) in RUNS.items():

@@ -437,6 +437,12 @@ INVALID = {
     "std": [(0.2, 0.0, 0.2), (1, 1)],
     "max_image_pixels": [0, 1.5e8],
     "compute": ["threads", None],
+    "storage_options": [["endpoint_url", "x"], "key=x"],
+    "image_column": ["", 3],
+    "label_column": ["", None],
+    "label_member": ["", "a/cls", 1],
+    "label_key": [""],
+    "max_skipped": [-0.1, 1.5, "5%", True],
 }
 
 
@@ -530,7 +536,12 @@ def run_ranks(ds, world_size: int, batch_size: int, **kwargs):
 def test_mixed_epoch_skips_exactly_and_delivers_the_rest_once(ray_session, tmp_path, fmt):
     source, expected = mixed_source(tmp_path, fmt)
     config = PipelineConfig(
-        source=str(source), image_size=8, files_per_task=9, rows_per_block=4, actors=(1, 2)
+        source=str(source),
+        image_size=8,
+        files_per_task=9,
+        rows_per_block=4,
+        actors=(1, 2),
+        max_skipped=None,
     )
     total = list_shards(config).num_samples
     ds = build_dataset(config)
@@ -553,7 +564,7 @@ def test_mixed_epoch_skips_exactly_and_delivers_the_rest_once(ray_session, tmp_p
 
 def test_every_good_sample_once_and_stats_report_skips(ray_session, tmp_path):
     source, expected = mixed_source(tmp_path, "imagefolder")
-    config = PipelineConfig(source=str(source), image_size=8, files_per_task=16)
+    config = PipelineConfig(source=str(source), image_size=8, files_per_task=16, max_skipped=None)
     batches = iter_torch_batches(build_dataset(config), batch_size=16, drop_last=False)
     keys = [k for b in batches for k in b["key"].tolist()]
     stats = batches.stats()
@@ -614,7 +625,8 @@ def test_train_ddp_writes_the_skip_report_and_every_rank_sees_the_counts(ray_ses
             (out / f"{ctx.rank}.json").write_text(json.dumps([keys, stats["skipped"]]))
             ctx.report({"epoch": epoch})
 
-    config = PipelineConfig(source=str(source), image_size=8, batch_size=5, rows_per_block=4)
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=5, rows_per_block=4,
+                            max_skipped=None)  # fmt: skip
     result = train_ddp(
         config, loop, num_workers=2, cpus_per_worker=0.5, storage_path=str(tmp_path / "runs")
     )

@@ -30,7 +30,7 @@ def check_epoch(out, epoch: int, batch_size: int, good: set[int]) -> np.ndarray:
 def test_epochs_exactly_once_and_equal_with_skips_two_ranks(ray_session, tmp_path, fmt):
     source, expected = mixed_source(tmp_path, fmt)
     config = PipelineConfig(source=str(source), image_size=8, batch_size=6, actors=(2, 2),
-                            files_per_task=9, rows_per_block=4)  # fmt: skip
+                            files_per_task=9, rows_per_block=4, max_skipped=None)  # fmt: skip
     out, stats = run_ranks(config, 2, 3, skips=SkipLog.create())  # one log for both ranks
     total = stats[0][0]["planned"] + stats[1][0]["planned"]
     bad = sum(expected.values())

@@ -1,0 +1,244 @@
+"""Where shards live: the local disk, or object storage (``s3://``, ``gs://``, any fsspec URI).
+
+```
+ driver: Storage.for_source(source, storage_options) → list, size, count (ranged reads)
+   ▼ the Storage object is pickled into every preprocessing actor (a pyarrow FileSystem)
+ actor: Storage.open(uri) → a buffered, seekable file: tar members and Parquet row groups
+        are read with ranged reads, never the whole object at once
+```
+
+Credentials and endpoints come from the usual places: the environment (``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, ``AWS_REGION``; ``GOOGLE_APPLICATION_CREDENTIALS``),
+the filesystem's own config files, or ``PipelineConfig.storage_options``. Every remote call
+has a timeout and a bounded number of retries, so a wrong endpoint or missing credentials
+fail the listing, before any Ray work starts, with one line naming the URI and the cause.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob as globlib
+import io
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+__all__ = ["Storage", "StorageError", "is_remote"]
+assert __all__ == sorted(__all__)
+
+READ_BUFFER = 1 << 20  # bytes per ranged read of a remote file
+S3_ALIASES = {  # s3fs / boto3 spellings → pyarrow.fs.S3FileSystem's
+    "key": "access_key", "secret": "secret_key", "token": "session_token",
+    "endpoint_url": "endpoint_override", "region_name": "region",
+}  # fmt: skip
+S3_DEFAULTS = {"connect_timeout": 10.0, "request_timeout": 60.0}
+S3_ATTEMPTS = 3
+
+
+class StorageError(ValueError):
+    """A source that cannot be listed or read: the URI and the cause, on one line."""
+
+
+def is_remote(path: str) -> bool:
+    scheme, sep, _ = path.partition("://")
+    return bool(sep) and scheme.lower() != "file"
+
+
+class Storage:
+    """The file system of one source: local (``fs`` None) or a ``pyarrow.fs.FileSystem``.
+
+    Paths in and out are what the user wrote: local paths, or full URIs
+    (``s3://bucket/key``) so that error reports and skip records name them as such.
+    """
+
+    def __init__(self, fs=None, scheme: str = "", options: Mapping[str, Any] | None = None):
+        self.fs, self.scheme, self._options = fs, scheme, dict(options or {})
+
+    @property
+    def remote(self) -> bool:
+        return self.fs is not None
+
+    @classmethod
+    def for_source(cls, source: str | tuple[str, ...], options: Mapping[str, Any] | None = None):
+        items = [source] if isinstance(source, str) else list(source)
+        schemes = {i.partition("://")[0].lower() if is_remote(i) else "" for i in items}
+        if len(schemes) > 1:
+            raise ValueError(f"PipelineConfig.source mixes storages {sorted(schemes)}: {items!r}")
+        scheme = schemes.pop()
+        if not scheme:
+            if options:
+                raise ValueError("PipelineConfig.storage_options is for remote sources only")
+            return cls()
+        try:
+            return cls(_filesystem(scheme, dict(options or {})), scheme, options)
+        except (TypeError, ValueError, ImportError, OSError) as e:
+            raise StorageError(
+                f"{items[0]}: cannot set up {scheme}:// storage: {_line(e)}"
+            ) from None
+
+    # -- paths ----------------------------------------------------------------------
+
+    def _path(self, uri: str) -> str:
+        return uri.split("://", 1)[1] if "://" in uri else uri
+
+    def _uri(self, path: str) -> str:
+        return f"{self.scheme}://{path}" if self.remote else path
+
+    def join(self, *parts: str) -> str:
+        return "/".join(p.strip("/") if i else p.rstrip("/") for i, p in enumerate(parts))
+
+    # -- reading ----------------------------------------------------------------------
+
+    def open(self, uri: str):
+        """A seekable binary file; remote files are read in ``READ_BUFFER`` ranges."""
+        if not self.remote:
+            return open(uri, "rb")
+        return io.BufferedReader(self.fs.open_input_file(self._path(uri)), READ_BUFFER)
+
+    def open_arrow(self, uri: str):
+        """What pyarrow readers take: the local path, or a random-access remote file."""
+        return self.fs.open_input_file(self._path(uri)) if self.remote else uri
+
+    def read_bytes(self, uri: str) -> bytes:
+        if not self.remote:
+            with open(uri, "rb") as f:
+                return f.read()
+        with self.fs.open_input_stream(self._path(uri)) as f:
+            return f.read()
+
+    def size(self, uri: str) -> int:
+        if not self.remote:
+            return os.path.getsize(uri)
+        return self.fs.get_file_info(self._path(uri)).size
+
+    # -- listing (driver side; errors name the URI) ---------------------------------
+
+    def expand(self, source: str | tuple[str, ...]) -> list[str]:
+        """Every item of ``source`` that exists (a glob matches at least one path)."""
+        items = [source] if isinstance(source, str) else list(source)
+        out: list[str] = []
+        for item in items:
+            if globlib.has_magic(item):
+                matched = self._glob(item)
+                if not matched:
+                    raise ValueError(f"PipelineConfig.source: glob {item!r} matches nothing")
+                out.extend(matched)
+            elif self.kind(item) is not None:
+                out.append(item.rstrip("/") if self.remote else item)
+            else:
+                raise ValueError(f"PipelineConfig.source: path {item!r} does not exist")
+        return out
+
+    def kind(self, uri: str) -> str | None:
+        """``"file"``, ``"dir"``, or None when nothing is there."""
+        if not self.remote:
+            return "dir" if os.path.isdir(uri) else "file" if os.path.exists(uri) else None
+        import pyarrow.fs as pafs
+
+        info = self._call(uri, self.fs.get_file_info, self._path(uri).rstrip("/"))
+        if info.type == pafs.FileType.Directory:
+            return "dir"
+        return "file" if info.type == pafs.FileType.File else None
+
+    def walk(self, root: str) -> Iterator[str]:
+        """Every file under ``root``, recursively, in sorted order."""
+        if not self.remote:  # sorted as whole paths, as a remote listing is
+            yield from sorted(os.path.join(d, n) for d, _, names in os.walk(root) for n in names)
+            return
+        import pyarrow.fs as pafs
+
+        selector = pafs.FileSelector(self._path(root).rstrip("/"), recursive=True)
+        infos = self._call(root, self.fs.get_file_info, selector)
+        yield from sorted(self._uri(i.path) for i in infos if i.type == pafs.FileType.File)
+
+    def dirs(self, root: str) -> list[str]:
+        """The names of ``root``'s sub-folders, sorted (hidden ones left out)."""
+        if not self.remote:
+            names = [e.name for e in os.scandir(root) if e.is_dir()]
+        else:
+            import pyarrow.fs as pafs
+
+            infos = self._call(root, self.fs.get_file_info, pafs.FileSelector(self._path(root)))
+            names = [i.base_name for i in infos if i.type == pafs.FileType.Directory]
+        return sorted(n for n in names if not n.startswith("."))
+
+    def _glob(self, pattern: str) -> list[str]:
+        if not self.remote:
+            return sorted(globlib.glob(pattern, recursive=True))
+        head = pattern[: min(pattern.index(c) for c in "*?[" if c in pattern)]
+        root = head.rsplit("/", 1)[0]
+        return [u for u in self.walk(root) if fnmatch.fnmatch(u, pattern)]
+
+    def _call(self, uri: str, fn, *args):
+        try:
+            return fn(*args)
+        except (OSError, ValueError) as e:
+            raise StorageError(f"{uri}: {_line(e)}{self._hint()}") from None
+
+    def _hint(self) -> str:
+        if self.scheme != "s3" or self._options.get("anonymous"):
+            return ""
+        keys = (
+            "access_key",
+            "key",
+            "AWS_ACCESS_KEY_ID",
+            "AWS_PROFILE",
+            "AWS_WEB_IDENTITY_TOKEN_FILE",
+        )
+        seen = any(k in self._options or k in os.environ for k in keys)
+        if seen or os.path.exists(os.path.expanduser("~/.aws/credentials")):
+            return ""
+        return (" (no S3 credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                "storage_options access_key/secret_key, or anonymous: true for a public bucket)")  # fmt: skip
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Storage) and (self.scheme, self._options) == (
+            other.scheme,
+            other._options,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.scheme, tuple(sorted(self._options))))
+
+    def __reduce__(self):
+        return (Storage, (self.fs, self.scheme, self._options))
+
+    def __repr__(self) -> str:
+        return f"Storage({self.scheme or 'local'})"
+
+
+def _filesystem(scheme: str, options: dict[str, Any]):
+    import pyarrow.fs as pafs
+
+    if scheme == "s3":
+        opts = {S3_ALIASES.get(k, k): v for k, v in options.items()}
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint and "endpoint_override" not in opts:
+            opts["endpoint_override"] = endpoint
+        url = opts.get("endpoint_override") or ""
+        if "://" in url:  # pyarrow wants the scheme apart from the host
+            opts.setdefault("scheme", url.split("://", 1)[0])
+            opts["endpoint_override"] = url.split("://", 1)[1].rstrip("/")
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if region and "region" not in opts:
+            opts["region"] = region
+        for k, v in S3_DEFAULTS.items():
+            opts.setdefault(k, v)
+        attempts = opts.pop("max_attempts", S3_ATTEMPTS)
+        opts.setdefault("retry_strategy", pafs.AwsStandardS3RetryStrategy(max_attempts=attempts))
+        return pafs.S3FileSystem(**opts)
+    if scheme in ("gs", "gcs"):
+        import datetime
+
+        opts = dict(options)
+        opts.setdefault("retry_time_limit", datetime.timedelta(seconds=30))
+        return pafs.GcsFileSystem(**opts)
+    import fsspec
+    from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+    return PyFileSystem(FSSpecHandler(fsspec.filesystem(scheme, **options)))
+
+
+def _line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= 400 else text[:400] + " ..."
