@@ -98,6 +98,39 @@ def _preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from raypipe.config import PipelineConfig
+    from raypipe.survey import format_survey, survey
+
+    options = dict(_key_value(o) for o in args.storage_option) or None
+    config = PipelineConfig(
+        source=args.source, format=args.format, storage_options=options,
+        image_column=args.image_column, label_column=args.label_column,
+        label_member=args.label_member, label_key=args.label_key,
+    )  # fmt: skip
+    report = survey(config, samples=args.samples)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        _summary(f"inspect {args.source}", format_survey(report))
+    if report["good"] == 0:
+        print("raypipe inspect: every sample looked at would be skipped: check the format and "
+              "the label settings above", file=sys.stderr)  # fmt: skip
+        return 1
+    return 0
+
+
+def _key_value(text: str) -> tuple[str, object]:
+    import yaml
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--storage-option {text!r}: expected KEY=VALUE")
+    return key, yaml.safe_load(value)
+
+
 def _submit(args: argparse.Namespace) -> int:
     from raypipe.submit import submit
 
@@ -143,7 +176,7 @@ def _num(v) -> str:
 
 def _summary(title: str, rows: list[tuple[str, str]]) -> None:
     width = max(len(k) for k, _ in rows)
-    print(f"raypipe {title}: done")
+    print(f"raypipe {title}" + ("" if title.startswith("inspect") else ": done"))
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
 
@@ -198,6 +231,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resolve relative paths in the config against this folder "
                    "(default: the current one)")  # fmt: skip
     p.set_defaults(func=_preprocess)
+
+    p = sub.add_parser("inspect", help="show what raypipe reads from a source",
+                       description="List a source as a run would (format, shards, samples, "
+                       "classes, where labels come from) and decode a few samples spread over "
+                       "its shards as the actors would, without Ray: their sizes, labels and "
+                       "why any would be skipped. Exit code 1 when every one would be.")  # fmt: skip
+    p.add_argument("source", help="folder, glob, file or URI (s3://bucket/prefix/, gs://...)")
+    p.add_argument("--format", default=None, choices=["imagefolder", "webdataset", "parquet"],
+                   help="the source's format (default: inferred from file names)")  # fmt: skip
+    p.add_argument(
+        "--samples", type=int, default=32, help="samples to decode (default: %(default)s)"
+    )
+    p.add_argument(
+        "--image-column", default="image", help="Parquet image column (default: %(default)s)"
+    )
+    p.add_argument(
+        "--label-column", default="label", help="Parquet label column (default: %(default)s)"
+    )
+    p.add_argument("--label-member", default=None,
+                   help="WebDataset label member: cls, txt or json (default: the first present)")  # fmt: skip
+    p.add_argument(
+        "--label-key", default="label", help="key of the label in .json (default: %(default)s)"
+    )
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a storage_options setting, e.g. endpoint_url=http://127.0.0.1:9000 "
+                   "(repeatable)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_inspect)
 
     p = sub.add_parser("submit", help="submit a run or preprocess config as a Ray job",
                        description="Submit a config to a Ray head as a Ray job: the working dir "

@@ -47,7 +47,12 @@ def _wds_groups(members: list[tarfile.TarInfo]) -> list[tuple[str, dict[str, tar
         stem, ext = base.split(".", 1)
         prefix = os.path.join(os.path.dirname(m.name), stem)
         groups.setdefault(prefix, {})[ext.lower()] = m
-    return [(k, v) for k, v in groups.items() if any(e in v for e in WDS_IMAGE_EXTS)]
+    return [(k, v) for k, v in groups.items() if _image_member(v) is not None]
+
+
+def _image_member(parts: dict[str, tarfile.TarInfo]) -> str | None:
+    """The sample's image member: its extension's last part names an image type."""
+    return next((e for e in parts if e.rsplit(".", 1)[-1] in WDS_IMAGE_EXTS), None)
 
 
 def _tar_index(storage: Storage, path: str):
@@ -101,7 +106,7 @@ def read_tar(storage: Storage, path: str, first_key: int, done: np.ndarray | Non
             if done is not None and done[i]:
                 continue
             key, where = first_key + i, f"{path}:{prefix}"
-            image_ext = next(e for e in WDS_IMAGE_EXTS if e in parts)
+            image_ext = _image_member(parts)
             member = next((m for m in wanted if m in parts), None)
             try:
                 data = tar.extractfile(parts[image_ext]).read()

@@ -87,3 +87,11 @@ def test_rayjob_runs_train_ddp_on_the_raycluster_with_a_valid_run_config():
     assert run.trainer.use_gpu and run.trainer.max_failures >= 1
     assert run.trainer.cpus_per_worker == 1
     assert "working_dir" in yaml.safe_load(spec["runtimeEnvYAML"])
+
+
+def test_s3_run_config_is_valid_and_holds_no_credentials():
+    run = RunConfig.from_yaml(CLUSTER / "s3-run.yaml")
+    for section in (run.data, run.eval):
+        assert section.source.startswith("s3://") and section.storage_options
+        assert not {"access_key", "secret_key", "key", "secret"} & set(section.storage_options)
+    assert run.data.label_member == "cls" and run.data.max_skipped == 0.01

@@ -1,0 +1,237 @@
+"""Data as the common tools write it: Hugging Face ``datasets`` Parquet, ``webdataset`` tar
+shards with their label conventions; the skip budget; ``raypipe inspect``.
+
+Every image is one flat gray whose level encodes its label, so a decoded batch shows that
+each row's pixels and label belong to the same sample.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from raypipe import Pipeline, PipelineConfig
+from raypipe.cli import main
+from raypipe.skips import SkipBudgetError
+from raypipe.sources import list_shards
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+NAMES = ["cat", "dog", "eel", "fox"]
+
+
+def level(label: int) -> int:
+    return 30 + 50 * label
+
+
+def png(label: int, size=(12, 10)) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", size, (level(label),) * 3).save(out, "PNG")
+    return out.getvalue()
+
+
+def labels_of(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, len(NAMES), n).tolist()
+
+
+def run_epoch(config: PipelineConfig) -> dict[int, int]:
+    """One epoch through the warm pipeline: {key: label}, each key checked once, each
+    row's pixels checked against its label."""
+    seen: dict[int, int] = {}
+    with Pipeline(config, epochs=1, device="cpu", normalize=False) as pipe:
+        for _, batches in pipe.epochs():
+            for b in batches:
+                for key, label, image in zip(b["key"].tolist(), b["label"].tolist(), b["image"], strict=True):  # fmt: skip
+                    assert key not in seen, f"key {key} twice"
+                    assert abs(int(image.float().mean()) - level(label)) <= 2, (key, label)
+                    seen[key] = label
+    return seen
+
+
+# --- Hugging Face datasets Parquet ---------------------------------------------------
+
+
+def hf_parquet(root, labels: list[int], *, shards: int, string_labels=False, image="image",
+               label="label"):  # fmt: skip
+    """Parquet shards written by ``datasets.Dataset.to_parquet`` with an ``Image()`` column
+    and a ``ClassLabel`` (or string) label column."""
+    import datasets
+
+    if string_labels:
+        features = datasets.Features({image: datasets.Image(), label: datasets.Value("string")})
+        values = [NAMES[v] for v in labels]
+    else:
+        features = datasets.Features({image: datasets.Image(), label: datasets.ClassLabel(names=NAMES)})  # fmt: skip
+        values = labels
+    images = [Image.open(io.BytesIO(png(v))) for v in labels]
+    ds = datasets.Dataset.from_dict({image: images, label: values}, features=features)
+    root.mkdir(parents=True)
+    for i in range(shards):
+        ds.shard(num_shards=shards, index=i, contiguous=True).to_parquet(
+            str(root / f"train-{i:05d}-of-{shards:05d}.parquet")
+        )
+    return root
+
+
+def test_hf_parquet_image_struct_and_classlabel(ray_session, tmp_path):
+    labels = labels_of(37, seed=1)
+    root = hf_parquet(tmp_path / "hf", labels, shards=3)
+    import pyarrow.parquet as pq
+
+    assert str(pq.read_schema(next(root.glob("*.parquet"))).field("image").type).startswith(
+        "struct<bytes"
+    )
+    config = PipelineConfig(source=str(root), image_size=8, batch_size=4, actors=(1, 1))
+    listing = list_shards(config)
+    assert listing.format == "parquet" and listing.classes == tuple(NAMES)
+    assert "ClassLabel" in listing.labels
+    seen = run_epoch(config)
+    assert len(seen) == 37 // 4 * 4  # exact batches of 4: one partial batch dropped
+    assert all(seen[k] == labels[k] for k in seen)  # shards in order: key i is row i
+
+
+def test_hf_parquet_string_labels_and_other_column_names(ray_session, tmp_path):
+    labels = labels_of(30, seed=2)
+    root = hf_parquet(tmp_path / "hf", labels, shards=2, string_labels=True, image="img", label="species")  # fmt: skip
+    config = PipelineConfig(source=str(root), image_size=8, batch_size=5, actors=(1, 1),
+                            image_column="img", label_column="species")  # fmt: skip
+    listing = list_shards(config)
+    present = sorted({NAMES[v] for v in labels})
+    assert listing.classes == tuple(present)  # sorted, as recorded
+    seen = run_epoch(config)
+    assert len(seen) == 30
+    assert all(listing.classes[seen[k]] == NAMES[labels[k]] for k in seen)
+
+
+# --- webdataset shards ---------------------------------------------------------------
+
+
+def wds_shards(root, labels: list[int], member: str, *, per_shard: int = 8, nested=False):
+    """Tar shards written by ``webdataset.TarWriter`` with the label in ``member``."""
+    import webdataset as wds
+
+    root.mkdir(parents=True)
+    for s in range(-(-len(labels) // per_shard)):
+        with wds.TarWriter(str(root / f"shard-{s:04d}.tar")) as sink:
+            for i in range(s * per_shard, min(len(labels), (s + 1) * per_shard)):
+                key = f"dir.{s}/sample{i:05d}" if nested else f"sample{i:05d}"
+                value = {"json": {"label": labels[i], "source": "gen"}, "cls": labels[i],
+                         "txt": str(labels[i])}[member]  # fmt: skip
+                sink.write({"__key__": key, "png": png(labels[i]), member: value})
+    return root
+
+
+@pytest.mark.parametrize("member", ["json", "txt", "cls"])
+def test_webdataset_label_members(ray_session, tmp_path, member):
+    labels = labels_of(21, seed=3)
+    root = wds_shards(tmp_path / "wds", labels, member)
+    config = PipelineConfig(source=str(root), image_size=8, batch_size=3, actors=(1, 1))
+    seen = run_epoch(config)
+    assert len(seen) == 21 and all(seen[k] == labels[k] for k in seen)
+
+
+def test_webdataset_keys_follow_webdataset_grouping(tmp_path):
+    """Our samples are webdataset's samples, in its order: the key is the member path up
+    to the first dot of its base name (dots in folder names do not count)."""
+    import webdataset as wds
+
+    labels = labels_of(12, seed=4)
+    root = wds_shards(tmp_path / "wds", labels, "json", per_shard=6, nested=True)
+    config = PipelineConfig(source=str(root))
+    listing = list_shards(config)
+    ours = [raw.where.split(":", 1)[1] for s in listing.shards
+            for raw in listing.reader.read(s.path, s.first_key, -1)]  # fmt: skip
+    theirs = [
+        sample["__key__"]
+        for shard in sorted(root.glob("*.tar"))
+        for sample in wds.WebDataset(str(shard), shardshuffle=False, empty_check=False)
+    ]
+    assert ours == theirs and len(ours) == 12
+
+
+def test_webdataset_label_settings_and_reasons(tmp_path):
+    labels = labels_of(6, seed=5)
+    root = wds_shards(tmp_path / "wds", labels, "json")
+    other = PipelineConfig(source=str(root), label_key="class")
+    reasons = {raw.reason for s in list_shards(other).shards
+               for raw in list_shards(other).reader.read(s.path, s.first_key, -1)}  # fmt: skip
+    assert reasons == {"missing_label"}
+    only_cls = PipelineConfig(source=str(root), label_member="cls")
+    listing = list_shards(only_cls)
+    raws = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
+    assert {r.reason for r in raws} == {"missing_label"} and ".cls" in raws[0].error
+
+
+# --- the skip budget ------------------------------------------------------------------
+
+
+def parquet_with_bad_rows(root, n: int, bad: set[int], *, files: int):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root.mkdir(parents=True)
+    labels = labels_of(n, seed=6)
+    rows = [(b"not an image" if i in bad else png(labels[i]), labels[i]) for i in range(n)]
+    per = -(-n // files)
+    for f in range(files):
+        part = rows[f * per : (f + 1) * per]
+        table = pa.table({"image": [r[0] for r in part], "label": [r[1] for r in part]})
+        pq.write_table(table, root / f"part-{f:03d}.parquet")
+    return root
+
+
+def test_a_few_bad_rows_pass_the_default_budget_and_fail_a_tighter_one(ray_session, tmp_path):
+    root = parquet_with_bad_rows(tmp_path / "pq", 100, {7, 50, 93}, files=4)
+    config = PipelineConfig(source=str(root), image_size=8, batch_size=4, actors=(1, 1))
+    assert len(run_epoch(config)) == 96  # 3 % skipped < 5 %: 97 good, 24 batches of 4
+    with pytest.raises(SkipBudgetError) as e:
+        run_epoch(config.replace(max_skipped=0.01))
+    message = str(e.value)
+    assert "of its 100 samples" in message and "max_skipped=0.01 allows 1" in message
+    assert "not_an_image" in message and str(root) in message
+
+
+def test_all_bad_stops_at_the_first_blocks_naming_the_cause(ray_session, tmp_path):
+    """A misnamed image column: every row is skipped; the run stops after a few shards,
+    not after the epoch, and says which column is missing."""
+    root = hf_parquet(tmp_path / "hf", labels_of(400, seed=7), shards=20, image="picture")
+    config = PipelineConfig(source=str(root), image_size=8, batch_size=8, actors=(1, 1))
+    with pytest.raises(SkipBudgetError) as e:
+        run_epoch(config)
+    err = e.value
+    assert err.by_reason.keys() == {"missing_column"}
+    assert 400 * 0.05 < err.skipped < 400, err.skipped  # stopped early, past the limit
+    assert "no 'image' column" in str(err) and "picture" in str(err)
+
+
+def test_no_budget_still_fails_when_every_sample_is_bad(ray_session, tmp_path):
+    root = parquet_with_bad_rows(tmp_path / "pq", 24, set(range(24)), files=2)
+    config = PipelineConfig(source=str(root), image_size=8, batch_size=4, max_skipped=None)
+    with pytest.raises(SkipBudgetError) as e:
+        run_epoch(config)
+    assert e.value.skipped == 24 and "max_skipped=None" in str(e.value)
+
+
+# --- raypipe inspect ------------------------------------------------------------------
+
+
+def test_inspect_reports_format_labels_and_skips(tmp_path, capsys):
+    root = hf_parquet(tmp_path / "hf", labels_of(40, seed=8), shards=4)
+    assert main(["inspect", str(root), "--samples", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "parquet (inferred)" in out and "40" in out and "cat, dog, eel, fox" in out
+    assert "ClassLabel" in out and "8 good, 0 would be skipped" in out and "12x10 RGB" in out
+
+    bad = parquet_with_bad_rows(tmp_path / "bad", 10, set(range(10)), files=1)
+    assert main(["inspect", str(bad), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["good"] == 0 and report["skipped_by_reason"] == {"not_an_image": 10}
+
+    assert main(["inspect", str(root), "--image-column", "picture"]) == 1
+    assert "skip: missing_column" in capsys.readouterr().out
