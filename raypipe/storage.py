@@ -219,7 +219,11 @@ def _filesystem(scheme: str, options: dict[str, Any]):
         if "://" in url:  # pyarrow wants the scheme apart from the host
             opts.setdefault("scheme", url.split("://", 1)[0])
             opts["endpoint_override"] = url.split("://", 1)[1].rstrip("/")
-        if "access_key" not in opts and not opts.get("anonymous") and os.environ.get("AWS_ACCESS_KEY_ID"):
+        if (
+            "access_key" not in opts
+            and not opts.get("anonymous")
+            and os.environ.get("AWS_ACCESS_KEY_ID")
+        ):
             # resolved here, on the driver, so that actors on other nodes use the same keys
             opts["access_key"] = os.environ["AWS_ACCESS_KEY_ID"]
             opts["secret_key"] = os.environ.get("AWS_SECRET_ACCESS_KEY", "")
