@@ -25,7 +25,8 @@ from raypipe.epochs import Pipeline
 from raypipe.loader import iter_torch_batches
 from raypipe.pipeline import build_dataset
 from raypipe.poolwatch import PoolWatch
-from raypipe.skips import SampleError, SkipLog
+from raypipe.skips import SampleError, SkipBudgetError, SkipLog
+from raypipe.storage import StorageError
 from raypipe.train import TrainContext, train_ddp
 
 __all__ = [
@@ -33,7 +34,9 @@ __all__ = [
     "PipelineConfig",
     "PoolWatch",
     "SampleError",
+    "SkipBudgetError",
     "SkipLog",
+    "StorageError",
     "TrainContext",
     "build_dataset",
     "iter_torch_batches",

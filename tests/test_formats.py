@@ -17,7 +17,7 @@ from PIL import Image
 
 from raypipe import Pipeline, PipelineConfig
 from raypipe.cli import main
-from raypipe.skips import SkipBudgetError
+from raypipe import SkipBudgetError
 from raypipe.sources import list_shards
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
