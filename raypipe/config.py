@@ -58,6 +58,19 @@ class PipelineConfig:
             Ray tasks on pooled workers, at most ``actors[1]`` at once, that stay warm
             from one epoch to the next (no pool start per epoch; no pool to watch).
         mean, std: per-channel normalization applied on the device (0..1 scale).
+        transform: your own map, run in the actors after decode instead of the built-in crop:
+            a callable or a ``"module:function"`` path, pickling by reference. It gets a
+            dict: ``image`` (as ``transform_input`` says), ``label``, ``key`` and the sample's
+            other WebDataset members or Parquet columns; it returns a dict of fields. Python's
+            ``random``, NumPy's global generator and torch's are seeded per sample from
+            ``(seed, epoch, key)``. See README "Your own transform".
+        transform_input: the image the transform gets: ``"numpy"`` (H×W×3 uint8),
+            ``"pil"`` (RGB) or ``"torch"`` (3×H×W uint8 tensor).
+        transform_batch: the transform takes a batch (a dict of lists, ``rows_per_block``
+            samples) and returns a dict of per-row values, instead of one sample.
+        collate: turns each rank's numpy batch into the batch the trainer gets (a callable
+            or ``"module:function"``); None: numeric fields as tensors, ragged ones padded
+            with a ``<field>_mask`` (`raypipe.usermap.pad_collate`) when there is a transform.
         max_image_pixels: an image whose header claims more pixels is a bad sample
             (``"decompression_bomb"``), refused before decoding; None for no limit.
             Checked per image in the actors instead of Pillow's process-wide limit.
@@ -89,6 +102,10 @@ class PipelineConfig:
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
     max_image_pixels: int | None = 89_478_485  # Pillow's default limit
+    transform: Any = None
+    transform_input: Literal["numpy", "pil", "torch"] = "numpy"
+    transform_batch: bool = False
+    collate: Any = None
 
     def __post_init__(self) -> None:
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -198,7 +215,13 @@ def _validate(c: PipelineConfig) -> None:
         value = getattr(c, name)
         if not _is_int(value) or value < 0:
             raise bad(name, "must be an integer >= 0")
-    for name in ("train", "flip", "shuffle_files"):
+    from raypipe.usermap import INPUTS, resolve_callable
+
+    resolve_callable(c.transform, "transform")
+    resolve_callable(c.collate, "collate")
+    if c.transform_input not in INPUTS:
+        raise bad("transform_input", f"must be one of {INPUTS}")
+    for name in ("train", "flip", "shuffle_files", "transform_batch"):
         if not isinstance(getattr(c, name), bool):
             raise bad(name, "must be true or false")
     if (

@@ -31,6 +31,7 @@ from raypipe.plan import RankPlan
 from raypipe.skips import SkipLog
 from raypipe.sources import Listing, list_shards
 from raypipe.stats import bound
+from raypipe.usermap import pad_collate, resolve_callable
 from raypipe.warm import rank_dataset
 
 __all__ = ["Pipeline"]
@@ -94,6 +95,8 @@ class Pipeline:
         )  # fmt: skip
         self._loader = {
             "device": resolve_device(device), "pin_memory": pin_memory,
+            "collate": resolve_callable(config.collate, "collate")
+            or (pad_collate if config.transform is not None else None),
             "prefetch_batches": prefetch_batches, "channels_last": channels_last,
             "normalize": (config.mean, config.std) if normalize else None,
         }  # fmt: skip

@@ -30,7 +30,7 @@ import numpy as np
 from raypipe.blocks import block_columns
 from raypipe.ledger import Gate
 from raypipe.plan import RankPlan
-from raypipe.rebatch import rebatch
+from raypipe.rebatch import concat_column, rebatch
 
 __all__ = ["Feeder", "shuffled"]
 assert __all__ == sorted(__all__)
@@ -46,9 +46,7 @@ def shuffled(blocks, batch_size: int, buffer: int, rng: np.random.Generator):
     ``batch_size`` held rows (seeded, so the same blocks give the same batches)."""
     held: Columns | None = None
     for block in blocks:
-        held = (
-            block if held is None else {k: np.concatenate([held[k], v]) for k, v in block.items()}
-        )
+        held = block if held is None else {k: concat_column([held[k], v]) for k, v in block.items()}
         while len(held["key"]) >= buffer + batch_size:
             yield from _draw(held, batch_size, rng, out := [])
             held = out[0]
@@ -62,6 +60,17 @@ def _draw(held: Columns, n: int, rng: np.random.Generator, rest: list):
     take, keep = order[:n], order[n:]
     rest.append({k: v[keep] for k, v in held.items()})
     yield {k: v[take] for k, v in held.items()}
+
+
+def _unwrapped(error: BaseException) -> BaseException:
+    """raypipe's own errors from the actors as raised there (one line naming the sample),
+    not inside Ray's task-error wrapper with its remote traceback."""
+    from raypipe.skips import SampleError, SkipBudgetError
+    from raypipe.usermap import TransformOutputError
+
+    cause = getattr(error, "cause", None)
+    ours = (SampleError, SkipBudgetError, TransformOutputError)
+    return cause if isinstance(error, ours) and isinstance(cause, ours) else error
 
 
 class _Closed(Exception):
@@ -160,7 +169,7 @@ class Feeder:
             return
         except BaseException as e:  # reaches the consumer, unless it is gone
             with contextlib.suppress(_Closed):
-                self._put((_FAIL, -1, e))
+                self._put((_FAIL, -1, _unwrapped(e)))
 
     def _epoch(self, e: int, blocks, ahead, startup: float):
         """Feed epoch ``e``; returns the first block of the next epoch if it was read."""

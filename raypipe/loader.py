@@ -58,12 +58,15 @@ def iter_torch_batches(
     channels_last: bool = False,
     skips=None,
     watch=None,
+    collate=None,
 ) -> TorchBatches:
     """Iterate ``source`` (a ``ray.data.DataIterator`` or ``Dataset``) as torch batches.
 
     Yields dicts: ``image`` (float32 N×C×H×W normalized, or uint8 with
     ``normalize=False``) on ``device``, ``label`` and ``key`` (int64); ``channels_last``
-    lays images out as ``torch.channels_last``. Each pass over the
+    lays images out as ``torch.channels_last``. ``collate`` turns each exact-size numpy batch
+    into the batch (its tensors then move to ``device``); default: zero-copy tensors. Each
+    pass over the
     returned object is one epoch of ``source``; ``.stats()`` and ``.state_dict()`` describe
     the current pass. ``stats()["skipped"]`` counts the dataset's skipped samples per
     reason (all ranks together) from ``skips``, a `raypipe.SkipLog`; a Dataset made by
@@ -90,6 +93,7 @@ def iter_torch_batches(
         channels_last=channels_last,
         skips=skips if skips is not None else getattr(source, "_raypipe_skips", None),
         watch=watch,
+        collate=collate,
     )
 
 
@@ -115,8 +119,9 @@ class TorchBatches:
 
     def __init__(self, host, *, device, pin_memory, prefetch_batches, normalize,
                  channels_last=False, skips=None, watch=None, more_stats=None,
-                 first_pass=0):  # fmt: skip
+                 first_pass=0, collate=None):  # fmt: skip
         self._host = host
+        self._collate = collate or to_tensors
         self._device = device
         self._normalize = normalize
         self._h2d = HostToDevice(device, pin_memory=pin_memory, prefetch=max(prefetch_batches, 1),
@@ -145,7 +150,7 @@ class TorchBatches:
     def _pass(self) -> Iterator[Batch]:
         # 1 → 5: the straight line described in the module docstring.
         exact = self._delivered.track(self._host())
-        tensors = (to_tensors(b) for b in exact)
+        tensors = (self._collate(b) for b in exact)
         on_device = _Stay(tensors) if self._stays else self._h2d(tensors)
         out = (normalize(b, *self._normalize) for b in on_device) if self._normalize else on_device
         stats = self._stats
@@ -238,7 +243,9 @@ def normalize(batch: Batch, mean: tuple[float, ...], std: tuple[float, ...]) -> 
     """Step 5: uint8 image → float32 ``(x/255 - mean) / std``, where the image lives."""
     import torch
 
-    image = batch["image"]
+    image = batch.get("image")
+    if not hasattr(image, "dtype") or image.dtype != torch.uint8 or image.dim() != 4:
+        return batch  # a user transform's output: normalized by its own rules, if at all
     scale, shift = _affine(tuple(mean), tuple(std), image.device)
     out = image.to(torch.float32).mul_(scale).sub_(shift)  # keeps channels_last
     return {**batch, "image": out}

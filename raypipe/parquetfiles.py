@@ -13,6 +13,7 @@ Bad data never raises here: a wrong column fails every row of its shard with one
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 
@@ -75,8 +76,9 @@ def parquet_labels(storage: Storage, paths: list[str], column: str) -> tuple[tup
 
 def read_parquet(storage: Storage, path: str, first_key: int, done: np.ndarray | None, *,
                  image_column: str = "image", label_column: str = "label",
-                 classes: tuple[str, ...] = ()) -> Iterator[RawSample]:  # fmt: skip
-    """Rows of ``image_column`` (bytes) and ``label_column``; a bad column fails every row."""
+                 classes: tuple[str, ...] = (), extras: bool = False) -> Iterator[RawSample]:  # fmt: skip
+    """Rows of ``image_column`` (bytes) and ``label_column``; a bad column fails every row.
+    ``extras``: each row also carries the values of the file's other columns."""
     import pyarrow.parquet as pq
 
     try:
@@ -97,15 +99,22 @@ def read_parquet(storage: Storage, path: str, first_key: int, done: np.ndarray |
         if done is not None and done[key - first_key : key - first_key + size].all():
             key += size
             continue  # a consumed row group is not read
+        others = (
+            [n for n in schema.names if n not in (image_column, label_column)] if extras else []
+        )
         batches = file.iter_batches(
-            batch_size=ROWS_PER_READ, row_groups=[g], columns=[image_column, label_column]
+            batch_size=ROWS_PER_READ, row_groups=[g], columns=[image_column, label_column, *others]
         )
         for batch in batches:
             images, labels = _image_bytes(batch.column(0)), batch.column(1).to_pylist()
+            more = {n: batch.column(n).to_pylist() for n in others}
             for i in range(batch.num_rows):
                 if done is None or not done[key - first_key]:
                     where = f"{path}:row{key - first_key}"
-                    yield _row(key, where, images[i].as_py(), labels[i], index)
+                    row = _row(key, where, images[i].as_py(), labels[i], index)
+                    if others and row.reason is None:
+                        row = dataclasses.replace(row, extras={n: v[i] for n, v in more.items()})
+                    yield row
                 key += 1
 
 

@@ -39,6 +39,7 @@ from raypipe.skips import (
 )
 from raypipe.sources import Listing, Reader, epoch_order, list_shards
 from raypipe.transforms import Plan, plan, sample_rng
+from raypipe.usermap import RowBuilder, SampleMap, Schema, resolve_callable
 
 __all__ = ["Preprocessor", "SampleError", "build_dataset", "sized_blocks"]
 assert __all__ == sorted(__all__)
@@ -157,6 +158,8 @@ class Preprocessor:
         from PIL import Image
 
         self.config = config
+        self.usermap = user_map(config)
+        self.schema = Schema()  # the user transform's fields, for every task of this actor
         self.samples = samples  # the epoch's samples to read, for the skip budget
         self.reader = reader if isinstance(reader, Reader) else Reader(reader)
         self.epoch = epoch
@@ -172,8 +175,7 @@ class Preprocessor:
     def _blocks(self, shards: dict[str, np.ndarray], epoch: int, skips: SkipLog | None):
         """Blocks of ``rows_per_block`` decoded samples of ``shards`` (rows as `pending_rows`
         makes them), the last one shorter; skips reach ``skips`` before the rows after them."""
-        c = self.config
-        out, pending = _BlockBuilder(c.image_size, c.rows_per_block or c.batch_size), []
+        out, pending = self._builder(epoch), []
         for path, first_key, num_samples, label, done in zip(
             shards["path"], shards["first_key"], shards["num_samples"], shards["label"],
             shards["done"], strict=True,
@@ -181,18 +183,31 @@ class Preprocessor:
             done = unpack_done(done, int(num_samples))
             for raw in self._samples(str(path), int(first_key), int(num_samples), int(label), done):
                 try:
-                    image = self._decode(raw, epoch)
-                except Exception as e:  # any read or decoder failure is a bad sample
+                    item = self._decode(raw, epoch)
+                except Exception as e:  # any read, decode or transform failure: a bad sample
                     pending.append(self._bad(raw, e))
                     if len(pending) >= SKIPS_PER_SEND:  # a shard of nothing but bad rows
                         self._flush(pending, skips, epoch)
                     continue
-                if out.add(image, raw.label, raw.key):
-                    self._flush(pending, skips, epoch)  # skips reach the log before the rows
-                    yield out.take()
-        self._flush(pending, skips, epoch)
+                if out.add(item, raw):
+                    yield from self._take(out, pending, skips, epoch)
         if len(out):
-            yield out.take()
+            yield from self._take(out, pending, skips, epoch)
+        self._flush(pending, skips, epoch)
+
+    def _builder(self, epoch: int):
+        rows = self.config.rows_per_block or self.config.batch_size
+        if self.usermap is None:
+            return _BlockBuilder(self.config.image_size, rows)
+        return RowBuilder(rows, self.usermap, self.schema, self._bad, epoch)
+
+    def _take(self, out, pending: list[SkipRecord], skips: SkipLog | None, epoch: int):
+        block = out.take()
+        pending.extend(getattr(out, "bad", ()))  # a per-batch transform's failed batch
+        getattr(out, "bad", []).clear()
+        self._flush(pending, skips, epoch)  # skips reach the log before the rows after them
+        if block is not None:
+            yield block
 
     def _samples(self, path: str, first_key: int, num_samples: int, label: int, done=None):
         """The shard's samples, exactly ``num_samples`` keys whatever the reader does.
@@ -216,11 +231,13 @@ class Preprocessor:
         for key in filter(todo, range(next_key, end)):
             yield RawSample(key, -1, None, f"{path}:key{key}", detail, "unreadable_shard")
 
-    def _decode(self, raw: RawSample, epoch: int) -> np.ndarray:
+    def _decode(self, raw: RawSample, epoch: int):
         if raw.reason is not None:
             raise BadSample(raw.reason, raw.error or raw.reason)
         if not raw.data:
             raise BadSample("empty_file", "zero bytes")
+        if self.usermap is not None:  # a row of the user's fields; per batch: later
+            return None if self.usermap.per_batch else self.usermap(raw, epoch)
         rng = sample_rng(self.config.seed, epoch, raw.key)
         return decode_crop(raw.data, self.config.image_size, lambda w, h: self._plan(w, h, rng))
 
@@ -278,9 +295,9 @@ class _BlockBuilder:
     def __len__(self) -> int:
         return self.n
 
-    def add(self, image: np.ndarray, label: int, key: int) -> bool:
+    def add(self, image: np.ndarray, raw: RawSample) -> bool:
         """Append one sample; True when the block is full."""
-        self.image[self.n], self.label[self.n], self.key[self.n] = image, label, key
+        self.image[self.n], self.label[self.n], self.key[self.n] = image, raw.label, raw.key
         self.n += 1
         return self.n == self.rows
 
@@ -289,3 +306,12 @@ class _BlockBuilder:
         block = {"image": self.image[:n], "label": self.label[:n], "key": self.key[:n]}
         self._reset()
         return block
+
+
+def user_map(config: PipelineConfig) -> SampleMap | None:
+    """The config's user transform, ready to run; None for the built-in crop."""
+    transform = resolve_callable(config.transform, "transform")
+    if transform is None:
+        return None
+    return SampleMap(transform, seed=config.seed, image_input=config.transform_input,
+                     per_batch=config.transform_batch, max_image_pixels=config.max_image_pixels)  # fmt: skip

@@ -63,4 +63,15 @@ def _split(pieces: list[dict[str, np.ndarray]], n: int):
 def _concat(pieces: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     if len(pieces) == 1:
         return pieces[0]
-    return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
+    return {k: concat_column([p[k] for p in pieces]) for k in pieces[0]}
+
+
+def concat_column(parts: list[np.ndarray]) -> np.ndarray:
+    """Rows of ``parts`` in one array; a ragged (object, one array per row) part makes the
+    result ragged too (a user transform's field that differed in shape in some block)."""
+    if all(p.dtype != object for p in parts) or all(p.dtype == object for p in parts):
+        return np.concatenate(parts)
+    rows = [row for p in parts for row in (p if p.dtype == object else list(p))]
+    out = np.empty(len(rows), dtype=object)
+    out[:] = rows
+    return out

@@ -32,6 +32,7 @@ class RawSample:
     where: str
     error: str | None = None  # set when the sample could not even be read: the detail
     reason: str | None = None  # and the reason, one of raypipe.skips.REASONS
+    extras: dict | None = None  # with a user transform: the sample's other members/columns
 
 
 def _wds_groups(members: list[tarfile.TarInfo]) -> list[tuple[str, dict[str, tarfile.TarInfo]]]:
@@ -92,9 +93,11 @@ def tar_label_members(storage: Storage, path: str) -> dict[str, int]:
 
 
 def read_tar(storage: Storage, path: str, first_key: int, done: np.ndarray | None, *,
-             label_member: str | None = None, label_key: str = "label") -> Iterator[RawSample]:  # fmt: skip
+             label_member: str | None = None, label_key: str = "label",
+             extras: bool = False) -> Iterator[RawSample]:  # fmt: skip
     """The samples of a WebDataset tar; the label from ``label_member`` (``.cls``, ``.txt``
-    holding an integer, or key ``label_key`` of a ``.json``), or the first of those present."""
+    holding an integer, or key ``label_key`` of a ``.json``), or the first of those present.
+    ``extras``: each sample also carries its other members' bytes, by extension."""
     try:
         groups, cut = _tar_index(storage, path)
     except (tarfile.TarError, OSError) as e:
@@ -120,7 +123,17 @@ def read_tar(storage: Storage, path: str, first_key: int, done: np.ndarray | Non
                 yield RawSample(key, -1, None, where, os_error(e), reason)
                 continue
             label, reason, detail = _label_of(text, member, label_key)
-            yield RawSample(key, label, data if reason is None else None, where, detail, reason)
+            more = None
+            if extras and reason is None:
+                try:
+                    more = {e: tar.extractfile(m).read() for e, m in parts.items()
+                            if e not in (image_ext, member)}  # fmt: skip
+                except (tarfile.TarError, OSError) as e:
+                    yield RawSample(key, -1, None, where, os_error(e), "unreadable")
+                    continue
+            yield RawSample(
+                key, label, data if reason is None else None, where, detail, reason, more
+            )
     if cut is not None:
         yield RawSample(first_key + len(groups), -1, None, f"{path}:<end>", cut, "truncated_shard")
 

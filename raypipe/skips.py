@@ -46,6 +46,7 @@ REASONS = (
     "missing_label",  # a WebDataset sample without its .cls member
     "not_an_image",  # bytes no decoder recognises (text, random bytes, ...)
     "null_value",  # a Parquet row whose image or label is null
+    "transform_error",  # the user's transform (PipelineConfig.transform) raised
     "truncated_image",  # the image data ends early
     "truncated_shard",  # a tar shard that ends early; its lost tail counts as one sample
     "unreadable",  # the file or member could not be read (permissions, vanished, I/O)
@@ -108,6 +109,9 @@ class SkipBudgetError(RuntimeError):
 
     def __reduce__(self):
         return (SkipBudgetError, (self.args[0], self.skipped, self.by_reason))
+
+    def __str__(self) -> str:  # one line, without what Ray Data appends on the way
+        return str(self.args[0]).split("\n", 1)[0] if self.args else ""
 
     @classmethod
     def of(cls, epoch: int, samples: int, limit: int, max_skipped: float | None,

@@ -51,6 +51,7 @@ class Reader:
     label_member: str | None = None
     label_key: str = "label"
     classes: tuple[str, ...] = ()
+    extras: bool = False  # samples carry their other members / columns (user transforms)
 
     def count(self, path: str) -> int:
         if self.format == "webdataset":
@@ -70,11 +71,13 @@ class Reader:
             yield RawSample(first_key, label, data, path)
         elif self.format == "webdataset":
             yield from read_tar(self.storage, path, first_key, done,
-                                label_member=self.label_member, label_key=self.label_key)  # fmt: skip
+                                label_member=self.label_member, label_key=self.label_key,
+                                extras=self.extras)  # fmt: skip
         elif self.format == "parquet":
             yield from read_parquet(self.storage, path, first_key, done,
                                     image_column=self.image_column,
-                                    label_column=self.label_column, classes=self.classes)  # fmt: skip
+                                    label_column=self.label_column, classes=self.classes,
+                                    extras=self.extras)  # fmt: skip
         else:
             raise ValueError(f"unknown format {self.format!r}")
 
@@ -103,7 +106,7 @@ def list_shards(config: PipelineConfig) -> Listing:
     paths = storage.expand(config.source)
     fmt = config.format or infer_format(paths, storage)
     reader = Reader(fmt, storage, config.image_column, config.label_column,
-                    config.label_member, config.label_key)  # fmt: skip
+                    config.label_member, config.label_key, extras=config.transform is not None)  # fmt: skip
     if fmt == "imagefolder":
         return _list_imagefolder(paths, reader)
     files = sorted(set(_files_with(paths, _SHARD_EXT[fmt], storage)))

@@ -207,7 +207,7 @@ def test_all_bad_stops_at_the_first_blocks_naming_the_cause(ray_session, tmp_pat
     err = e.value
     assert err.by_reason.keys() == {"missing_column"}
     assert 400 * 0.05 < err.skipped < 400, err.skipped  # stopped early, past the limit
-    assert "no 'image' column" in str(err) and "picture" in str(err)
+    assert "no 'image' column" in str(err) and "picture" in str(err) and "\n" not in str(err)
 
 
 def test_no_budget_still_fails_when_every_sample_is_bad(ray_session, tmp_path):

@@ -1,0 +1,64 @@
+"""Transforms the user-transform tests run in the actors (importable, so they pickle by
+reference). They have the interface of torchvision v2 / albumentations callables: a sample
+in, a dict of fields out, randomness from the global generators."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+
+def small(image: np.ndarray, size: int = 8) -> np.ndarray:
+    """Nearest-neighbour resize of an H×W(×C) array to size×size."""
+    h, w = image.shape[:2]
+    return image[np.arange(size) * h // size][:, np.arange(size) * w // size]
+
+
+def noisy(sample: dict) -> dict:
+    """Draws from torch's, NumPy's and Python's global generators."""
+    image = small(sample["image"])
+    draws = np.array([torch.rand(()).item(), np.random.rand(), random.random()])
+    return {"image": image.transpose(2, 0, 1).copy(), "label": sample["label"], "draws": draws}
+
+
+def with_mask(sample: dict) -> dict:
+    """Image and its ``mask.png`` member, both flipped together half the time."""
+    image, mask = small(sample["image"]), small(sample["mask.png"])
+    if torch.rand(()) < 0.5:
+        image, mask = image[:, ::-1], mask[:, ::-1]
+    return {"image": torch.from_numpy(image.transpose(2, 0, 1).copy()),
+            "mask": mask.copy(), "meta": sample["json"]["source"]}  # fmt: skip
+
+
+def tokens(sample: dict) -> dict:
+    """A variable-length output: key % 5 + 1 token ids."""
+    n = sample["key"] % 5 + 1
+    return {"tokens": np.arange(n, dtype=np.int64) + 100 * sample["key"], "label": sample["label"]}
+
+
+def fails_on_every_20th(sample: dict) -> dict:
+    if sample["key"] % 20 == 0:
+        raise RuntimeError("augmentation failed")
+    return {"label": sample["label"]}
+
+
+def dtype_changes_at_7(sample: dict) -> dict:
+    value = np.float32(1.0) if sample["key"] == 7 else np.int64(1)
+    return {"value": value}
+
+
+def batch_mean(batch: dict) -> dict:
+    """A per-batch transform: lists in, one value per row out."""
+    return {"mean": [float(np.mean(im)) for im in batch["image"]], "label": batch["label"]}
+
+
+def torch_input(sample: dict) -> dict:
+    image = sample["image"]
+    assert isinstance(image, torch.Tensor) and image.shape[0] == 3 and image.dtype == torch.uint8
+    return {"shape": torch.tensor(image.shape), "label": sample["label"]}
+
+
+def sum_collate(batch: dict) -> dict:
+    return {"label_sum": int(batch["label"].sum()), "key": torch.from_numpy(batch["key"])}
