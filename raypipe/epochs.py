@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from raypipe.blocks import execute
+from raypipe.collate import collate_for
 from raypipe.config import PipelineConfig
 from raypipe.feeder import Feeder
 from raypipe.ledger import Gate, create_ledger
@@ -31,7 +32,6 @@ from raypipe.plan import RankPlan
 from raypipe.skips import SkipLog
 from raypipe.sources import Listing, list_shards
 from raypipe.stats import bound
-from raypipe.usermap import pad_collate, resolve_callable
 from raypipe.warm import rank_dataset
 
 __all__ = ["Pipeline"]
@@ -95,8 +95,7 @@ class Pipeline:
         )  # fmt: skip
         self._loader = {
             "device": resolve_device(device), "pin_memory": pin_memory,
-            "collate": resolve_callable(config.collate, "collate")
-            or (pad_collate if config.transform is not None else None),
+            "collate": collate_for(config),
             "prefetch_batches": prefetch_batches, "channels_last": channels_last,
             "normalize": (config.mean, config.std) if normalize else None,
         }  # fmt: skip

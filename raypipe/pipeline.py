@@ -39,7 +39,8 @@ from raypipe.skips import (
 )
 from raypipe.sources import Listing, Reader, epoch_order, list_shards
 from raypipe.transforms import Plan, plan, sample_rng
-from raypipe.usermap import RowBuilder, SampleMap, Schema, resolve_callable
+from raypipe.usermap import SampleMap, resolve_callable
+from raypipe.userrows import RowBuilder, Schema
 
 __all__ = ["Preprocessor", "SampleError", "build_dataset", "sized_blocks"]
 assert __all__ == sorted(__all__)

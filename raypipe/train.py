@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from raypipe.checkpoint import EpochBatches, Progress, load_checkpoint
+from raypipe.collate import collate_for
 from raypipe.config import PipelineConfig
 from raypipe.epochs import Pipeline
 from raypipe.ledger import create_ledger
@@ -145,6 +146,7 @@ class TrainContext:
             shuffle_buffer=config.shuffle_buffer,
             shuffle_seed=config.seed,
             skips=self.skip_logs.get(name),
+            collate=collate_for(config),
         )
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:

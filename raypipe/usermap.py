@@ -7,7 +7,7 @@
      (seed, epoch, key): the same sample gets the same draws in every run
    ▼ transform(sample) -> dict of arrays (image, mask, boxes, labels, token ids, ...)
    ▼ rows: fixed-shape fields stacked, ragged ones kept per row; "key" always added
- rank iterator: collate (default `pad_collate`: pad ragged fields to the batch maximum
+ rank iterator: collate (default `raypipe.collate.pad_collate`: pad ragged fields to the batch maximum
    with a ``<field>_mask``) → tensors → device
 ```
 
@@ -31,15 +31,7 @@ import numpy as np
 
 from raypipe.transforms import sample_rng, to_rgb
 
-__all__ = [
-    "RowBuilder",
-    "SampleMap",
-    "Schema",
-    "TransformOutputError",
-    "pad_collate",
-    "resolve_callable",
-    "rows_block",
-]
+__all__ = ["SampleMap", "TransformOutputError", "resolve_callable", "seed_globals"]
 assert __all__ == sorted(__all__)
 
 INPUTS = ("numpy", "pil", "torch")
@@ -214,136 +206,3 @@ def _to_numpy(value: Any) -> Any:
     if isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value):
         return np.asarray(value)
     return value  # strings, bytes, dicts: kept as objects
-
-
-class Schema:
-    """The fields and dtypes of an actor's first row; every later row must match them."""
-
-    def __init__(self) -> None:
-        self.fields: dict[str, tuple[str, int | None]] | None = None  # dtype, ndim
-        self.ragged: set[str] = set()
-        self.shapes: dict[str, tuple] = {}
-
-    def check(self, row: dict[str, Any], key: int, where: str) -> None:
-        spec = {k: _spec(v) for k, v in row.items()}
-        if self.fields is None:
-            self.fields = spec
-            self.shapes = {k: np.shape(v) for k, v in row.items() if isinstance(v, np.ndarray)}
-            return
-        if spec.keys() != self.fields.keys():
-            diff = sorted(spec.keys() ^ self.fields.keys())
-            raise TransformOutputError(
-                f"field(s) {diff} differ from the earlier samples' {sorted(self.fields)} "
-                f"at key {key} ({where})"
-            )
-        for k, s in spec.items():
-            if s != self.fields[k]:
-                raise TransformOutputError(
-                    f"field {k!r} is {_says(s)} at key {key} ({where}), but {_says(self.fields[k])} "
-                    "in the earlier samples"
-                )
-            if k in self.shapes and np.shape(row[k]) != self.shapes[k]:
-                self.ragged.add(k)
-
-
-def _spec(v: Any) -> tuple[str, int | None]:
-    if isinstance(v, np.ndarray):
-        return (str(v.dtype), v.ndim)
-    return (type(v).__name__, None)
-
-
-def _says(spec: tuple[str, int | None]) -> str:
-    dtype, ndim = spec
-    return f"{dtype} with {ndim} dims" if ndim is not None else dtype
-
-
-def rows_block(rows: list[dict[str, Any]], ragged: set[str]) -> dict[str, np.ndarray]:
-    """Rows as one block: fixed-shape arrays stacked, ragged ones and objects one per row."""
-    block: dict[str, np.ndarray] = {}
-    for field in rows[0]:
-        values = [r[field] for r in rows]
-        if field not in ragged and isinstance(values[0], np.ndarray):
-            block[field] = np.stack(values)
-        else:
-            column = np.empty(len(values), dtype=object)
-            column[:] = values
-            block[field] = column
-    return block
-
-
-class RowBuilder:
-    """`Preprocessor`'s block builder for a user transform: rows (per-sample transform) or
-    raw samples (per-batch transform, applied when the block is full) in, blocks out.
-
-    ``bad(raw, error)`` makes a skip record of a sample (or raises under ``"raise"``);
-    a per-batch transform that fails skips every sample of its batch into ``self.bad``.
-    """
-
-    def __init__(self, rows: int, usermap: SampleMap, schema: Schema, bad, epoch: int):
-        self.rows, self.map, self.schema, self.bad_of, self.epoch = (
-            rows,
-            usermap,
-            schema,
-            bad,
-            epoch,
-        )
-        self.items: list[tuple[Any, Any]] = []
-        self.bad: list = []
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def add(self, item, raw) -> bool:
-        self.items.append((item, raw))
-        return len(self.items) == self.rows
-
-    def take(self) -> dict[str, np.ndarray] | None:
-        items, self.items = self.items, []
-        raws = [raw for _, raw in items]
-        if self.map.per_batch:
-            try:
-                rows = self.map.batch(raws, self.epoch)
-            except TransformOutputError:
-                raise
-            except Exception as e:
-                self.bad.extend(self.bad_of(raw, e) for raw in raws)
-                return None
-        else:
-            rows = [row for row, _ in items]
-        for row, raw in zip(rows, raws, strict=True):
-            self.schema.check(row, raw.key, raw.where)
-        return rows_block(rows, self.schema.ragged)
-
-
-def pad_collate(batch: dict[str, np.ndarray], *, pad_value: int = 0) -> dict[str, Any]:
-    """The default collate: numeric columns as tensors; a column of arrays (ragged) padded
-    to the batch's maximum shape with ``<field>_mask`` (True where the row has data, over the
-    varying leading dimension when only that one varies, else over every element); any
-    other column (strings, dicts) as a list."""
-    import torch
-
-    out: dict[str, Any] = {}
-    for field, column in batch.items():
-        if column.dtype != object:
-            out[field] = torch.from_numpy(np.ascontiguousarray(column))
-        elif all(isinstance(v, np.ndarray) for v in column):
-            out[field], out[f"{field}_mask"] = _pad([np.asarray(v) for v in column], pad_value)
-        else:
-            out[field] = list(column)
-    return out
-
-
-def _pad(arrays: list[np.ndarray], pad_value: int):
-    import torch
-
-    shapes = np.array([a.shape for a in arrays])
-    top = tuple(shapes.max(axis=0))
-    varies = np.flatnonzero((shapes != shapes[0]).any(axis=0))
-    padded = np.full((len(arrays), *top), pad_value, dtype=arrays[0].dtype)
-    leading_only = list(varies) in ([0], [])
-    mask = np.zeros((len(arrays), top[0] if top else 1) if leading_only else padded.shape, bool)
-    for i, a in enumerate(arrays):
-        index = (i, *(slice(0, n) for n in a.shape))
-        padded[index] = a
-        mask[(i, slice(0, a.shape[0] if a.ndim else 1)) if leading_only else index] = True
-    return torch.from_numpy(padded), torch.from_numpy(mask)

@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from raypipe import Pipeline, PipelineConfig
+from raypipe import Pipeline, PipelineConfig, SkipBudgetError
 from raypipe.cli import main
-from raypipe import SkipBudgetError
 from raypipe.sources import list_shards
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

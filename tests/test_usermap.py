@@ -10,7 +10,8 @@ import pytest
 from PIL import Image
 
 from raypipe import Pipeline, PipelineConfig, SampleError, SkipLog
-from raypipe.usermap import TransformOutputError, pad_collate
+from raypipe.collate import pad_collate
+from raypipe.usermap import TransformOutputError
 from tests import user_transforms
 
 T = "tests.user_transforms"
@@ -173,3 +174,19 @@ def test_bad_transforms_fail_before_any_work(transform, words):
 def test_a_module_level_callable_is_accepted_as_it_is():
     config = PipelineConfig(source="data", transform=user_transforms.noisy)
     assert config.transform is user_transforms.noisy
+
+
+def test_two_ranks_equal_batches_exactly_once_with_a_transform_and_skips(ray_session, datasets):
+    from tests.ranks import run_ranks
+
+    config = PipelineConfig(source=str(datasets["webdataset"]), batch_size=4, actors=(2, 2),
+                            rows_per_block=3, transform=f"{T}:fails_on_every_20th",
+                            max_skipped=0.1)  # fmt: skip
+    out, stats = run_ranks(config, 2, 2, keys_only=True, skips=SkipLog.create())
+    for epoch in range(2):
+        a, b = out[0][epoch], out[1][epoch]
+        assert len(a) == len(b) > 0 and all(len(x) == 4 for x in a + b)
+        keys = [k for batch in a + b for k in batch]
+        assert len(keys) == len(set(keys)) and not {0, 20, 40} & set(keys)
+        good = sum(stats[r][epoch]["good"] for r in range(2))
+        assert good == 60 - 3 and len(keys) >= good - 2 * 4

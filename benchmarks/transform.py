@@ -1,0 +1,129 @@
+"""Your own transform: the same one in raypipe's actors and in a tuned torch DataLoader.
+
+The transform is `raypipe.examples.ColorCrop(224)` (random-resized-crop + flip + colour
+jitter on a PIL image, drawing from torch's generator, as a torchvision v2 pipeline does).
+Both paths decode the same photo JPEGs with Pillow, run it, and hand uint8 3×224×224
+batches of 256 to a consumer that takes them as fast as they come. The DataLoader is the
+best of a sweep (workers = cpus and cpus + 1, prefetch 2 and 4, persistent workers);
+raypipe is the warm ``Pipeline`` with ``cpus`` actors. Steady epochs (all but the first),
+medians; writes ``transform.json`` under --out.
+
+    python benchmarks/transform.py --images 2048 --epochs 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+from ingest import make_corpus, run_epochs
+
+from raypipe.config import PipelineConfig
+from raypipe.examples import ColorCrop
+from raypipe.sources import list_shards
+
+BATCH, IMAGE, SEED = 256, 224, 0
+
+
+class PhotoDataset:
+    """The DataLoader side: file → PIL → the same transform, seeded per (epoch, key)."""
+
+    def __init__(self, shards):
+        self.shards, self.fn, self.epoch = shards, ColorCrop(IMAGE), 0
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def __getitem__(self, i: int):
+        import torch
+        from PIL import Image
+
+        from raypipe.usermap import seed_globals
+
+        s = self.shards[i]
+        with Image.open(io.BytesIO(Path(s.path).read_bytes())) as img:
+            rgb = img.convert("RGB")
+        seed_globals(SEED, self.epoch, s.first_key)
+        out = self.fn({"image": rgb, "label": s.label})
+        return {"image": torch.from_numpy(out["image"]), "label": s.label, "key": s.first_key}
+
+
+def dataloader(shards, epochs: int, settings: list[dict]) -> dict:
+    import torch
+    from torch.utils.data import DataLoader
+
+    results = []
+    for s in settings:
+        ds = PhotoDataset(shards)
+        loader = DataLoader(ds, batch_size=BATCH, shuffle=True, drop_last=True,
+                            generator=torch.Generator().manual_seed(SEED), **s)  # fmt: skip
+        r = run_epochs(lambda epoch, loader=loader: iter(loader), epochs)
+        results.append({"settings": s, **r})
+        print(f"  dataloader {s}: steady {r['steady_img_s']:.0f} img/s")
+        del loader
+    return {"best": max(results, key=lambda r: r["steady_img_s"]), "sweep": results}
+
+
+def raypipe_run(corpus: Path, epochs: int, actors: int) -> dict:
+    import ray
+
+    from raypipe import Pipeline
+
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False,
+             log_to_driver=False, configure_logging=False)  # fmt: skip
+    try:
+        config = PipelineConfig(source=str(corpus), batch_size=BATCH, seed=SEED,
+                                actors=(actors, actors), transform=ColorCrop(IMAGE),
+                                transform_input="pil")  # fmt: skip
+        with Pipeline(config, epochs=epochs, device="cpu", normalize=False) as pipe:
+            run = pipe.epochs()
+            r = run_epochs(lambda epoch: iter(next(run)[1]), epochs)
+        print(f"  raypipe warm, {actors} actors: steady {r['steady_img_s']:.0f} img/s")
+        return r
+    finally:
+        ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--images", type=int, default=2048)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
+    p.add_argument("--actors", type=int, default=os.cpu_count())
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    corpus = make_corpus(args.out, args.images)
+    listing = list_shards(PipelineConfig(source=str(corpus)))
+    cpus = os.cpu_count()
+    sweep = [{"num_workers": w, "persistent_workers": True, "prefetch_factor": f}
+             for w in sorted({cpus, cpus + 1}) for f in (2, 4)]  # fmt: skip
+    result = {
+        "images": args.images, "epochs": args.epochs, "batch_size": BATCH,
+        "machine": {"cpus": cpus, "platform": platform.platform(),
+                    "python": sys.version.split()[0], "loadavg_at_start": os.getloadavg()},
+        "dataloader": dataloader(listing.shards, args.epochs, sweep),
+        "raypipe": raypipe_run(corpus, args.epochs, args.actors),
+    }  # fmt: skip
+    best = result["dataloader"]["best"]
+    result["ratio_steady"] = result["raypipe"]["steady_img_s"] / best["steady_img_s"]
+    result["ratio_per_cpu_s"] = result["raypipe"]["img_per_cpu_s"] / best["img_per_cpu_s"]
+    result["machine"]["loadavg_at_end"] = os.getloadavg()
+    print(f"raypipe {result['raypipe']['steady_img_s']:.0f} img/s (median of steady epochs), "
+          f"DataLoader best {best['steady_img_s']:.0f} img/s {best['settings']}: "
+          f"{result['ratio_steady']:.2f}x; per CPU-second {result['ratio_per_cpu_s']:.2f}x")  # fmt: skip
+    print(
+        f"  epochs raypipe {[round(x) for x in result['raypipe']['epoch_img_s']]}, "
+        f"DataLoader {[round(x) for x in best['epoch_img_s']]}"
+    )
+    (args.out / "transform.json").write_text(json.dumps(result, indent=2, default=str))
+    print(f"wrote {args.out / 'transform.json'}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
