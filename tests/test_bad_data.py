@@ -443,6 +443,10 @@ INVALID = {
     "label_member": ["", "a/cls", 1],
     "label_key": [""],
     "max_skipped": [-0.1, 1.5, "5%", True],
+    "transform": [lambda s: s, "no_such_module:f", "nocolon", 7],
+    "transform_input": ["cv2", None],
+    "transform_batch": ["yes"],
+    "collate": [lambda b: b, "tests.user_transforms:missing"],
 }
 
 
