@@ -81,16 +81,18 @@ def resolve_callable(value: Any, field: str) -> Callable | None:
     return value
 
 
-def seed_globals(seed: int, epoch: int, key: int) -> None:
-    """Seed Python's ``random``, NumPy's global generator and torch's CPU generator."""
+def seed_globals(seed: int, epoch: int, key: int) -> int:
+    """Seed Python's ``random``, NumPy's global generator and torch's CPU generator; returns
+    the seed (for a transform with a generator of its own, e.g. albumentations)."""
     s = int(sample_rng(seed, epoch, key).integers(2**63 - 1))
     random.seed(s)
     np.random.seed(s % 2**32)
     try:
         import torch
     except ImportError:  # pragma: no cover - torch is a dependency
-        return
+        return s
     torch.manual_seed(s)
+    return s
 
 
 class SampleMap:
@@ -100,17 +102,25 @@ class SampleMap:
                  max_image_pixels: int | None):  # fmt: skip
         self.transform, self.seed, self.input = transform, seed, image_input
         self.per_batch, self.max_pixels = per_batch, max_image_pixels
+        # albumentations: called with keyword targets, and seeded through its own generator
+        self.kwargs = type(transform).__module__.startswith("albumentations")
+        self.reseed = getattr(transform, "set_random_seed", None)
+
+    def _apply(self, sample: dict[str, Any], seed: int):
+        if self.reseed is not None:
+            self.reseed(seed % 2**32)
+        return self.transform(**sample) if self.kwargs else self.transform(sample)
 
     def sample(self, raw, epoch: int) -> dict[str, Any]:
         """The transform's input for ``raw``: image, label, key and the sample's extras."""
-        extras = {k: _decode_extra(k, v) for k, v in (raw.extras or {}).items()}
+        extras = {_name(k): _decode_extra(k, v) for k, v in (raw.extras or {}).items()}
         return {**extras, "image": self._image(raw.data), "label": raw.label, "key": raw.key}
 
     def __call__(self, raw, epoch: int) -> dict[str, Any]:
         sample = self.sample(raw, epoch)  # a decode failure keeps its own reason
-        seed_globals(self.seed, epoch, raw.key)
+        seed = seed_globals(self.seed, epoch, raw.key)
         try:
-            out = self.transform(sample)
+            out = self._apply(sample, seed)
         except Exception as e:
             from raypipe.skips import BadSample
 
@@ -120,9 +130,9 @@ class SampleMap:
     def batch(self, raws: list, epoch: int) -> list[dict[str, Any]]:
         """A per-batch transform: lists of each field in, arrays with one row each out."""
         samples = [self.sample(r, epoch) for r in raws]
-        seed_globals(self.seed, epoch, raws[0].key)
+        seed = seed_globals(self.seed, epoch, raws[0].key)
         try:
-            out = self.transform({k: [s[k] for s in samples] for k in samples[0]})
+            out = self._apply({k: [s[k] for s in samples] for k in samples[0]}, seed)
         except Exception as e:
             from raypipe.skips import BadSample
 
@@ -162,6 +172,13 @@ class SampleMap:
         import torch
 
         return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
+
+
+def _name(ext: str) -> str:
+    """A member's field name: an image member loses its image extension (``mask.png`` →
+    ``mask``, as albumentations' targets are named); others keep theirs (``json``)."""
+    stem, _, last = ext.rpartition(".")
+    return stem if stem and last in _IMAGE_EXTS else ext
 
 
 def _decode_extra(ext: str, data: Any) -> Any:

@@ -190,3 +190,20 @@ def test_two_ranks_equal_batches_exactly_once_with_a_transform_and_skips(ray_ses
         assert len(keys) == len(set(keys)) and not {0, 20, 40} & set(keys)
         good = sum(stats[r][epoch]["good"] for r in range(2))
         assert good == 60 - 3 and len(keys) >= good - 2 * 4
+
+
+def test_an_albumentations_pipeline_as_it_is(ray_session, tmp_path):
+    """Keyword targets (image, mask), its own generator seeded per sample: the same output
+    for the same (seed, epoch, key) whatever the pool, another one in another epoch."""
+    mask_shards(tmp_path / "wds", 12)
+    config = PipelineConfig(source=str(tmp_path / "wds"), batch_size=4, actors=(1, 1),
+                            transform=user_transforms.ALBU, shuffle_files=False)  # fmt: skip
+    a = run(config, epochs=2, normalize=False)
+    b = run(config.replace(actors=(2, 2)), epochs=1, normalize=False)
+    batch = a[0][0]
+    assert batch["image"].shape == (4, 8, 8, 3) and batch["mask"].shape == (4, 8, 8)
+    ia, ib, ia1 = by_key(a[0], "image"), by_key(b[0], "image"), by_key(a[1], "image")
+    assert len(ia) == 12 and all(np.array_equal(ia[k], ib[k]) for k in ia)
+    ma, ma1 = by_key(a[0], "mask"), by_key(a[1], "mask")
+    differ = sum(not (np.array_equal(ia[k], ia1[k]) and np.array_equal(ma[k], ma1[k])) for k in ia)
+    assert differ >= 9, differ

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import albumentations as A
 import numpy as np
 import torch
 
@@ -24,8 +25,8 @@ def noisy(sample: dict) -> dict:
 
 
 def with_mask(sample: dict) -> dict:
-    """Image and its ``mask.png`` member, both flipped together half the time."""
-    image, mask = small(sample["image"]), small(sample["mask.png"])
+    """Image and its ``mask.png`` member (``mask``), both flipped together half the time."""
+    image, mask = small(sample["image"]), small(sample["mask"])
     if torch.rand(()) < 0.5:
         image, mask = image[:, ::-1], mask[:, ::-1]
     return {"image": torch.from_numpy(image.transpose(2, 0, 1).copy()),
@@ -62,3 +63,8 @@ def torch_input(sample: dict) -> dict:
 
 def sum_collate(batch: dict) -> dict:
     return {"label_sum": int(batch["label"].sum()), "key": torch.from_numpy(batch["key"])}
+
+
+# An albumentations pipeline as it is: called with keyword targets, seeded per sample
+# through its own generator (set_random_seed).
+ALBU = A.Compose([A.RandomResizedCrop(size=(8, 8)), A.HorizontalFlip(), A.ColorJitter()])
