@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -26,6 +28,7 @@ from raypipe.storage import Storage
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 _SHARD_EXT = {"webdataset": ".tar", "parquet": ".parquet"}
+PROGRESS_S = 5.0  # a listing longer than this says how far it is, every PROGRESS_S
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +115,12 @@ def list_shards(config: PipelineConfig) -> Listing:
     files = sorted(set(_files_with(paths, _SHARD_EXT[fmt], storage)))
     if not files:
         raise ValueError(f"no {_SHARD_EXT[fmt]} shards found in source {config.source!r}")
-    shards, key = [], 0
-    for f in files:
+    shards, key, shown = [], 0, time.monotonic()
+    for i, f in enumerate(files):
+        if time.monotonic() - shown > PROGRESS_S:  # a remote listing reads every header
+            print(f"raypipe: listing {config.source}: {i}/{len(files)} shards counted, "
+                  f"{key} samples so far", file=sys.stderr, flush=True)  # fmt: skip
+            shown = time.monotonic()
         n = reader.count(f)
         shards.append(Shard(f, key, n))
         key += n

@@ -153,3 +153,30 @@ def test_inspect_an_s3_source(s3, capsys):
     assert "webdataset (inferred)" in out and "s3://" in out and "6 good" in out
     assert main(["inspect", f"s3://{BUCKET}/nothing-here/", *args]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_any_fsspec_uri(datasets):
+    """A protocol pyarrow has no file system of its own for goes through fsspec (here its
+    in-memory one, in this process): listed and read with the local copy's keys."""
+    import fsspec
+
+    from raypipe.sources import Reader
+
+    mem = fsspec.filesystem("memory")
+    for path in sorted(datasets["webdataset"].glob("*.tar")):
+        mem.pipe(f"/wds/{path.name}", path.read_bytes())
+    local = list_shards(PipelineConfig(source=str(datasets["webdataset"])))
+    remote = list_shards(PipelineConfig(source="memory://wds"))
+    assert isinstance(remote.reader, Reader) and remote.reader.storage.scheme == "memory"
+    assert [s.num_samples for s in remote.shards] == [s.num_samples for s in local.shards]
+    a = [
+        (r.key, r.label, r.data)
+        for s in local.shards
+        for r in local.reader.read(s.path, s.first_key, -1)
+    ]
+    b = [
+        (r.key, r.label, r.data)
+        for s in remote.shards
+        for r in remote.reader.read(s.path, s.first_key, -1)
+    ]
+    assert a == b and len(a) == 61
