@@ -7,6 +7,7 @@ a ``<field>_mask``; strings and other objects become lists. A user ``collate`` r
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +36,9 @@ def pad_collate(batch: dict[str, np.ndarray], *, pad_value: int = 0) -> dict[str
     out: dict[str, Any] = {}
     for field, column in batch.items():
         if column.dtype != object:
-            out[field] = torch.from_numpy(np.ascontiguousarray(column))
+            with warnings.catch_warnings():  # Ray's arrays may be read-only views
+                warnings.filterwarnings("ignore", message=".*not writable.*")
+                out[field] = torch.from_numpy(np.ascontiguousarray(column))
         elif all(isinstance(v, np.ndarray) for v in column):
             out[field], out[f"{field}_mask"] = _pad([np.asarray(v) for v in column], pad_value)
         else:
