@@ -20,12 +20,13 @@ Public contract:
   once, with any number of workers (`raypipe.resume`).
 """
 
+from raypipe.budget import SkipBudgetError
 from raypipe.config import PipelineConfig
 from raypipe.epochs import Pipeline
 from raypipe.loader import iter_torch_batches
 from raypipe.pipeline import build_dataset
 from raypipe.poolwatch import PoolWatch
-from raypipe.skips import SampleError, SkipBudgetError, SkipLog
+from raypipe.skips import SampleError, SkipLog
 from raypipe.storage import StorageError
 from raypipe.train import TrainContext, train_ddp
 

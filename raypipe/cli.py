@@ -114,7 +114,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=1))
     else:
-        _summary(f"inspect {args.source}", format_survey(report))
+        _summary(f"inspect {args.source}", format_survey(report), done=False)
     if report["good"] == 0:
         print("raypipe inspect: every sample looked at would be skipped: check the format and "
               "the label settings above", file=sys.stderr)  # fmt: skip
@@ -174,9 +174,9 @@ def _num(v) -> str:
     return str(v)
 
 
-def _summary(title: str, rows: list[tuple[str, str]]) -> None:
+def _summary(title: str, rows: list[tuple[str, str]], *, done: bool = True) -> None:
     width = max(len(k) for k, _ in rows)
-    print(f"raypipe {title}" + ("" if title.startswith("inspect") else ": done"))
+    print(f"raypipe {title}" + (": done" if done else ""))
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
 
@@ -243,17 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--samples", type=int, default=32, help="samples to decode (default: %(default)s)"
     )
-    p.add_argument(
-        "--image-column", default="image", help="Parquet image column (default: %(default)s)"
-    )
-    p.add_argument(
-        "--label-column", default="label", help="Parquet label column (default: %(default)s)"
-    )
+    for flag, default, what in (("--image-column", "image", "Parquet image column"),
+                                ("--label-column", "label", "Parquet label column"),
+                                ("--label-key", "label", "key of the label in .json")):  # fmt: skip
+        p.add_argument(flag, default=default, help=f"{what} (default: %(default)s)")
     p.add_argument("--label-member", default=None,
                    help="WebDataset label member: cls, txt or json (default: the first present)")  # fmt: skip
-    p.add_argument(
-        "--label-key", default="label", help="key of the label in .json (default: %(default)s)"
-    )
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a storage_options setting, e.g. endpoint_url=http://127.0.0.1:9000 "
                    "(repeatable)")  # fmt: skip

@@ -22,12 +22,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from raypipe.blocks import execute
+from raypipe.blocksize import sized_blocks
 from raypipe.collate import collate_for
 from raypipe.config import PipelineConfig
 from raypipe.feeder import Feeder
 from raypipe.ledger import Gate, create_ledger
 from raypipe.loader import TorchBatches, resolve_device
-from raypipe.pipeline import sized_blocks
 from raypipe.plan import RankPlan
 from raypipe.skips import SkipLog
 from raypipe.sources import Listing, list_shards

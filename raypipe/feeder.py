@@ -65,7 +65,8 @@ def _draw(held: Columns, n: int, rng: np.random.Generator, rest: list):
 def _unwrapped(error: BaseException) -> BaseException:
     """raypipe's own errors from the actors as raised there (one line naming the sample),
     not inside Ray's task-error wrapper with its remote traceback."""
-    from raypipe.skips import SampleError, SkipBudgetError
+    from raypipe.budget import SkipBudgetError
+    from raypipe.skips import SampleError
     from raypipe.usermap import TransformOutputError
 
     cause = getattr(error, "cause", None)

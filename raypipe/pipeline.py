@@ -23,34 +23,25 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from raypipe.blocksize import sized_blocks
+from raypipe.budget import check_budget
 from raypipe.config import PipelineConfig
 from raypipe.fastimage import decode_crop
 from raypipe.resume import pending_rows, unpack_done
 from raypipe.shardfiles import RawSample
-from raypipe.skips import (
-    BadSample,
-    SampleError,
-    SkipBudgetError,
-    SkipLog,
-    SkipRecord,
-    detail_of,
-    reason_of,
-    skip_limit,
-)
+from raypipe.skips import BadSample, SampleError, SkipLog, SkipRecord, detail_of, reason_of
 from raypipe.sources import Listing, Reader, epoch_order, list_shards
 from raypipe.transforms import Plan, plan, sample_rng
-from raypipe.usermap import SampleMap, resolve_callable
+from raypipe.usermap import SampleMap
 from raypipe.userrows import RowBuilder, Schema
 
-__all__ = ["Preprocessor", "SampleError", "build_dataset", "sized_blocks"]
+__all__ = ["Preprocessor", "SampleError", "build_dataset"]
 assert __all__ == sorted(__all__)
 
 log = logging.getLogger(__name__)
 
 LOGGED_SKIPS = 20  # per actor; the SkipLog has them all
 SKIPS_PER_SEND = 1024  # records an actor holds at most before sending them
-BLOCK_SHARE = 0.05  # a block above this share of the object store is warned about
-BLOCK_TARGET = 0.02  # the share an automatic block size aims at when batch_size is too big
 
 
 def build_dataset(
@@ -105,42 +96,6 @@ def build_dataset(
     return ds
 
 
-def sized_blocks(config: PipelineConfig) -> PipelineConfig:
-    """``config`` with ``rows_per_block`` set: ``batch_size`` when unset, or fewer rows when
-    such a block would be over 5 % of the smallest node's object store (then about 2 %).
-    Warns about a block set over 5 %; refuses, before any work, one no store can hold."""
-    import ray
-
-    sample = 3 * config.image_size**2
-    stores = [
-        n["Resources"]["object_store_memory"]
-        for n in ray.nodes()
-        if n["Alive"] and n["Resources"].get("object_store_memory")
-    ]
-    if not stores:
-        return config if config.rows_per_block else config.replace(rows_per_block=config.batch_size)
-    if config.rows_per_block is None:
-        rows = config.batch_size
-        if rows * sample > min(stores) * BLOCK_SHARE:
-            rows = max(1, int(min(stores) * BLOCK_TARGET) // sample)
-        return config.replace(rows_per_block=rows)
-    block = config.rows_per_block * sample
-    if block > max(stores):
-        raise ValueError(
-            f"PipelineConfig.rows_per_block={config.rows_per_block} x image_size="
-            f"{config.image_size} (3x{config.image_size}x{config.image_size} uint8) makes "
-            f"blocks of {block / 2**20:.1f} MiB, more than the largest object store "
-            f"({max(stores) / 2**20:.1f} MiB): lower rows_per_block or image_size"
-        )
-    if block > min(stores) * BLOCK_SHARE:
-        log.warning(
-            "raypipe: blocks of %.1f MiB are %.0f%% of the object store (%.0f MiB): expect "
-            "spilling under backpressure; keep them near 2%% (lower rows_per_block)",
-            block / 2**20, 100 * block / min(stores), min(stores) / 2**20,
-        )  # fmt: skip
-    return config
-
-
 def preprocess_task(shards: dict[str, np.ndarray], **kwargs) -> Iterator[dict[str, np.ndarray]]:
     """`Preprocessor` as a plain Ray task (``PipelineConfig.compute="tasks"``)."""
     yield from Preprocessor(**kwargs)(shards)
@@ -159,7 +114,7 @@ class Preprocessor:
         from PIL import Image
 
         self.config = config
-        self.usermap = user_map(config)
+        self.usermap = SampleMap.of(config)
         self.schema = Schema()  # the user transform's fields, for every task of this actor
         self.samples = samples  # the epoch's samples to read, for the skip budget
         self.reader = reader if isinstance(reader, Reader) else Reader(reader)
@@ -204,8 +159,8 @@ class Preprocessor:
 
     def _take(self, out, pending: list[SkipRecord], skips: SkipLog | None, epoch: int):
         block = out.take()
-        pending.extend(getattr(out, "bad", ()))  # a per-batch transform's failed batch
-        getattr(out, "bad", []).clear()
+        pending.extend(out.bad)  # a per-batch transform's failed batch, if any
+        out.bad.clear()
         self._flush(pending, skips, epoch)  # skips reach the log before the rows after them
         if block is not None:
             yield block
@@ -273,10 +228,9 @@ class Preprocessor:
         (`SkipBudgetError`): past ``max_skipped`` of its samples, or all of them."""
         if pending and skips is not None:
             total, samples = skips.add(pending), self.epoch_samples(epoch)
-            limit = None if samples is None else skip_limit(samples, self.config.max_skipped)
-            if limit is not None and total > limit:
-                raise SkipBudgetError.of(epoch, samples, limit, self.config.max_skipped,
-                                         skips.report())  # fmt: skip
+            if samples is not None:
+                check_budget(total, epoch=epoch, samples=samples,
+                             max_skipped=self.config.max_skipped, skips=skips)  # fmt: skip
         pending.clear()
 
 
@@ -285,6 +239,7 @@ class _BlockBuilder:
 
     def __init__(self, size: int, rows: int):
         self.size, self.rows = size, rows
+        self.bad: list[SkipRecord] = []  # never any: only a per-batch user transform fails late
         self._reset()
 
     def _reset(self) -> None:
@@ -307,12 +262,3 @@ class _BlockBuilder:
         block = {"image": self.image[:n], "label": self.label[:n], "key": self.key[:n]}
         self._reset()
         return block
-
-
-def user_map(config: PipelineConfig) -> SampleMap | None:
-    """The config's user transform, ready to run; None for the built-in crop."""
-    transform = resolve_callable(config.transform, "transform")
-    if transform is None:
-        return None
-    return SampleMap(transform, seed=config.seed, image_input=config.transform_input,
-                     per_batch=config.transform_batch, max_image_pixels=config.max_image_pixels)  # fmt: skip

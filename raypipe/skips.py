@@ -25,13 +25,11 @@ __all__ = [
     "BadSample",
     "REASONS",
     "SampleError",
-    "SkipBudgetError",
     "SkipLog",
     "SkipRecord",
     "SkipStore",
     "detail_of",
     "reason_of",
-    "skip_limit",
     "write_reports",
 ]
 assert __all__ == sorted(__all__)
@@ -93,53 +91,6 @@ class SampleError(RuntimeError):
 
     def __str__(self) -> str:
         return f"bad sample {self.where} (key {self.key}): {self.reason}: {self.detail}"
-
-
-class SkipBudgetError(RuntimeError):
-    """More of an epoch's samples are bad than ``PipelineConfig.max_skipped`` allows.
-
-    Raised by the actor whose skips pass the limit, as soon as they do (the count is the
-    epoch's so far); the message names the count, the top reasons and one bad sample.
-    Survives Ray's error wrapping, like `SampleError`; ``args`` is the message alone.
-    """
-
-    def __init__(self, message: str, skipped: int = 0, by_reason: dict | None = None):
-        super().__init__(message)
-        self.skipped, self.by_reason = skipped, dict(by_reason or {})
-
-    def __reduce__(self):
-        return (SkipBudgetError, (self.args[0], self.skipped, self.by_reason))
-
-    def __str__(self) -> str:  # one line, without what Ray Data appends on the way
-        return str(self.args[0]).split("\n", 1)[0] if self.args else ""
-
-    @classmethod
-    def of(cls, epoch: int, samples: int, limit: int, max_skipped: float | None,
-           report: dict[str, Any]) -> SkipBudgetError:  # fmt: skip
-        by_reason = report.get("by_reason", {})
-        top = ", ".join(f"{r} {n}" for r, n in sorted(by_reason.items(), key=lambda kv: -kv[1])[:3])
-        first = (report.get("records") or [{}])[0]
-        allowed = (
-            "max_skipped=None allows any share but all"
-            if max_skipped is None
-            else f"max_skipped={max_skipped:g} allows {limit}"
-        )
-        skipped = report.get("skipped", 0)
-        return cls(
-            f"epoch {epoch}: {skipped} of its {samples} samples skipped as bad so far "
-            f"({allowed}); top reasons: {top}; e.g. {first.get('where')}: "
-            f"{first.get('reason')}: {first.get('detail')}. Fix the data or the settings that "
-            "read it (format, image_column, label_column, label_member, label_key), or raise "
-            "max_skipped; `raypipe inspect SOURCE` shows what is read",
-            skipped, by_reason,
-        )  # fmt: skip
-
-
-def skip_limit(samples: int, max_skipped: float | None) -> int:
-    """The most skips an epoch of ``samples`` may have: never all of them."""
-    if max_skipped is None:
-        return samples - 1
-    return min(samples - 1, int(max_skipped * samples + 1e-9))
 
 
 def reason_of(error: BaseException, data: bytes | None = None) -> str:

@@ -191,10 +191,11 @@ class Storage:
         return (" (no S3 credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
                 "storage_options access_key/secret_key, or anonymous: true for a public bucket)")  # fmt: skip
 
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Storage) and (self.scheme, self._options) == (
-            other.scheme,
-            other._options,
+    def __eq__(self, other) -> bool:  # the same scheme and settings: the same storage
+        return (
+            isinstance(other, Storage)
+            and self.scheme == other.scheme
+            and (self._options == other._options)
         )
 
     def __hash__(self) -> int:

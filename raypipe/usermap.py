@@ -111,13 +111,22 @@ class SampleMap:
             self.reseed(seed % 2**32)
         return self.transform(**sample) if self.kwargs else self.transform(sample)
 
-    def sample(self, raw, epoch: int) -> dict[str, Any]:
+    @classmethod
+    def of(cls, config) -> SampleMap | None:
+        """A `PipelineConfig`'s transform, ready to run; None for the built-in crop."""
+        transform = resolve_callable(config.transform, "transform")
+        if transform is None:
+            return None
+        return cls(transform, seed=config.seed, image_input=config.transform_input,
+                   per_batch=config.transform_batch, max_image_pixels=config.max_image_pixels)  # fmt: skip
+
+    def sample(self, raw) -> dict[str, Any]:
         """The transform's input for ``raw``: image, label, key and the sample's extras."""
         extras = {_name(k): _decode_extra(k, v) for k, v in (raw.extras or {}).items()}
         return {**extras, "image": self._image(raw.data), "label": raw.label, "key": raw.key}
 
     def __call__(self, raw, epoch: int) -> dict[str, Any]:
-        sample = self.sample(raw, epoch)  # a decode failure keeps its own reason
+        sample = self.sample(raw)  # a decode failure keeps its own reason
         seed = seed_globals(self.seed, epoch, raw.key)
         try:
             out = self._apply(sample, seed)
@@ -129,7 +138,7 @@ class SampleMap:
 
     def batch(self, raws: list, epoch: int) -> list[dict[str, Any]]:
         """A per-batch transform: lists of each field in, arrays with one row each out."""
-        samples = [self.sample(r, epoch) for r in raws]
+        samples = [self.sample(r) for r in raws]
         seed = seed_globals(self.seed, epoch, raws[0].key)
         try:
             out = self._apply({k: [s[k] for s in samples] for k in samples[0]}, seed)
