@@ -71,6 +71,12 @@ class PipelineConfig:
         collate: turns each rank's numpy batch into the batch the trainer gets (a callable
             or ``"module:function"``); None: numeric fields as tensors, ragged ones padded
             with a ``<field>_mask`` (`raypipe.usermap.pad_collate`) when there is a transform.
+        decode: ``"cpu"``: the actors decode and crop, uint8 pixels reach the trainer.
+            ``"gpu"``: the actors read each JPEG's header and draw its crop plan; the JPEG
+            bytes travel instead of pixels and each rank decodes its batch on its device
+            (nvJPEG through torchvision), then crops, resizes and flips it as planned.
+            Other formats are decoded in the actors as with ``"cpu"``. Not with a
+            ``transform`` (it needs pixels in the actors).
         max_image_pixels: an image whose header claims more pixels is a bad sample
             (``"decompression_bomb"``), refused before decoding; None for no limit.
             Checked per image in the actors instead of Pillow's process-wide limit.
@@ -106,6 +112,7 @@ class PipelineConfig:
     transform_input: Literal["numpy", "pil", "torch"] = "numpy"
     transform_batch: bool = False
     collate: Any = None
+    decode: Literal["cpu", "gpu"] = "cpu"
 
     def __post_init__(self) -> None:
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -205,6 +212,11 @@ def _validate(c: PipelineConfig) -> None:
         raise bad("compute", f"must be one of {COMPUTE}")
     if c.on_error not in ON_ERROR:
         raise bad("on_error", f"must be one of {ON_ERROR}")
+    if c.decode not in ("cpu", "gpu"):
+        raise bad("decode", "must be 'cpu' or 'gpu'")
+    if c.decode == "gpu" and (c.transform is not None or c.collate is not None):
+        raise bad("decode", "ships JPEG bytes to the trainer; a transform or collate needs "
+                  "pixels in the actors (use decode='cpu')")  # fmt: skip
     for name in ("image_size", "batch_size", "files_per_task", "rows_per_block"):
         value = getattr(c, name)
         if name == "rows_per_block" and value is None:

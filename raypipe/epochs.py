@@ -26,6 +26,7 @@ from raypipe.blocksize import sized_blocks
 from raypipe.collate import collate_for
 from raypipe.config import PipelineConfig
 from raypipe.feeder import Feeder
+from raypipe.gpudecode import device_map_for
 from raypipe.ledger import Gate, create_ledger
 from raypipe.loader import TorchBatches, resolve_device
 from raypipe.plan import RankPlan
@@ -125,9 +126,12 @@ class Pipeline:
         )  # fmt: skip
         try:
             for e in epochs:
+                skips = self.skips.epoch(e)
                 batches = TorchBatches(
-                    lambda e=e: feeder.epoch(e), skips=self.skips.epoch(e),
-                    more_stats=functools.partial(self._epoch_stats, e), first_pass=e, **self._loader,
+                    lambda e=e: feeder.epoch(e), skips=skips, first_pass=e,
+                    more_stats=functools.partial(self._epoch_stats, e),
+                    device_map=device_map_for(self.config, self._loader["device"], skips),
+                    **self._loader,
                 )  # fmt: skip
                 yield e, batches
                 batches.close()

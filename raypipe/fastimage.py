@@ -23,7 +23,7 @@ import numpy as np
 from raypipe import transforms
 from raypipe.transforms import Box
 
-__all__ = ["decode_crop", "exif_orientation", "fast_decodable"]
+__all__ = ["decode_crop", "exif_orientation", "fast_decodable", "jpeg_size"]
 assert __all__ == sorted(__all__)
 
 _FAST_COLORSPACES = ("YCbCr", "Gray", "RGB")
@@ -38,7 +38,7 @@ def decode_crop(data: bytes, size: int, choose) -> np.ndarray:
     """
     import simplejpeg
 
-    head = _jpeg_header(data)
+    head = jpeg_size(data)
     if head is None:
         return transforms.decode_crop(data, size, choose)
     height, width = head
@@ -99,7 +99,7 @@ def crop_resize(rgb: np.ndarray, box: Box, size: int) -> np.ndarray:
 
 def fast_decodable(data: bytes) -> bool:
     """True when ``decode_crop`` takes the libjpeg-turbo path for these bytes."""
-    return _jpeg_header(data) is not None
+    return jpeg_size(data) is not None
 
 
 def exif_orientation(data: bytes) -> int:
@@ -137,8 +137,9 @@ def _tiff_orientation(tiff: bytes) -> int:
     return 1
 
 
-def _jpeg_header(data: bytes) -> tuple[int, int] | None:
-    """(height, width) when the bytes are a JPEG the fast path handles, else None."""
+def jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """(height, width) from the header of a JPEG the fast path handles (YCbCr, grey or
+    RGB, upright), else None."""
     import simplejpeg
 
     if not isinstance(data, (bytes, bytearray, memoryview)) or data[:3] != b"\xff\xd8\xff":

@@ -60,7 +60,10 @@ class PinnedRing:
         self._rings: dict[tuple, list[_Slot]] = {}
         self._next: dict[tuple, int] = {}
 
-    def load(self, batch: Batch) -> tuple[Batch, Event]:
+    def load(self, batch: Batch, finish=None) -> tuple[Batch, Event]:
+        """``finish``, when given, maps the batch on the device after its copies, on the
+        copy stream and before the event: device work (``decode="gpu"``) the consumer's
+        stream waits for like the copies."""
         import torch
 
         tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
@@ -69,9 +72,14 @@ class PinnedRing:
         for k, buf in slot.buffers.items():
             buf.copy_(tensors[k])
         with self.ops.stream():
-            out = {k: self.ops.copy(buf, self._format(buf)) for k, buf in slot.buffers.items()}
+            out = {**batch}
+            out.update(
+                (k, self.ops.copy(buf, self._format(buf))) for k, buf in slot.buffers.items()
+            )
+            if finish is not None:
+                out = {k: self._laid_out(v) for k, v in finish(out).items()}
             slot.event.record()
-        return {**batch, **out}, slot.event
+        return out, slot.event
 
     def _acquire(self, tensors: dict[str, Any]) -> _Slot:
         sig = tuple((k, tuple(v.shape), v.dtype) for k, v in tensors.items())
@@ -88,6 +96,13 @@ class PinnedRing:
         self.allocations += 1
         self.allocated_bytes += like.numel() * like.element_size()
         return self.ops.alloc(tuple(like.shape), like.dtype)
+
+    def _laid_out(self, t):
+        if self.channels_last and getattr(t, "dim", lambda: 0)() == 4:
+            import torch
+
+            return t.contiguous(memory_format=torch.channels_last)
+        return t
 
     def _format(self, t):
         import torch
@@ -113,9 +128,11 @@ class Transfer:
     Errors raised upstream or in the copy reach the consumer from ``next()``.
     """
 
-    def __init__(self, batches: Iterable[Batch], ring: PinnedRing, *, prefetch: int):
+    def __init__(self, batches: Iterable[Batch], ring: PinnedRing, *, prefetch: int,
+                 finish=None):  # fmt: skip
         self._upstream = iter(batches)
         self._ring = ring
+        self._finish = finish
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
         self._closed = False
@@ -125,7 +142,7 @@ class Transfer:
     def _produce(self) -> None:
         try:
             for batch in self._upstream:
-                if self._stop.is_set() or not self._put(self._ring.load(batch)):
+                if self._stop.is_set() or not self._put(self._ring.load(batch, self._finish)):
                     return
         except BaseException as e:  # handed to the consumer, raised there
             self._put(_Failure(e))
@@ -213,9 +230,10 @@ class HostToDevice:
     def ops(self) -> Ops:
         return self.ring.ops
 
-    def __call__(self, batches: Iterable[Batch]) -> Transfer:
+    def __call__(self, batches: Iterable[Batch], finish=None) -> Transfer:
+        """A pass over ``batches``; ``finish`` maps each on the device (`PinnedRing.load`)."""
         self.close()
-        self._running = Transfer(batches, self.ring, prefetch=self.prefetch)
+        self._running = Transfer(batches, self.ring, prefetch=self.prefetch, finish=finish)
         return self._running
 
     def close(self) -> None:

@@ -84,16 +84,25 @@ def iter_torch_batches(
     if not isinstance(shuffle_buffer, int) or shuffle_buffer < 0:
         raise ValueError(f"{shuffle_buffer=} must be an integer >= 0")
     shuffle = (shuffle_buffer, shuffle_seed)
+    device = resolve_device(device)
+    skips = skips if skips is not None else getattr(source, "_raypipe_skips", None)
+    config = getattr(source, "_raypipe_config", None)  # a Dataset from build_dataset
+    device_map = None
+    if config is not None and config.decode == "gpu":
+        from raypipe.gpudecode import collate_encoded, device_map_for
+
+        collate, device_map = collate_encoded, device_map_for(config, device, skips)
     return TorchBatches(
         functools.partial(_ray_host, source, batch_size, prefetch_batches, shuffle, drop_last),
-        device=resolve_device(device),
+        device=device,
         pin_memory=pin_memory,
         prefetch_batches=prefetch_batches,
         normalize=(mean, std) if normalize else None,
         channels_last=channels_last,
-        skips=skips if skips is not None else getattr(source, "_raypipe_skips", None),
+        skips=skips,
         watch=watch,
         collate=collate,
+        device_map=device_map,
     )
 
 
@@ -119,9 +128,10 @@ class TorchBatches:
 
     def __init__(self, host, *, device, pin_memory, prefetch_batches, normalize,
                  channels_last=False, skips=None, watch=None, more_stats=None,
-                 first_pass=0, collate=None):  # fmt: skip
+                 first_pass=0, collate=None, device_map=None):  # fmt: skip
         self._host = host
         self._collate = collate or to_tensors
+        self._device_map = device_map  # on the device after the copy (decode="gpu")
         self._device = device
         self._normalize = normalize
         self._h2d = HostToDevice(device, pin_memory=pin_memory, prefetch=max(prefetch_batches, 1),
@@ -151,7 +161,11 @@ class TorchBatches:
         # 1 → 5: the straight line described in the module docstring.
         exact = self._delivered.track(self._host())
         tensors = (self._collate(b) for b in exact)
-        on_device = _Stay(tensors) if self._stays else self._h2d(tensors)
+        if self._stays:
+            device_map = self._device_map
+            on_device = _Stay(tensors if device_map is None else (device_map(b) for b in tensors))
+        else:
+            on_device = self._h2d(tensors, finish=self._device_map)
         out = (normalize(b, *self._normalize) for b in on_device) if self._normalize else on_device
         stats = self._stats
         stats.start()

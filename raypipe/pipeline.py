@@ -27,6 +27,7 @@ from raypipe.blocksize import sized_blocks
 from raypipe.budget import check_budget
 from raypipe.config import PipelineConfig
 from raypipe.fastimage import decode_crop
+from raypipe.gpudecode import Encoded, EncodedBlocks
 from raypipe.resume import pending_rows, unpack_done
 from raypipe.shardfiles import RawSample
 from raypipe.skips import BadSample, SampleError, SkipLog, SkipRecord, detail_of, reason_of
@@ -93,6 +94,7 @@ def build_dataset(
             num_cpus=config.actor_cpus,
         )
     ds._raypipe_skips = skips  # read by SkipLog.of and iter_torch_batches
+    ds._raypipe_config = config  # iter_torch_batches: decode="gpu" needs its device step
     return ds
 
 
@@ -154,7 +156,8 @@ class Preprocessor:
     def _builder(self, epoch: int):
         rows = self.config.rows_per_block or self.config.batch_size
         if self.usermap is None:
-            return _BlockBuilder(self.config.image_size, rows)
+            blocks = EncodedBlocks if self.config.decode == "gpu" else _BlockBuilder
+            return blocks(self.config.image_size, rows)
         return RowBuilder(rows, self.usermap, self.schema, self._bad, epoch)
 
     def _take(self, out, pending: list[SkipRecord], skips: SkipLog | None, epoch: int):
@@ -195,7 +198,10 @@ class Preprocessor:
         if self.usermap is not None:  # a row of the user's fields; per batch: later
             return None if self.usermap.per_batch else self.usermap(raw, epoch)
         rng = sample_rng(self.config.seed, epoch, raw.key)
-        return decode_crop(raw.data, self.config.image_size, lambda w, h: self._plan(w, h, rng))
+        choose = lambda w, h: self._plan(w, h, rng)  # noqa: E731
+        if self.config.decode == "gpu" and (encoded := Encoded.of(raw.data, choose)) is not None:
+            return encoded  # the rank decodes it on its device, with this plan
+        return decode_crop(raw.data, self.config.image_size, choose)
 
     def _plan(self, width: int, height: int, rng: np.random.Generator) -> Plan:
         """The crop plan; refuses an image with too many pixels before it is decoded."""

@@ -1,0 +1,227 @@
+"""A GPU training step fed three ways, and JPEG decode on the GPU (CUDA machine).
+
+(1) feeds: a data-bound step (a tiny CNN, batch ``--tiny-batch``) and a compute-bound one
+    (ResNet-50, bf16 autocast, channels_last, batch ``--batch``), each fed by
+      raypipe    the warm ``Pipeline`` (pinned ring, side-stream copy, normalize on device)
+      ray_data   Ray Data's ``iter_torch_batches(pin_memory=True, device=...)`` over the same
+                 ``build_dataset`` Dataset, iterated once per epoch, normalized the same way
+      on_device  batches already on the GPU (the upper bound)
+    Reported: samples/s per epoch (epochs >= 1, medians), the median step time after each
+    epoch's first 3 steps and its ratio to on_device, the image bytes moved per second,
+    and device segments / pinned host allocations made after raypipe's first epoch.
+(2) decode: ``decode="cpu"`` vs ``decode="gpu"`` through the same ``Pipeline`` with no model:
+    images/s and node CPU-seconds per image (epochs >= 1, medians), and the mean absolute
+    difference between the two paths' uint8 crops of the same keys.
+
+The corpus is ``--images`` photo JPEGs of 400×300 cut from scikit-learn's sample photos.
+
+    python benchmarks/gpu_train.py --json gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from h2d import delta, machine, resnet50
+from ingest import make_corpus
+from nodecpu import CpuMeter
+from torch import nn
+
+import raypipe
+from raypipe.loader import IMAGENET_MEAN, IMAGENET_STD, normalize
+
+WARM_STEPS = 3  # steps per epoch left out of the step-time median (the epoch's start)
+
+
+def tiny_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 7, stride=4, padding=3), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 1000),
+    )  # fmt: skip
+
+
+def big_model() -> nn.Module:
+    try:
+        import torchvision
+
+        return torchvision.models.resnet50(weights=None)
+    except ImportError:
+        return resnet50()
+
+
+def trainer(model: nn.Module, device):
+    model = model.to(device, memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step(image, label) -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn(model(image), label % 1000)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def timed_epochs(step, epochs, device) -> dict:
+    """``epochs`` yields one iterable of (image, label) per epoch; samples/s and step times."""
+    rates, steps, moved = [], [], []
+    for batches in epochs:
+        torch.cuda.synchronize(device)
+        t0 = last = time.perf_counter()
+        rows = nbytes = 0
+        for i, (image, label) in enumerate(batches):
+            step(image, label)
+            torch.cuda.synchronize(device)
+            now = time.perf_counter()
+            if i >= WARM_STEPS:
+                steps.append(now - last)
+            last, rows, nbytes = now, rows + len(label), nbytes + image.numel()
+        rates.append(rows / (time.perf_counter() - t0))
+        moved.append(nbytes / (time.perf_counter() - t0) / 1e9)  # uint8 bytes in
+    return {"epoch_samples_s": [round(r, 1) for r in rates],
+            "samples_s": round(statistics.median(rates[1:] or rates), 1),
+            "step_s": round(statistics.median(steps), 5) if steps else None,
+            "image_GBps": round(statistics.median(moved[1:] or moved), 2)}  # fmt: skip
+
+
+def raypipe_epochs(config, epochs, device, meter: dict):
+    with raypipe.Pipeline(config, epochs=epochs, device=device, channels_last=True) as pipe:
+        for e, batches in pipe.epochs():
+            if e == 1:  # allocations after the first epoch: there should be none
+                meter["host0"], meter["dev0"] = _alloc_stats(device)
+            yield ((b["image"], b["label"]) for b in batches)
+        meter["host1"], meter["dev1"] = _alloc_stats(device)
+
+
+def ray_data_epochs(config, epochs, device):
+    ds = raypipe.build_dataset(config, epoch=0)
+    for _ in range(epochs):
+        it = ds.iter_torch_batches(batch_size=config.batch_size, device=device, pin_memory=True,
+                                   drop_last=True, prefetch_batches=2)  # fmt: skip
+        yield (
+            (normalize(b, IMAGENET_MEAN, IMAGENET_STD)["image"]
+             .contiguous(memory_format=torch.channels_last), b["label"])
+            for b in it
+        )  # fmt: skip
+
+
+def on_device_epochs(config, epochs, device, steps_per_epoch: int):
+    g = torch.Generator().manual_seed(0)
+    shape = (config.batch_size, 3, config.image_size, config.image_size)
+    held = [
+        (torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).to(device)
+         .to(torch.float32).contiguous(memory_format=torch.channels_last),
+         torch.randint(0, 1000, (config.batch_size,), generator=g).to(device))
+        for _ in range(2)
+    ]  # fmt: skip
+    for _ in range(epochs):
+        yield (held[i % 2] for i in range(steps_per_epoch))
+
+
+def _alloc_stats(device):
+    return torch.cuda.host_memory_stats(), torch.cuda.memory_stats(device)
+
+
+def feeds(name: str, model, config, args, device) -> dict:
+    step = trainer(model, device)
+    steps = args.images // config.batch_size
+    out, meter = {}, {}
+    out["on_device"] = timed_epochs(
+        step, on_device_epochs(config, args.epochs, device, steps), device
+    )
+    out["raypipe"] = timed_epochs(step, raypipe_epochs(config, args.epochs, device, meter), device)
+    out["ray_data"] = timed_epochs(step, ray_data_epochs(config, args.epochs, device), device)
+    bound = out["on_device"]["step_s"]
+    for feed in ("raypipe", "ray_data"):
+        out[feed]["step_ratio_to_on_device"] = round(out[feed]["step_s"] / bound, 4)
+    out["raypipe"]["after_first_epoch"] = {
+        "pinned_host_allocs": delta(meter["host0"], meter["host1"], "num_host_alloc"),
+        "device_segments": delta(meter["dev0"], meter["dev1"], "segment.all.allocated"),
+    }
+    print(name, json.dumps(out), flush=True)
+    return {"batch": config.batch_size, **out}
+
+
+def decode_paths(config, args, device) -> dict:
+    out, crops, every = {}, {}, max(1, args.images // args.compare)
+    for decode in ("cpu", "gpu"):
+        rates, cpu_per_image = [], []
+        cfg = config.replace(decode=decode)
+        with raypipe.Pipeline(cfg, epochs=args.epochs, device=device, normalize=False) as pipe:
+            for e, batches in pipe.epochs():
+                rows = 0
+                with CpuMeter() as cpu:
+                    t0 = time.perf_counter()
+                    for b in batches:
+                        rows += len(b["key"])
+                        if e == 0:  # the same keys from both runs: every (images/compare)th
+                            for k, img in zip(b["key"].tolist(), b["image"], strict=True):
+                                if k % every == 0:
+                                    crops[(decode, k)] = img.to("cpu", torch.int16)
+                    torch.cuda.synchronize(device)
+                    dt = time.perf_counter() - t0
+                rates.append(rows / dt)
+                cpu_per_image.append(cpu.seconds / rows)
+        out[decode] = {"epoch_images_s": [round(r, 1) for r in rates],
+                       "images_s": round(statistics.median(rates[1:] or rates), 1),
+                       "cpu_s_per_image": round(statistics.median(cpu_per_image[1:]), 6)}  # fmt: skip
+        print(decode, json.dumps(out[decode]), flush=True)
+    same = [k for (d, k) in crops if d == "cpu" and ("gpu", k) in crops]
+    diffs = [(crops[("cpu", k)] - crops[("gpu", k)]).abs().float().mean().item() for k in same]
+    out["same_keys_compared"] = len(same)
+    out["mean_abs_diff"] = round(statistics.mean(diffs), 3) if diffs else None
+    out["max_image_mean_abs_diff"] = round(max(diffs), 3) if diffs else None
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--images", type=int, default=12288, help="photo JPEGs in the corpus")
+    p.add_argument("--epochs", type=int, default=3, help="epochs per feed (medians of >= 1)")
+    p.add_argument("--batch", type=int, default=256, help="ResNet-50 batch")
+    p.add_argument("--tiny-batch", type=int, default=2048, help="tiny CNN batch")
+    p.add_argument("--actors", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    p.add_argument("--compare", type=int, default=512, help="keys whose crops are compared")
+    p.add_argument("--only", choices=("feeds", "decode"), help="run one part")
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs CUDA: run it on a GPU machine", file=sys.stderr)
+        return 2
+    import ray
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.backends.cudnn.benchmark = True
+    folder = make_corpus(Path(tempfile.mkdtemp(prefix="raypipe-gpu-")), args.images)
+    ray.init(include_dashboard=False, log_to_driver=False)
+    config = raypipe.PipelineConfig(source=str(folder), image_size=224, batch_size=args.batch,
+                                    actors=(args.actors, args.actors), seed=0)  # fmt: skip
+    results: dict = {"machine": machine(device), "images": args.images, "epochs": args.epochs,
+                     "actors": args.actors, "source": "400x300 photo JPEGs"}  # fmt: skip
+    if args.only in (None, "feeds"):
+        results["data_bound_tiny_cnn"] = feeds(
+            "tiny", tiny_cnn(), config.replace(batch_size=args.tiny_batch), args, device
+        )
+        results["compute_bound_resnet50"] = feeds("resnet50", big_model(), config, args, device)
+    if args.only in (None, "decode"):
+        results["decode"] = decode_paths(config, args, device)
+    ray.shutdown()
+    print(json.dumps(results, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
