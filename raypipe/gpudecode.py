@@ -45,6 +45,7 @@ __all__ = [
 ]
 assert __all__ == sorted(__all__)
 
+_END_OF_IMAGE = b"\xff\xd9"  # the JPEG marker a file cut short lacks
 PLAN_FIELDS = 5  # left, top, width, height, flip; width 0: the payload is decoded pixels
 
 
@@ -57,9 +58,11 @@ class Encoded(NamedTuple):
     @classmethod
     def of(cls, data: bytes, choose) -> Encoded | None:
         """``data`` with ``choose(width, height)``'s plan when it is a JPEG the device path
-        handles (YCbCr/grey, upright); None otherwise (decode it on the CPU)."""
+        handles (YCbCr/grey, upright, ending in its end-of-image marker); None otherwise:
+        the actor decodes it as ``decode="cpu"`` does (a truncated file is then read or
+        skipped exactly as there; nvJPEG would hand back a partly grey image)."""
         size = jpeg_size(data)
-        if size is None:
+        if size is None or _END_OF_IMAGE not in data[-1024:]:  # cut short: the CPU decides
             return None
         height, width = size
         return cls(bytes(data), choose(width, height))
@@ -156,30 +159,32 @@ class DeviceDecode:
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         import torch
 
-        payload, plans, where = batch["payload"], batch["plan"], batch["where"]
-        images = self._decode([p for p, plan in zip(payload, plans, strict=True) if plan[2] > 0])
-        out, keep, it = [], [], iter(images)
-        for i, (data, plan) in enumerate(zip(payload, plans, strict=True)):
-            if plan[2] == 0:  # decoded by the actor: 3×S×S pixels
-                pixels = torch.from_numpy(data).view(3, self.size, self.size)
-                out.append(pixels.to(self.device, non_blocking=True))
-                keep.append(i)
-                continue
-            image = next(it)
-            if image is None:
-                image = self._on_cpu(data, where[i], int(batch["key"][i]))
+        payload, plans, where = batch["payload"], np.asarray(batch["plan"]), batch["where"]
+        n, size = len(payload), self.size
+        encoded = np.flatnonzero(plans[:, 2] > 0)
+        decoded = self._decode([payload[i] for i in encoded])
+        images, kept = [], []
+        for i, image in zip(encoded.tolist(), decoded, strict=True):
+            if image is None:  # nvJPEG refused it (or there is no nvJPEG): the CPU decodes
+                image = self._on_cpu(payload[i], where[i], int(batch["key"][i]))
             if image is not None:
-                out.append(crop_resize(image, plan, self.size))
-                keep.append(i)
+                images.append(image)
+                kept.append(i)
+        out = torch.empty((n, 3, size, size), dtype=torch.uint8, device=self.device)
+        if images:
+            out[kept] = resample(images, plans[kept], size)
+        pixels = np.flatnonzero(plans[:, 2] == 0)  # rows the actor decoded (PNG, CMYK, ...)
+        if len(pixels):
+            host = np.stack([payload[i] for i in pixels]).reshape(-1, 3, size, size)
+            out[pixels.tolist()] = torch.from_numpy(host).to(self.device)
         rest = {k: v for k, v in batch.items() if k not in ("payload", "plan", "where")}
-        if len(keep) < len(payload):
+        keep = sorted(kept + pixels.tolist())
+        if len(keep) < n:  # samples neither decoder read, skipped: this batch is shorter
+            out = out[keep]
             index = torch.tensor(keep, device=batch["key"].device)
-            rest = {
-                k: v.index_select(0, index) if torch.is_tensor(v) else v for k, v in rest.items()
-            }
-        image = torch.stack(out) if out else torch.empty((0, 3, self.size, self.size),
-                                                          dtype=torch.uint8, device=self.device)  # fmt: skip
-        return {**rest, "image": image}
+            rest = {k: v.index_select(0, index) if torch.is_tensor(v) else v
+                    for k, v in rest.items()}  # fmt: skip
+        return {**rest, "image": out}
 
     def _decode(self, payload: list[np.ndarray]) -> list:
         """3×H×W uint8 device tensors, None where nvJPEG refused a sample (or no nvJPEG)."""
@@ -235,35 +240,68 @@ def decode_rgb(data: bytes) -> np.ndarray:
 
 
 def crop_resize(image, plan, size: int):
-    """``plan``'s box of a 3×H×W uint8 tensor resampled to size×size on the tensor's device,
-    flipped when the plan says so.
+    """One image's `resample`: ``plan``'s box of a 3×H×W uint8 tensor to 3×size×size."""
+    return resample([image], np.asarray([plan], dtype=np.float32), size)[0]
 
-    Pillow's bilinear resize with a box, as two small matrix products: each output pixel
-    is a triangle-filter average (as wide as the scale when it shrinks) of the source
-    pixels around the box's exact pixel centre, so fractional boxes (the eval center crop)
-    and whole-pixel ones (random-resized-crop) are one code path.
+
+def resample(images: list, plans: np.ndarray, size: int, *, budget: int = 1 << 29):
+    """Each plan's box of its 3×H×W uint8 image, resampled to size×size and flipped when
+    its plan says so: uint8 N×3×size×size on the images' device.
+
+    Pillow's bilinear resize with a box, as batched matrix products: each output pixel is
+    a triangle-filter average (as wide as the scale when it shrinks) of the source pixels
+    around the box's exact pixel centre, so fractional boxes (the eval center crop) and
+    whole-pixel ones (random-resized-crop) are one code path. The regions the boxes read
+    are copied into one padded batch; the products run over chunks of it that stay under
+    ``budget`` bytes of float32.
     """
     import torch
 
-    left, top, width, height, flip = (float(v) for v in plan)
-    h, w = image.shape[1:]
-    rows, ys = _weights(top, height, size, h, image.device)
-    cols, xs = _weights(left, width, size, w, image.device)
-    crop = image[:, ys, xs].to(torch.float32)
-    out = torch.matmul(torch.matmul(rows, crop), cols.T)
-    out = out.round_().clamp_(0, 255).to(torch.uint8)
-    return out.flip(-1) if flip else out
+    device = images[0].device
+    rows = [_span(p[1], p[3], size, img.shape[1]) for img, p in zip(images, plans, strict=True)]
+    cols = [_span(p[0], p[2], size, img.shape[2]) for img, p in zip(images, plans, strict=True)]
+    hmax, wmax = max(b - a for a, b in rows), max(b - a for a, b in cols)
+    region = torch.zeros((len(images), 3, hmax, wmax), dtype=torch.uint8, device=device)
+    for j, (img, (y0, y1), (x0, x1)) in enumerate(zip(images, rows, cols, strict=True)):
+        region[j, :, : y1 - y0, : x1 - x0] = img[:, y0:y1, x0:x1]
+    spans = np.array(
+        [(y0, y1 - y0, x0, x1 - x0) for (y0, y1), (x0, x1) in zip(rows, cols, strict=True)]
+    )
+    geometry = torch.tensor(np.column_stack([plans[:, :4], spans]), dtype=torch.float64,
+                            device=device)  # fmt: skip
+    left, top, width, height, y0, h, x0, w = geometry.unbind(1)
+    flip = torch.tensor(plans[:, 4] > 0, device=device)
+    out = torch.empty((len(images), 3, size, size), dtype=torch.uint8, device=device)
+    step = max(1, budget // (12 * hmax * wmax))
+    for c in range(0, len(images), step):
+        part = slice(c, c + step)
+        wy = _weights(top[part] - y0[part], height[part], h[part], size, hmax)
+        wx = _weights(left[part] - x0[part], width[part], w[part], size, wmax)
+        wx = torch.where(flip[part, None, None], wx.flip(1), wx)
+        x = region[part].to(torch.float32)
+        y = torch.matmul(torch.matmul(wy.unsqueeze(1), x), wx.transpose(1, 2).unsqueeze(1))
+        out[part] = y.round_().clamp_(0, 255).to(torch.uint8)
+    return out
 
 
-def _weights(start: float, extent: float, size: int, limit: int, device):
-    """(size × n) weights over the n source pixels of the slice they read, and that slice."""
+def _span(start: float, extent: float, size: int, limit: int) -> tuple[int, int]:
+    """The source pixels ``[first, stop)`` that a box edge to edge ``start``..``start +
+    extent`` reads when resampled to ``size`` pixels (its filter's reach included)."""
+    support = max(extent / size, 1.0)
+    first = max(0, math.floor(start - support))
+    return first, min(limit, math.ceil(start + extent + support) + 1)
+
+
+def _weights(start, extent, valid, size: int, length: int):
+    """(m × size × length) float32 filter weights; sample i reads pixels ``< valid[i]`` of
+    its region, its box starting at ``start[i]`` and ``extent[i]`` pixels long."""
     import torch
 
-    scale = extent / size
-    support = max(scale, 1.0)  # the triangle's half-width in source pixels
-    first = max(0, math.floor(start - support))
-    stop = min(limit, math.ceil(start + extent + support) + 1)
-    centres = start + (torch.arange(size, device=device, dtype=torch.float32) + 0.5) * scale
-    pixels = torch.arange(first, stop, device=device, dtype=torch.float32) + 0.5
-    weights = (1 - ((pixels[None, :] - centres[:, None]) / support).abs()).clamp_(min=0)
-    return weights / weights.sum(dim=1, keepdim=True), slice(first, stop)
+    scale = (extent / size)[:, None, None]
+    support = scale.clamp(min=1.0)  # the triangle's half-width in source pixels
+    out = torch.arange(size, device=start.device, dtype=torch.float64)[None, :, None] + 0.5
+    centres = start[:, None, None] + out * scale
+    pixels = torch.arange(length, device=start.device, dtype=torch.float64)[None, None, :]
+    weights = (1 - ((pixels + 0.5 - centres) / support).abs()).clamp_(min=0)
+    weights = weights * (pixels < valid[:, None, None])
+    return (weights / weights.sum(dim=2, keepdim=True)).to(torch.float32)

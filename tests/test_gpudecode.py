@@ -15,7 +15,15 @@ from PIL import Image
 
 import raypipe
 from raypipe import fastimage
-from raypipe.gpudecode import crop_resize, decode_rgb
+from raypipe.gpudecode import (
+    DeviceDecode,
+    Encoded,
+    EncodedBlocks,
+    collate_encoded,
+    crop_resize,
+    decode_rgb,
+)
+from raypipe.shardfiles import RawSample
 from raypipe.skips import SampleError
 from raypipe.transforms import Box, Plan, plan, sample_rng
 from tests.conftest import image_bytes, make_imagefolder
@@ -96,8 +104,7 @@ def test_eval_center_crop_through_the_pipeline(ray_session, folder):
 
 
 def damaged_folder(root, n: int = 20, bad=(3, 11)):
-    """JPEGs whose ``bad`` ones are cut after the header: the actor's header check passes,
-    and neither decoder can read them."""
+    """JPEGs whose ``bad`` ones are cut in half: their header reads, their pixels do not."""
     rng = np.random.default_rng(0)
     (root / "c").mkdir(parents=True)
     for i in range(n):
@@ -108,27 +115,70 @@ def damaged_folder(root, n: int = 20, bad=(3, 11)):
     return root
 
 
-def test_a_file_both_decoders_refuse_is_skipped_from_its_batch(ray_session, tmp_path):
-    root = damaged_folder(tmp_path / "d")
+def skipped_files(root, *, device="cpu", **changes):
     config = raypipe.PipelineConfig(source=str(root), image_size=16, batch_size=5,
-                                    actors=(1, 1), decode="gpu")  # fmt: skip
-    with raypipe.Pipeline(config, epochs=1, device="cpu", normalize=False) as p:
+                                    actors=(1, 1), max_skipped=None, **changes)  # fmt: skip
+    with raypipe.Pipeline(config, epochs=1, device=device, normalize=False) as p:
         for _, batches in p.epochs():
             sizes = [len(b["key"]) for b in batches]
             report = p.skips.epoch(0).report()
-    assert len(sizes) == 4 and sum(sizes) == 18  # two rows short, the batch count unchanged
-    assert report["by_reason"] == {"decode_error": 2}
-    assert sorted(r["where"].rsplit("/", 1)[1] for r in report["records"]) == ["003.jpg", "011.jpg"]
+    files = sorted(r["where"].rsplit("/", 1)[1] for r in report["records"])
+    return sizes, report["by_reason"], files
+
+
+def test_a_truncated_jpeg_is_skipped_as_with_decode_cpu(ray_session, tmp_path):
+    root = damaged_folder(tmp_path / "d")
+    expected = ([5, 5, 5], {"truncated_image": 2}, ["003.jpg", "011.jpg"])
+    assert skipped_files(root) == expected
+    assert skipped_files(root, decode="gpu") == expected
 
 
 def test_on_error_raise_names_the_file(ray_session, tmp_path):
     root = damaged_folder(tmp_path / "r", bad=(7,))
-    config = raypipe.PipelineConfig(source=str(root), image_size=16, batch_size=5, actors=(1, 1),
-                                    decode="gpu", on_error="raise")  # fmt: skip
-    with pytest.raises(SampleError, match="007.jpg"), raypipe.Pipeline(config, epochs=1) as p:
-        for _, batches in p.epochs():
-            for _ in batches:
-                pass
+    with pytest.raises(SampleError, match="007.jpg"):
+        skipped_files(root, decode="gpu", on_error="raise")
+
+
+def encoded_batch(files: list[bytes]) -> dict:
+    """A collated batch of ``files`` (whole-image plans) as the rank receives it."""
+    blocks = EncodedBlocks(16, len(files))
+    for key, data in enumerate(files):
+        enc = Encoded(data, Plan(Box(0, 0, 96, 72), key % 2 == 1))
+        blocks.add(enc, RawSample(key, 0, data, f"f{key}.jpg"))
+    batch = collate_encoded(blocks.take())
+    return {**batch, "label": batch["label"].clone(), "key": batch["key"].clone()}
+
+
+def test_a_refusing_device_decoder_falls_back_to_the_cpu_per_sample():
+    rng = np.random.default_rng(2)
+    files = [photo(rng) for _ in range(5)]
+    plain = DeviceDecode(16, "cpu")(encoded_batch(files))
+
+    def refuse_the_third(data):  # nvJPEG fails a whole batch call for one bad file
+        if any(torch.equal(d, torch.from_numpy(np.frombuffer(files[2], np.uint8))) for d in data):
+            raise RuntimeError("nvjpeg refused it")
+        return [torch.from_numpy(decode_rgb(d.numpy().tobytes())).permute(2, 0, 1) for d in data]
+
+    decoder = DeviceDecode(16, "cpu")
+    decoder._nvjpeg = refuse_the_third
+    out = decoder(encoded_batch(files))
+    assert decoder.fallbacks == 1 and decoder.skipped == 0
+    assert torch.equal(out["image"], plain["image"]) and out["key"].tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+def test_a_file_no_decoder_reads_is_left_out_of_its_batch_or_raised(on_error):
+    rng = np.random.default_rng(3)
+    files = [photo(rng) for _ in range(5)]
+    files[3] = b"\xff\xd8\xff" + bytes(200)  # past the actor's checks, unreadable to both
+    decoder = DeviceDecode(16, "cpu", on_error=on_error)
+    if on_error == "raise":
+        with pytest.raises(SampleError, match="f3.jpg"):
+            decoder(encoded_batch(files))
+        return
+    out = decoder(encoded_batch(files))
+    assert decoder.skipped == 1 and out["key"].tolist() == [0, 1, 2, 4]
+    assert out["image"].shape == (4, 3, 16, 16) and out["label"].shape == (4,)
 
 
 def test_bad_config_is_refused():
@@ -139,8 +189,6 @@ def test_bad_config_is_refused():
 
 
 def test_a_non_jpeg_keeps_the_cpu_path():
-    from raypipe.gpudecode import Encoded
-
     buf = io.BytesIO()
     Image.new("RGB", (20, 10)).save(buf, "PNG")
     assert Encoded.of(buf.getvalue(), lambda w, h: Plan(Box(0, 0, w, h), False)) is None
@@ -163,13 +211,7 @@ def test_nvjpeg_gives_the_cpu_paths_crops(ray_session, folder):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_nvjpeg_refusals_fall_back_or_skip(ray_session, tmp_path):
+def test_a_truncated_jpeg_on_cuda(ray_session, tmp_path):
     root = damaged_folder(tmp_path / "g")
-    config = raypipe.PipelineConfig(source=str(root), image_size=16, batch_size=5,
-                                    actors=(1, 1), decode="gpu")  # fmt: skip
-    with raypipe.Pipeline(config, epochs=1, device="cuda", normalize=False) as p:
-        for _, batches in p.epochs():
-            sizes = [len(b["key"]) for b in batches]
-            report = p.skips.epoch(0).report()
-    assert sum(sizes) == 18 and len(sizes) == 4
-    assert report["by_reason"] == {"decode_error": 2}
+    expected = ([5, 5, 5], {"truncated_image": 2}, ["003.jpg", "011.jpg"])
+    assert skipped_files(root, device="cuda", decode="gpu") == expected
