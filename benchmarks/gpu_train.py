@@ -5,10 +5,12 @@
       raypipe    the warm ``Pipeline`` (pinned ring, side-stream copy, normalize on device)
       ray_data   Ray Data's ``iter_torch_batches(pin_memory=True, device=...)`` over the same
                  ``build_dataset`` Dataset, iterated once per epoch, normalized the same way
+      raypipe_decode_gpu  the same with ``decode="gpu"``: JPEG bytes travel, nvJPEG decodes
       on_device  batches already on the GPU (the upper bound)
-    Reported: samples/s per epoch (epochs >= 1, medians), the median step time after each
-    epoch's first 3 steps and its ratio to on_device, the image bytes moved per second,
-    and device segments / pinned host allocations made after raypipe's first two epochs.
+    Reported: samples/s per epoch (epochs >= 1, medians), the median GPU step time (CUDA
+    events, no host sync inside an epoch) after each epoch's first 3 steps and its ratio to
+    on_device, the image bytes moved per second, and device segments / pinned host
+    allocations made after each feed's first two epochs (on_device: the model's own).
 (2) decode: ``decode="cpu"`` vs ``decode="gpu"`` through the same ``Pipeline`` with no model:
     images/s and node CPU-seconds per image (epochs >= 1, medians), and the mean absolute
     difference between the two paths' uint8 crops of the same keys.
@@ -86,34 +88,50 @@ def trainer(model: nn.Module, device):
 
 
 def timed_epochs(step, epochs, device) -> dict:
-    """``epochs`` yields one iterable of (image, label) per epoch; samples/s and step times."""
+    """``epochs`` yields one iterable of (image, label) per epoch; samples/s and step times.
+
+    The loop never waits for the GPU inside an epoch, as a training loop runs: a CUDA event
+    recorded on the compute stream as each step starts times the steps on the GPU, so a
+    step's time holds any wait for its batch and nothing of the host's launch latency."""
     rates, steps, moved = [], [], []
+    stream = torch.cuda.current_stream(device)
     for batches in epochs:
         torch.cuda.synchronize(device)
-        t0 = last = time.perf_counter()
+        t0 = time.perf_counter()
         rows = nbytes = 0
-        for i, (image, label) in enumerate(batches):
+        marks = []
+        for image, label in batches:
+            marks.append(torch.cuda.Event(enable_timing=True))
+            marks[-1].record(stream)
             step(image, label)
-            torch.cuda.synchronize(device)
-            now = time.perf_counter()
-            if i >= WARM_STEPS:
-                steps.append(now - last)
-            last, rows, nbytes = now, rows + len(label), nbytes + image.numel()
-        rates.append(rows / (time.perf_counter() - t0))
-        moved.append(nbytes / (time.perf_counter() - t0) / 1e9)  # uint8 bytes in
+            rows, nbytes = rows + len(label), nbytes + image.numel()
+        marks.append(torch.cuda.Event(enable_timing=True))
+        marks[-1].record(stream)
+        torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        timed = marks[WARM_STEPS:]
+        steps += [a.elapsed_time(b) / 1e3 for a, b in zip(timed, timed[1:], strict=False)]
+        rates.append(rows / dt)
+        moved.append(nbytes / dt / 1e9)  # uint8 bytes in
     return {"epoch_samples_s": [round(r, 1) for r in rates],
             "samples_s": round(statistics.median(rates[1:] or rates), 1),
             "step_s": round(statistics.median(steps), 5) if steps else None,
             "image_GBps": round(statistics.median(moved[1:] or moved), 2)}  # fmt: skip
 
 
-def raypipe_epochs(config, epochs, device, meter: dict):
+def raypipe_epochs(config, epochs, device):
     with raypipe.Pipeline(config, epochs=epochs, device=device, channels_last=True) as pipe:
-        for e, batches in pipe.epochs():
-            if e == 2:  # allocations after two epochs of warm-up: there should be none
-                meter["host0"], meter["dev0"] = _alloc_stats(device)
+        for _, batches in pipe.epochs():
             yield ((b["image"], b["label"]) for b in batches)
-        meter["host1"], meter["dev1"] = _alloc_stats(device)
+
+
+def metered(epochs, device, meter: dict):
+    """The feed's epochs; allocator counters taken after two epochs of warm-up and at the end."""
+    for e, batches in enumerate(epochs):
+        if e == 2:
+            meter["host0"], meter["dev0"] = _alloc_stats(device)
+        yield batches
+    meter["host1"], meter["dev1"] = _alloc_stats(device)
 
 
 def ray_data_epochs(config, epochs, device):
@@ -148,19 +166,25 @@ def _alloc_stats(device):
 def feeds(name: str, model, config, args, device) -> dict:
     step = trainer(model, device)
     steps = args.images // config.batch_size
-    out, meter = {}, {}
-    out["on_device"] = timed_epochs(
-        step, on_device_epochs(config, args.epochs, device, steps), device
-    )
-    out["raypipe"] = timed_epochs(step, raypipe_epochs(config, args.epochs, device, meter), device)
-    out["ray_data"] = timed_epochs(step, ray_data_epochs(config, args.epochs, device), device)
-    bound = out["on_device"]["step_s"]
-    for feed in ("raypipe", "ray_data"):
-        out[feed]["step_ratio_to_on_device"] = round(out[feed]["step_s"] / bound, 4)
-    out["raypipe"]["after_warm_up"] = {
-        "pinned_host_allocs": delta(meter["host0"], meter["host1"], "num_host_alloc"),
-        "device_segments": delta(meter["dev0"], meter["dev1"], "segment.all.allocated"),
+    runs = {
+        "on_device": lambda c: on_device_epochs(c, args.epochs, device, steps),
+        "raypipe": lambda c: raypipe_epochs(c, args.epochs, device),
+        "raypipe_decode_gpu": lambda c: raypipe_epochs(
+            c.replace(decode="gpu"), args.epochs, device
+        ),
+        "ray_data": lambda c: ray_data_epochs(c, args.epochs, device),
     }
+    out = {}
+    for feed, epochs in runs.items():
+        meter: dict = {}
+        out[feed] = timed_epochs(step, metered(epochs(config), device, meter), device)
+        out[feed]["after_warm_up"] = {
+            "pinned_host_allocs": delta(meter["host0"], meter["host1"], "num_host_alloc"),
+            "device_segments": delta(meter["dev0"], meter["dev1"], "segment.all.allocated"),
+        }
+    bound = out["on_device"]["step_s"]
+    for feed in runs:
+        out[feed]["step_ratio_to_on_device"] = round(out[feed]["step_s"] / bound, 4)
     print(name, json.dumps(out), flush=True)
     return {"batch": config.batch_size, **out}
 
@@ -212,7 +236,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--big-actors",
         type=int,
-        default=8,
+        default=10,
         help="actors for ResNet-50: enough for its rate, CPUs left to the trainer",
     )
     p.add_argument("--compare", type=int, default=512, help="keys whose crops are compared")

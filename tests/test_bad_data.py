@@ -447,6 +447,7 @@ INVALID = {
     "transform_input": ["cv2", None],
     "transform_batch": ["yes"],
     "collate": [lambda b: b, "tests.user_transforms:missing"],
+    "decode": ["nvjpeg", "GPU", None],
 }
 
 
