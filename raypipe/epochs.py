@@ -124,6 +124,7 @@ class Pipeline:
             prefetch=self._loader["prefetch_batches"], shuffle_buffer=self.config.shuffle_buffer,
             seed=self.config.seed,
         )  # fmt: skip
+        h2d = None  # one ring and copy stream for the run: no new allocations after epoch 0
         try:
             for e in epochs:
                 skips = self.skips.epoch(e)
@@ -131,8 +132,9 @@ class Pipeline:
                     lambda e=e: feeder.epoch(e), skips=skips, first_pass=e,
                     more_stats=functools.partial(self._epoch_stats, e),
                     device_map=device_map_for(self.config, self._loader["device"], skips),
-                    **self._loader,
+                    h2d=h2d, **self._loader,
                 )  # fmt: skip
+                h2d = batches.h2d
                 yield e, batches
                 batches.close()
                 feeder.finish(e)

@@ -128,14 +128,17 @@ class TorchBatches:
 
     def __init__(self, host, *, device, pin_memory, prefetch_batches, normalize,
                  channels_last=False, skips=None, watch=None, more_stats=None,
-                 first_pass=0, collate=None, device_map=None):  # fmt: skip
+                 first_pass=0, collate=None, device_map=None, h2d=None):  # fmt: skip
         self._host = host
         self._collate = collate or to_tensors
         self._device_map = device_map  # on the device after the copy (decode="gpu")
         self._device = device
         self._normalize = normalize
-        self._h2d = HostToDevice(device, pin_memory=pin_memory, prefetch=max(prefetch_batches, 1),
-                                 channels_last=channels_last)  # fmt: skip
+        # ``h2d``: an earlier pass's ring, slots and copy stream, reused (allocations made
+        # for one stream's pool are not reused by another's: a new stream per epoch costs new
+        # device segments every epoch)
+        self.h2d = h2d or HostToDevice(device, pin_memory=pin_memory, channels_last=channels_last,
+                                       prefetch=max(prefetch_batches, 1))  # fmt: skip
         self._stays = getattr(device, "type", str(device)) == "cpu" and not channels_last
         self._stats = IterStats()
         self._delivered = Delivered()  # keys handed to the consumer this pass
@@ -165,7 +168,7 @@ class TorchBatches:
             device_map = self._device_map
             on_device = _Stay(tensors if device_map is None else (device_map(b) for b in tensors))
         else:
-            on_device = self._h2d(tensors, finish=self._device_map)
+            on_device = self.h2d(tensors, finish=self._device_map)
         out = (normalize(b, *self._normalize) for b in on_device) if self._normalize else on_device
         stats = self._stats
         stats.start()

@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from raypipe import Pipeline, PipelineConfig, PoolWatch, SkipLog
 from tests.ranks import run_ranks
@@ -89,6 +90,21 @@ def test_the_pool_is_the_same_processes_in_epoch_0_and_epoch_2(ray_session, data
     assert 1 <= len(ever) <= 2, ever
     assert seen[0] & seen[2], seen
     assert not watch.alive(), "the pool should end with the run"
+
+
+def test_every_epoch_copies_through_the_first_epochs_ring(ray_session, datasets):
+    """One host-to-device ring (slots, copy stream) for the run: a ring per epoch would take
+    new pinned slots and, on CUDA, new device segments for a new stream every epoch."""
+    config = PipelineConfig(source=str(datasets["parquet"]), image_size=8, batch_size=4)
+    rings, allocations = set(), []
+    with Pipeline(config, epochs=3, device="cpu", channels_last=True) as pipe:
+        for _, batches in pipe.epochs():
+            for b in batches:
+                assert b["image"].is_contiguous(memory_format=torch.channels_last)
+            rings.add(id(batches.h2d.ring))
+            allocations.append(batches.h2d.ring.allocations)
+    assert len(rings) == 1
+    assert allocations[0] > 0 and allocations == [allocations[0]] * 3
 
 
 def test_stopping_early_ends_the_thread_and_the_pool(ray_session, datasets):
