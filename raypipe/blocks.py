@@ -17,10 +17,15 @@ assert __all__ == sorted(__all__)
 Columns = dict[str, np.ndarray]
 
 
-def execute(ds):
+def execute(ds, follower=None):
     """Start ``ds``'s execution here: its RefBundle iterator and ``stop()``, which shuts
-    the execution down (and with it its actor pools) from any thread."""
+    the execution down (and with it its actor pools) from any thread. ``follower``: a
+    `raypipe.follow.Follower` that sizes the execution's actor pools."""
     bundles, _, executor = ds._execute_to_iterator()
+    if follower is not None:
+        from raypipe.follow import follow
+
+        follow(executor, follower)
     return bundles, (lambda: executor.shutdown(force=True)) if executor else (lambda: None)
 
 

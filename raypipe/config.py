@@ -77,6 +77,12 @@ class PipelineConfig:
             (nvJPEG through torchvision), then crops, resizes and flips it as planned.
             Other formats are decoded in the actors as with ``"cpu"``. Not with a
             ``transform`` (it needs pixels in the actors).
+        follow: the pool follows the trainer (`raypipe.follow`): grows while the trainer
+            waits for data, shrinks while it never waits and the data is held back.
+        follow_wait: share of the trainer's time spent waiting above which the pool grows.
+        follow_shrink_s: seconds the trainer never waits and the data is held back before
+            one actor goes (twice that after a grow).
+        follow_period_s: seconds between the follower's decisions.
         max_image_pixels: an image whose header claims more pixels is a bad sample
             (``"decompression_bomb"``), refused before decoding; None for no limit.
             Checked per image in the actors instead of Pillow's process-wide limit.
@@ -113,6 +119,10 @@ class PipelineConfig:
     transform_batch: bool = False
     collate: Any = None
     decode: Literal["cpu", "gpu"] = "cpu"
+    follow: bool = True
+    follow_wait: float = 0.05
+    follow_shrink_s: float = 5.0
+    follow_period_s: float = 1.0
 
     def __post_init__(self) -> None:
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -233,7 +243,7 @@ def _validate(c: PipelineConfig) -> None:
     resolve_callable(c.collate, "collate")
     if c.transform_input not in INPUTS:
         raise bad("transform_input", f"must be one of {INPUTS}")
-    for name in ("train", "flip", "shuffle_files", "transform_batch"):
+    for name in ("train", "flip", "shuffle_files", "transform_batch", "follow"):
         if not isinstance(getattr(c, name), bool):
             raise bad(name, "must be true or false")
     if (
@@ -247,6 +257,13 @@ def _validate(c: PipelineConfig) -> None:
         raise bad("actor_cpus", "must be a number > 0")
     if not c.actor_cpus > 0:  # NaN too
         raise bad("actor_cpus", "must be a number > 0")
+    if not _is_num(c.follow_wait) or not 0 < c.follow_wait < 1:
+        raise bad("follow_wait", "must be a share of the trainer's time, 0 < wait < 1")
+    for name in ("follow_period_s", "follow_shrink_s"):
+        if not _is_num(getattr(c, name)) or not 0 < getattr(c, name) < 3600:
+            raise bad(name, "must be seconds, 0 < s < 3600")
+    if c.follow_period_s > c.follow_shrink_s:
+        raise bad("follow_period_s", f"must be <= follow_shrink_s={c.follow_shrink_s!r}")
     if not _is_pair(c.scale) or not 0 < c.scale[0] <= c.scale[1] <= 1:
         raise bad("scale", "must be (lo, hi) with 0 < lo <= hi <= 1")
     if not _is_pair(c.ratio) or not 0 < c.ratio[0] <= c.ratio[1]:

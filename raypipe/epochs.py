@@ -26,10 +26,12 @@ from raypipe.blocksize import sized_blocks
 from raypipe.collate import collate_for
 from raypipe.config import PipelineConfig
 from raypipe.feeder import Feeder
+from raypipe.follow import Demand, follower_for
 from raypipe.gpudecode import device_map_for
 from raypipe.ledger import Gate, create_ledger
 from raypipe.loader import TorchBatches, resolve_device
 from raypipe.plan import RankPlan
+from raypipe.progress import Progress
 from raypipe.skips import SkipLog
 from raypipe.sources import Listing, list_shards
 from raypipe.stats import bound
@@ -37,6 +39,7 @@ from raypipe.warm import rank_dataset
 
 __all__ = ["Pipeline"]
 assert __all__ == sorted(__all__)
+PROGRESS_S = 30.0  # rank 0's live progress line, by default
 
 
 class Pipeline:
@@ -57,6 +60,8 @@ class Pipeline:
             (``config.max_skipped``) counts the samples of the ranks that share the log.
         start: a `raypipe.resume.PipelineState` to resume from: its epoch leaves out
             the keys it marks consumed, and the run starts there.
+        progress_s: seconds between live progress lines on stderr (`raypipe.progress`);
+            None: every 30 s on rank 0 and none on the others; 0: none.
 
     Each rank's pool is its share of ``config.actors`` (the run's total), at least one
     actor: ``(max(1, min // W), max(that, ceil(max / W)))``.
@@ -66,7 +71,8 @@ class Pipeline:
                  world_size: int = 1, ledger=None, group: str = "", device: Any = "auto",
                  pin_memory: bool = True, prefetch_batches: int = 2, normalize: bool = True,
                  channels_last: bool = False, listing: Listing | None = None,
-                 skips: SkipLog | None = None, start=None):  # fmt: skip
+                 skips: SkipLog | None = None, start=None,
+                 progress_s: float | None = None):  # fmt: skip
         if not isinstance(config, PipelineConfig):
             raise TypeError(f"config must be a PipelineConfig, got {type(config).__name__}")
         for name, value, low in (("epochs", epochs, 1), ("world_size", world_size, 1),
@@ -77,6 +83,10 @@ class Pipeline:
             raise ValueError(f"{rank=} must be an integer in 0..{world_size - 1}")
         if world_size > 1 and ledger is None:
             raise ValueError(f"{world_size=} needs ledger=Pipeline.ledger({world_size})")
+        if progress_s is not None and not (
+            isinstance(progress_s, (int, float)) and progress_s >= 0
+        ):
+            raise ValueError(f"{progress_s=} must be seconds >= 0 (0: no progress lines)")
         if start is not None and not 0 <= start.epoch < epochs:
             raise ValueError(
                 f"the resume state is at epoch {start.epoch}: {epochs=} leaves nothing"
@@ -102,6 +112,10 @@ class Pipeline:
         }  # fmt: skip
         self._gate = Gate(ledger if world_size > 1 else None, group, rank, config.batch_size)
         self._feeder: Feeder | None = None
+        self.follower = None  # a raypipe.follow.Follower once epochs() runs, if the pool follows
+        if progress_s is None:
+            progress_s = PROGRESS_S if rank == 0 else 0
+        self._progress_s, self._progress = progress_s, None
 
     @staticmethod
     def ledger(world_size: int):
@@ -119,11 +133,17 @@ class Pipeline:
         epochs = range(self.first_epoch, self.num_epochs)
         ds = rank_dataset(self.config, self.listing, self.plan, epochs, self.skips,
                           world_size=self.world_size, shared_skips=self._shared_skips)  # fmt: skip
+        demand = Demand()
+        self.follower = follower_for(self.config, self.world_size, demand)
         self._feeder = feeder = Feeder(
-            _starter(ds), self.plan, self._gate, epochs, batch_size=self.config.batch_size,
-            prefetch=self._loader["prefetch_batches"], shuffle_buffer=self.config.shuffle_buffer,
-            seed=self.config.seed,
+            _starter(ds, self.follower), self.plan, self._gate, epochs,
+            batch_size=self.config.batch_size, prefetch=self._loader["prefetch_batches"],
+            shuffle_buffer=self.config.shuffle_buffer, seed=self.config.seed, demand=demand,
         )  # fmt: skip
+        if self._progress_s:
+            self._progress = Progress(self._progress_s, rank=self.rank, demand=demand,
+                                      planned=lambda e: self.plan.sizes(e)[self.rank],
+                                      follower=self.follower)  # fmt: skip
         h2d = None  # one ring and copy stream for the run: no new allocations after epoch 0
         try:
             for e in epochs:
@@ -143,11 +163,14 @@ class Pipeline:
 
     def _epoch_stats(self, epoch: int, base: dict[str, Any]) -> dict[str, Any]:
         stalls = {k: round(v, 6) for k, v in self._feeder.stalls(epoch).items()}
+        pool = {"pool": self.follower.summary()} if self.follower is not None else {}
         return {**self._feeder.counts(epoch), "stalls": stalls,
-                "bound": bound(base["wait_fraction"], stalls)}  # fmt: skip
+                "bound": bound(base["wait_fraction"], stalls), **pool}  # fmt: skip
 
     def close(self) -> None:
         """Stop the feeder thread and the execution (the pool's actors end with it)."""
+        if self._progress is not None:
+            self._progress.close()
         if self._feeder is not None:
             self._feeder.close()
 
@@ -158,6 +181,6 @@ class Pipeline:
         self.close()
 
 
-def _starter(ds):
+def _starter(ds, follower):
     """Start ``ds``'s execution on the feeder thread; None when the rank has no task."""
-    return None if ds is None else functools.partial(execute, ds)
+    return None if ds is None else functools.partial(execute, ds, follower)

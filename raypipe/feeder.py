@@ -28,6 +28,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from raypipe.blocks import block_columns
+from raypipe.follow import Demand
 from raypipe.ledger import Gate
 from raypipe.plan import RankPlan
 from raypipe.rebatch import concat_column, rebatch
@@ -89,10 +90,12 @@ class Feeder:
         epochs: the epochs the bundles hold, in order.
         batch_size, prefetch: rows per batch; batches queued ahead of the consumer.
         shuffle_buffer, seed: a seeded local shuffle of that many rows (0: off).
+        demand: the `raypipe.follow.Demand` this feeder adds its consumer's waits and its
+            own held-back time to.
     """
 
     def __init__(self, start, plan: RankPlan, gate: Gate, epochs: range, *, batch_size: int,
-                 prefetch: int, shuffle_buffer: int = 0, seed: int = 0):  # fmt: skip
+                 prefetch: int, shuffle_buffer: int = 0, seed: int = 0, demand=None):  # fmt: skip
         self._start, self._plan, self._gate, self._epochs = start, plan, gate, epochs
         self._stop = None
         self._batch_size, self._buffer, self._seed = batch_size, shuffle_buffer, seed
@@ -104,6 +107,7 @@ class Feeder:
         self._next = epochs.start
         self._open: Iterator[Columns] | None = None  # the epoch being read, not yet ended
         self._current = dict.fromkeys(STAGES, 0.0)
+        self.demand = demand if demand is not None else Demand()  # for raypipe.follow
         self._thread.start()
 
     # -- consumer side --------------------------------------------------------------
@@ -126,8 +130,12 @@ class Feeder:
                 pass
 
     def _read(self, epoch: int) -> Iterator[Columns]:
+        demand = self.demand
+        demand.epoch, demand.epoch_rows = epoch, 0
         while True:
+            t0 = time.perf_counter()
             kind, at, item = self._queue.get()
+            demand.waited_s += time.perf_counter() - t0
             if kind == _FAIL:
                 self._open = None
                 raise item
@@ -135,6 +143,8 @@ class Feeder:
             if kind == _END:
                 self._open = None
                 return
+            rows = len(item["key"])
+            demand.rows, demand.epoch_rows = demand.rows + rows, demand.epoch_rows + rows
             yield item
 
     def stalls(self, epoch: int) -> dict[str, float]:
@@ -246,5 +256,6 @@ class Feeder:
                     continue
             raise _Closed
         finally:
+            self.demand.held_s += time.perf_counter() - t0
             if stall is not None:
                 stall["trainer_s"] += time.perf_counter() - t0

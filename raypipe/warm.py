@@ -71,6 +71,7 @@ def rank_dataset(config: PipelineConfig, listing: Listing, plan: RankPlan, epoch
                             compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi),
                             **common)  # fmt: skip
     ds.context.execution_options.preserve_order = True
+    ds.context.enable_progress_bars = False  # one rank's inner dataset: raypipe.progress instead
     return ds
 
 

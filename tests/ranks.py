@@ -21,7 +21,8 @@ def in_threads(rank, world: int, *, timeout: float) -> None:
 def run_ranks(config, world: int, epochs: int, *, pause_s=(0.0,), skips=None,
               keys_only: bool = False, **kw):  # fmt: skip
     """Every epoch of ``world`` ranks (one thread each, rank r sleeping
-    ``pause_s[r % len(pause_s)]`` after each batch): ``out[rank][epoch]`` is the list of
+    ``pause_s[r % len(pause_s)]`` after each batch, or calling it with the rank and the
+    batch where it is callable): ``out[rank][epoch]`` is the list of
     that epoch's batches (numpy; with ``keys_only``, their keys as lists), and
     ``stats[rank][epoch]`` the epoch's ``stats()``."""
     ledger = Pipeline.ledger(world) if world > 1 else None
@@ -40,7 +41,8 @@ def run_ranks(config, world: int, epochs: int, *, pause_s=(0.0,), skips=None,
                         if keys_only
                         else {k: v.numpy().copy() for k, v in batch.items()}
                     )
-                    time.sleep(pause_s[r % len(pause_s)])
+                    pause = pause_s[r % len(pause_s)]
+                    pause(r, batch) if callable(pause) else time.sleep(pause)
                 stats[r][epoch] = batches.stats()
         except BaseException as e:
             errors.append(e)

@@ -448,6 +448,10 @@ INVALID = {
     "transform_batch": ["yes"],
     "collate": [lambda b: b, "tests.user_transforms:missing"],
     "decode": ["nvjpeg", "GPU", None],
+    "follow": ["yes", 1],
+    "follow_wait": [0, 1.0, -0.1, float("nan"), "5%"],
+    "follow_shrink_s": [0, -1, float("inf"), "5s"],
+    "follow_period_s": [0, 9.0, float("nan")],
 }
 
 

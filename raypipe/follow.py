@@ -1,0 +1,258 @@
+"""The pool follows the trainer: a rank's preprocessing pool grows while the trainer waits
+for data and shrinks while the trainer never waits and finished data is held back.
+
+```
+ consumer ── blocked on the feeder's queue ──► Demand.waited_s    (the trainer waits)
+ feeder  ─── blocked on a full queue ────────► Demand.held_s      (the data waits)
+                                   ▼ every period_s
+ Follower.decide(actors): a target in [min, max]
+   grow    the trainer waited more than `wait` of the period           → actors + 1
+   shrink  it waited under wait/5 while the data was held back over half
+           of the time, for shrink_s in a row (2 × shrink_s after a grow) → actors - 1
+                                   ▼ on Ray Data's scheduling thread
+ FollowingAutoscaler (wraps the executor's actor autoscaler): the pool's max is the
+   target, so Ray Data grows it up to there as its utilization asks; actors over the
+   target get no new task (drained, those on the emptiest node first) and go once idle
+```
+
+Ray Data's own autoscaler cannot shrink a pool its consumer throttles: a task paused by
+backpressure counts as in flight, so the pool never looks idle. The trainer's wait is the
+signal it lacks. Ray internals used, checked against the running Ray version by
+`check_ray` and pinned by ``tests/test_follow.py``: the executor's ``_actor_autoscaler``
+(an ``ActorAutoscaler``, with its ``_topology``), ``get_autoscaling_actor_pools()``, and
+on the pool ``_config``
+(``AutoscalingActorConfig``), ``select_actors``, ``scale``, ``current_size``,
+``_running_actors`` (``num_tasks_in_flight``, ``actor_location``) and the two scheduling
+heaps ``select_actors`` reads. Where they differ the pool keeps Ray Data's own policy.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any
+
+__all__ = [
+    "RAY_VERSION",
+    "Demand",
+    "Follower",
+    "FollowingAutoscaler",
+    "check_ray",
+    "follow",
+    "follower_for",
+]
+
+log = logging.getLogger(__name__)
+RAY_VERSION = "2.60.0"  # the Ray whose executor internals this module drives
+SERIES = 600  # (t, actors, target, wait share) points kept
+
+
+class Demand:
+    """Running totals a rank's feeder keeps: seconds its consumer waited for a batch,
+    seconds finished batches waited for the consumer (a full queue), rows handed out in
+    all and in the ``epoch`` being read."""
+
+    def __init__(self) -> None:
+        self.waited_s = 0.0
+        self.held_s = 0.0
+        self.rows = 0
+        self.epoch = -1
+        self.epoch_rows = 0
+
+
+@dataclasses.dataclass
+class _Window:
+    t: float
+    waited_s: float
+    held_s: float
+
+
+class Follower:
+    """The policy: a target pool size in ``[lo, hi]`` from a rank's `Demand`.
+
+    Args:
+        lo, hi: the rank's pool bounds. The target starts at ``hi`` (Ray Data grows the
+            pool from ``lo`` up to the target by its utilization, as without a follower).
+        wait: trainer-wait share of a period above which the pool grows.
+        shrink_s: seconds of a held-back, never-waiting trainer before one actor goes.
+        period_s: seconds between decisions.
+    """
+
+    def __init__(self, lo: int, hi: int, demand: Demand, *, wait: float, shrink_s: float,
+                 period_s: float, clock=time.monotonic):  # fmt: skip
+        self.lo, self.hi, self.target = lo, hi, hi
+        self.demand, self.wait, self.shrink_s, self.period_s = demand, wait, shrink_s, period_s
+        self._clock = clock
+        self._t0 = clock()
+        self._last = _Window(self._t0, demand.waited_s, demand.held_s)
+        self._calm_since: float | None = None
+        self._grew = False
+        self.actors = 0
+        self.changes = 0
+        self.series: collections.deque = collections.deque(maxlen=SERIES)
+        self._lock = threading.Lock()
+
+    def decide(self, actors: int) -> int:
+        """The target after this call; decides at most once per ``period_s``."""
+        now = self._clock()
+        if now - self._last.t < self.period_s:
+            return self.target
+        with self._lock:
+            start, dt = self._last.t, now - self._last.t
+            d = self.demand
+            waited = (d.waited_s - self._last.waited_s) / dt
+            held = (d.held_s - self._last.held_s) / dt
+            self._last = _Window(now, d.waited_s, d.held_s)
+            self.actors = actors
+            target = self.target
+            if waited > self.wait:
+                target = min(self.hi, max(target, actors + 1))
+                self._calm_since, self._grew = None, target > self.target or self._grew
+            elif waited < self.wait / 5 and held > 0.5:
+                self._calm_since = self._calm_since if self._calm_since is not None else start
+                need = self.shrink_s * (2 if self._grew else 1)
+                if now - self._calm_since >= need and min(target, actors) > self.lo:
+                    target = min(target, actors) - 1
+                    self._calm_since, self._grew = now, False
+            else:
+                self._calm_since = None
+            self.changes += target != self.target
+            self.target = target
+            self.series.append((round(now - self._t0, 2), actors, target, round(waited, 4)))
+            return target
+
+    def summary(self) -> dict[str, Any]:
+        """``actors``, ``target``, ``changes`` and the ``series`` of
+        ``(seconds, actors, target, trainer wait share)``, one point per decision; the
+        seconds count from ``started`` (the clock's time when the follower began)."""
+        with self._lock:
+            return {"actors": self.actors, "target": self.target, "min": self.lo,
+                    "max": self.hi, "changes": self.changes, "started": self._t0,
+                    "series": list(self.series)}  # fmt: skip
+
+
+def follower_for(config, world_size: int, demand: Demand) -> Follower | None:
+    """The rank's `Follower` under ``config`` (``follow_*`` fields); None for a fixed pool,
+    ``compute="tasks"`` or ``follow=False``."""
+    from raypipe.warm import rank_pool
+
+    lo, hi = rank_pool(config.actors, world_size)
+    if not config.follow or config.compute != "actors" or lo == hi:
+        return None
+    return Follower(lo, hi, demand, wait=config.follow_wait, shrink_s=config.follow_shrink_s,
+                    period_s=config.follow_period_s)  # fmt: skip
+
+
+def check_ray() -> str | None:
+    """Why the follower cannot drive this Ray (None: it can)."""
+    import ray
+
+    if ray.__version__ != RAY_VERSION:
+        return f"Ray {ray.__version__} is not {RAY_VERSION}, whose executor it drives"
+    try:
+        from ray.data._internal.actor_autoscaler import ActorPoolScalingRequest
+        from ray.data._internal.actor_autoscaler.autoscaling_actor_pool import (
+            AutoscalingActorConfig,
+        )
+        from ray.data._internal.execution.operators.actor_pool_map_operator import _ActorPool
+        from ray.data._internal.execution.streaming_executor import StreamingExecutor
+    except ImportError as e:
+        return f"Ray's executor internals moved: {e}"
+    fields = {f.name for f in dataclasses.fields(AutoscalingActorConfig)}
+    missing = [n for n in ("min_size", "max_size", "initial_size") if n not in fields]
+    missing += [n for n in ("select_actors", "scale", "current_size", "_update_rank")
+                if not hasattr(_ActorPool, n)]  # fmt: skip
+    missing += [n for n in ("downscale",) if not hasattr(ActorPoolScalingRequest, n)]
+    missing += [n for n in ("execute", "shutdown") if not hasattr(StreamingExecutor, n)]
+    return f"Ray's executor internals changed: {missing} missing" if missing else None
+
+
+class FollowingAutoscaler:
+    """Ray Data's actor autoscaler for one execution, with the `Follower`'s target as
+    each pool's max and the pool's actors over it drained and released."""
+
+    def __init__(self, inner, follower: Follower):
+        self.inner, self.follower = inner, follower
+        self.topology = inner._topology  # ActorAutoscaler's (a Ray DeveloperAPI) own
+        self._draining: set = set()
+        self._wrapped: set[int] = set()
+
+    def try_trigger_scaling(self) -> None:
+        for op in list(self.topology):
+            for pool in op.get_autoscaling_actor_pools():
+                self._follow(pool)
+        self.inner.try_trigger_scaling()
+
+    def __getattr__(self, name):  # anything else the executor asks of its autoscaler
+        return getattr(self.inner, name)
+
+    def _follow(self, pool) -> None:
+        from ray.data._internal.actor_autoscaler import ActorPoolScalingRequest
+
+        if id(pool) not in self._wrapped:
+            self._wrapped.add(id(pool))
+            _skip_draining(pool, self._draining)
+        target = max(self.follower.decide(pool.current_size()), pool.min_size())
+        config = pool._config
+        if config.max_size != target:
+            pool._config = dataclasses.replace(
+                config, max_size=target, initial_size=min(config.initial_size, target)
+            )
+        excess = pool.current_size() - target
+        if excess > 0:  # pending actors first, then idle ones; busy ones are drained
+            excess += pool.scale(ActorPoolScalingRequest.downscale(
+                delta=-excess, force=True, reason="raypipe: the trainer is slower than the pool",
+            )) or 0  # fmt: skip
+        running = pool._running_actors
+        self._draining.intersection_update(running)
+        if excess <= 0:
+            self._draining.clear()
+            return
+        per_node = collections.Counter(s.actor_location for s in running.values())
+        order = sorted((a for a in running if a not in self._draining),
+                       key=lambda a: (per_node[running[a].actor_location],
+                                      running[a].num_tasks_in_flight))  # fmt: skip
+        while len(self._draining) > excess:
+            self._draining.pop()
+        self._draining.update(order[: excess - len(self._draining)])
+
+
+def _skip_draining(pool, draining: set) -> None:
+    """``pool.select_actors`` that never picks a draining actor: they are taken out of
+    the scheduling heaps for the call and put back (ranks unchanged) after it."""
+    select = pool.select_actors
+
+    def select_actors(bundle=None, actor_locality_enabled=False):
+        if not draining:
+            return select(bundle, actor_locality_enabled)
+        heaps = [pool._alive_actors_to_in_flight_tasks_heap,
+                 *pool._alive_node_to_actor_heap.values()]  # fmt: skip
+        taken = [(h, a, h[a]) for h in heaps for a in list(draining) if a in h]
+        for h, a, _ in taken:
+            del h[a]
+        try:
+            return select(bundle, actor_locality_enabled)
+        finally:
+            for h, a, rank in taken:
+                h[a] = rank
+
+    pool.select_actors = select_actors
+
+
+def follow(executor, follower: Follower | None) -> bool:
+    """Put ``follower`` in charge of ``executor``'s actor pools; False (and a warning)
+    where this Ray cannot be driven, leaving Ray Data's own autoscaler."""
+    if follower is None or executor is None:
+        return False
+    why = check_ray()
+    if why is None and not hasattr(executor, "_actor_autoscaler"):
+        why = "the executor has no actor autoscaler"
+    if why is not None:
+        log.warning("raypipe: the pool cannot follow the trainer (%s); Ray Data's own "
+                    "autoscaler sizes it", why)  # fmt: skip
+        return False
+    executor._actor_autoscaler = FollowingAutoscaler(executor._actor_autoscaler, follower)
+    return True

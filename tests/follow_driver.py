@@ -1,0 +1,77 @@
+"""Driver for tests/test_follow.py and benchmarks/follow.py, run in a subprocess: ranks of a
+one-epoch `raypipe.Pipeline` whose trainers are slow for a while and then fast, with the
+pool's actors and the cluster's nodes sampled from outside.
+
+``python -m tests.follow_driver ADDRESS DATA OUT CONFIG_JSON WORLD SLOW_S PAUSE_S``:
+ADDRESS ``local`` starts a Ray of its own (4 CPUs, a 100 MiB object store), else joins
+that head. CONFIG_JSON holds `PipelineConfig` fields besides ``source``. Each rank sleeps
+PAUSE_S after every batch until SLOW_S after its first batch, then none. Writes to OUT
+(JSON): the keys per rank, the stats, the times (seconds on the watch's clock) of each
+rank's first batch and fast phase, the trainers' progress ``(t, samples read)``, the
+watch's ``(t, actors, nodes)`` series and summary, and the CPU-seconds of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import ray
+
+from raypipe import PipelineConfig, PoolWatch
+from tests.ranks import run_ranks
+
+STORE_MIB = 100
+
+
+def main(address: str, data: str, out: str, config_json: str, world: str, slow_s: str,
+         pause_s: str) -> None:  # fmt: skip
+    if address == "local":
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=STORE_MIB << 20, configure_logging=False)  # fmt: skip
+    else:
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    config = PipelineConfig(source=data, **json.loads(config_json))
+    slow, pause = float(slow_s), float(pause_s)
+    lock = threading.Lock()
+    first: dict[int, float] = {}
+    fast: dict[int, float] = {}
+    progress: list[tuple[float, int]] = []
+    read = [0]
+
+    with PoolWatch(match="RankPreprocessor", interval_s=0.25, new_only=True) as watch:
+        clock = lambda: round(time.monotonic() - watch._t0, 3)  # noqa: E731
+
+        def trainer(rank: int, batch) -> None:
+            now = clock()
+            with lock:
+                first.setdefault(rank, now)
+                read[0] += len(batch["key"])
+                progress.append((now, read[0]))
+            if now - first[rank] < slow:
+                time.sleep(pause)
+            else:
+                fast.setdefault(rank, now)
+
+        cpu0 = time.process_time()
+        keys, stats = run_ranks(config, int(world), 1, pause_s=(trainer,), keys_only=True)
+        ended = clock()
+        report = {
+            "keys": [[k for b in rank[0] for k in b] for rank in keys],
+            "batches": [len(rank[0]) for rank in keys],
+            "stats": [s[0] for s in stats],
+            "first": first, "fast": fast, "ended": ended, "progress": progress,
+            "series": [(s.t, s.actors, s.nodes) for s in watch.samples()],
+            "pool": watch.summary(), "driver_cpu_s": time.process_time() - cpu0,
+            "watch_t0": watch._t0,  # time.monotonic() at the watch's start
+        }  # fmt: skip
+    ray.shutdown()
+    Path(out).write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
