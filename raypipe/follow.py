@@ -12,7 +12,9 @@ for data and shrinks while the trainer never waits and finished data is held bac
                                    ▼ on Ray Data's scheduling thread
  FollowingAutoscaler (wraps the executor's actor autoscaler): the pool's max is the
    target, so Ray Data grows it up to there as its utilization asks; actors over the
-   target get no new task (drained, those on the emptiest node first) and go once idle
+   target get no new task (drained: on worker nodes before the head, the node with the
+   fewest of the pool's actors first, so that a node empties) and go once idle; while
+   the pool is under its max, Ray Data's standing request for nodes is withdrawn
 ```
 
 Ray Data's own autoscaler cannot shrink a pool its consumer throttles: a task paused by
@@ -23,7 +25,8 @@ signal it lacks. Ray internals used, checked against the running Ray version by
 on the pool ``_config``
 (``AutoscalingActorConfig``), ``select_actors``, ``scale``, ``current_size``,
 ``_running_actors`` (``num_tasks_in_flight``, ``actor_location``) and the two scheduling
-heaps ``select_actors`` reads. Where they differ the pool keeps Ray Data's own policy.
+heaps ``select_actors`` reads; the executor's ``_cluster_autoscaler`` and its
+``_send_resource_request``. Where they differ the pool keeps Ray Data's own policy.
 """
 
 from __future__ import annotations
@@ -174,8 +177,8 @@ class FollowingAutoscaler:
     """Ray Data's actor autoscaler for one execution, with the `Follower`'s target as
     each pool's max and the pool's actors over it drained and released."""
 
-    def __init__(self, inner, follower: Follower):
-        self.inner, self.follower = inner, follower
+    def __init__(self, inner, follower: Follower, head_nodes=frozenset()):
+        self.inner, self.follower, self.head_nodes = inner, follower, head_nodes
         self.topology = inner._topology  # ActorAutoscaler's (a Ray DeveloperAPI) own
         self._draining: set = set()
         self._wrapped: set[int] = set()
@@ -211,13 +214,40 @@ class FollowingAutoscaler:
         if excess <= 0:
             self._draining.clear()
             return
+        # a node the autoscaler can remove, with the fewest actors, first: it empties soonest
         per_node = collections.Counter(s.actor_location for s in running.values())
         order = sorted((a for a in running if a not in self._draining),
-                       key=lambda a: (per_node[running[a].actor_location],
+                       key=lambda a: (running[a].actor_location in self.head_nodes,
+                                      per_node[running[a].actor_location],
                                       running[a].num_tasks_in_flight))  # fmt: skip
         while len(self._draining) > excess:
             self._draining.pop()
         self._draining.update(order[: excess - len(self._draining)])
+
+
+class FollowingCluster:
+    """Ray Data's cluster autoscaler, silent while the pool is under its max: its standing
+    request for nodes is withdrawn, so the Ray autoscaler can remove the nodes the shed
+    actors left idle. (Ray Data re-sends its last request while the cluster looks idle,
+    and a store full of held-back blocks makes it ask for more.) Actors the pool starts
+    still bring nodes: the Ray autoscaler follows their own resource demand."""
+
+    def __init__(self, inner, follower: Follower):
+        self.inner, self.follower = inner, follower
+        self._last = 0.0
+
+    def try_trigger_scaling(self) -> None:
+        f = self.follower
+        if f.target >= f.hi:
+            self.inner.try_trigger_scaling()
+            return
+        now = time.monotonic()
+        if now - self._last >= f.period_s:
+            self._last = now
+            self.inner._send_resource_request([])
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
 def _skip_draining(pool, draining: set) -> None:
@@ -254,5 +284,12 @@ def follow(executor, follower: Follower | None) -> bool:
         log.warning("raypipe: the pool cannot follow the trainer (%s); Ray Data's own "
                     "autoscaler sizes it", why)  # fmt: skip
         return False
-    executor._actor_autoscaler = FollowingAutoscaler(executor._actor_autoscaler, follower)
+    import ray
+
+    heads = frozenset(n["NodeID"] for n in ray.nodes()
+                      if n["Alive"] and "node:__internal_head__" in n["Resources"])  # fmt: skip
+    executor._actor_autoscaler = FollowingAutoscaler(executor._actor_autoscaler, follower, heads)
+    cluster = getattr(executor, "_cluster_autoscaler", None)
+    if hasattr(cluster, "_send_resource_request"):  # not the placement-group one
+        executor._cluster_autoscaler = FollowingCluster(cluster, follower)
     return True

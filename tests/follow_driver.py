@@ -57,9 +57,27 @@ def main(address: str, data: str, out: str, config_json: str, world: str, slow_s
             else:
                 fast.setdefault(rank, now)
 
+        heads = [n["NodeID"] for n in ray.nodes()
+                 if n["Alive"] and "node:__internal_head__" in n["Resources"]]  # fmt: skip
+        placed: list = []  # (t, {node: actors}) whenever the pool's placement changed
+        done = threading.Event()
+
+        def where() -> None:
+            while not done.wait(0.5):
+                nodes: dict[str, int] = {}
+                for a in watch.alive():
+                    node = (a.get("Address") or {}).get("NodeID", "?")
+                    nodes[node] = nodes.get(node, 0) + 1
+                if not placed or placed[-1][1] != nodes:
+                    placed.append((clock(), nodes))
+
+        sampler = threading.Thread(target=where, daemon=True)
+        sampler.start()
         cpu0 = time.process_time()
         keys, stats = run_ranks(config, int(world), 1, pause_s=(trainer,), keys_only=True)
         ended = clock()
+        done.set()
+        sampler.join()
         report = {
             "keys": [[k for b in rank[0] for k in b] for rank in keys],
             "batches": [len(rank[0]) for rank in keys],
@@ -68,6 +86,7 @@ def main(address: str, data: str, out: str, config_json: str, world: str, slow_s
             "series": [(s.t, s.actors, s.nodes) for s in watch.samples()],
             "pool": watch.summary(), "driver_cpu_s": time.process_time() - cpu0,
             "watch_t0": watch._t0,  # time.monotonic() at the watch's start
+            "heads": heads, "placed": placed,
         }  # fmt: skip
     ray.shutdown()
     Path(out).write_text(json.dumps(report))
