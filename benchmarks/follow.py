@@ -107,7 +107,7 @@ def plot(report: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--images", type=int, default=480, help="images per slow/fast run")
+    p.add_argument("--images", type=int, default=720, help="images per slow/fast run")
     p.add_argument("--pause-s", type=float, default=0.5, help="slow trainer: s per batch of 8")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))

@@ -99,8 +99,14 @@ def classify_loop(ctx: TrainContext) -> None:
             steps += 1
         seconds = time.perf_counter() - t0
         it = batches.stats()
-        loss_total, steps_total, samples, wait = ctx.all_reduce_sum(
-            [loss_sum, steps, it["samples"], it["wait_fraction"]]
+        loss_total, steps_total, samples, wait, actors = ctx.all_reduce_sum(
+            [
+                loss_sum,
+                steps,
+                it["samples"],
+                it["wait_fraction"],
+                it.get("pool", {}).get("actors", 0),
+            ]
         )
         metrics = {
             "epoch": epoch,
@@ -111,6 +117,7 @@ def classify_loop(ctx: TrainContext) -> None:
             "steps_per_rank": steps,
             "skipped": sum(it["skipped"].values()),  # the epoch's, over all ranks
             "bound": it["bound"],  # rank 0's stall view
+            "actors": int(actors),  # the preprocessing pools' actors as the epoch ended
         }
         if ctx.eval_config is not None:
             metrics["val_accuracy"] = evaluate(ctx, model)
@@ -142,9 +149,10 @@ def format_epoch(m: dict[str, Any]) -> str:
     acc = f"  val_acc {m['val_accuracy']:.3f}" if "val_accuracy" in m else ""
     skipped = f", {m['skipped']} bad skipped" if m.get("skipped") else ""
     bound = f"  bound: {m['bound'].split(':')[0]}" if m.get("bound") else ""
+    actors = f"  actors {m['actors']}" if m.get("actors") else ""
     return (
         f"epoch {m['epoch']}: loss {m['loss']:.4f}{acc}  {m['samples_per_s']:.0f} samples/s"
-        f"  wait {m['wait_fraction']:.1%}{bound}  ({m['samples']} samples{skipped})"
+        f"  wait {m['wait_fraction']:.1%}{bound}{actors}  ({m['samples']} samples{skipped})"
     )
 
 

@@ -77,8 +77,8 @@ class Follower:
     """The policy: a target pool size in ``[lo, hi]`` from a rank's `Demand`.
 
     Args:
-        lo, hi: the rank's pool bounds. The target starts at ``hi`` (Ray Data grows the
-            pool from ``lo`` up to the target by its utilization, as without a follower).
+        lo, hi: the rank's pool bounds. The target starts at ``hi``, where the pool
+            starts (`raypipe.warm.rank_dataset`), as a fixed pool would.
         wait: trainer-wait share of a period above which the pool grows.
         shrink_s: seconds of a held-back, never-waiting trainer before one actor goes.
         period_s: seconds between decisions.
@@ -124,7 +124,9 @@ class Follower:
                 self._calm_since = None
             self.changes += target != self.target
             self.target = target
-            self.series.append((round(now - self._t0, 2), actors, target, round(waited, 4)))
+            # a wait that began before this period is counted whole at its end: cap it
+            self.series.append((round(now - self._t0, 2), actors, target,
+                                round(min(waited, 1.0), 4)))  # fmt: skip
             return target
 
     def summary(self) -> dict[str, Any]:

@@ -67,8 +67,11 @@ def rank_dataset(config: PipelineConfig, listing: Listing, plan: RankPlan, epoch
     if config.compute == "tasks":  # Ray tasks on pooled workers, at most ``hi`` at once
         ds = ds.map_batches(rank_task, fn_kwargs=kwargs, concurrency=hi, **common)
     else:
-        ds = ds.map_batches(RankPreprocessor, fn_constructor_kwargs=kwargs,
-                            compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi),
+        # a following pool starts at its max, as a fixed one would, and sheds what the
+        # trainer leaves idle (raypipe.follow); else Ray Data grows it from its min
+        start = hi if config.follow else None
+        pool = ray.data.ActorPoolStrategy(min_size=lo, max_size=hi, initial_size=start)
+        ds = ds.map_batches(RankPreprocessor, fn_constructor_kwargs=kwargs, compute=pool,
                             **common)  # fmt: skip
     ds.context.execution_options.preserve_order = True
     ds.context.enable_progress_bars = False  # one rank's inner dataset: raypipe.progress instead
