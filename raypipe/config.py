@@ -54,7 +54,7 @@ class PipelineConfig:
             smallest node's object store (then about 2 %), so backpressure holds the data
             in the store instead of spilling it.
         actor_cpus: logical CPUs each preprocessing actor reserves.
-        compute: ``"actors"``, an autoscaling pool per epoch (``actors``), or ``"tasks"``:
+        compute: ``"actors"``, each rank's autoscaling actor pool (``actors``), or ``"tasks"``:
             Ray tasks on pooled workers, at most ``actors[1]`` at once, that stay warm
             from one epoch to the next (no pool start per epoch; no pool to watch).
         mean, std: per-channel normalization applied on the device (0..1 scale).
