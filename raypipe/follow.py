@@ -21,11 +21,11 @@ Ray Data's own autoscaler cannot shrink a pool its consumer throttles: a task pa
 backpressure counts as in flight, so the pool never looks idle. The trainer's wait is the
 signal it lacks. Ray internals used, checked against the running Ray version by
 `check_ray` and pinned by ``tests/test_follow.py``: the executor's ``_actor_autoscaler``
-(an ``ActorAutoscaler``, with its ``_topology``), ``get_autoscaling_actor_pools()``, and
-on the pool ``_config``
-(``AutoscalingActorConfig``), ``select_actors``, ``scale``, ``current_size``,
-``_running_actors`` (``num_tasks_in_flight``, ``actor_location``) and the two scheduling
-heaps ``select_actors`` reads; the executor's ``_cluster_autoscaler`` and its
+(an ``ActorAutoscaler``, with its ``_topology``), ``get_autoscaling_actor_pools()``; on
+the pool ``_config`` (``AutoscalingActorConfig``), ``select_actors``, ``scale``,
+``current_size``, ``num_pending_actors``, ``_release_running_actor``, ``_running_actors``
+(``num_tasks_in_flight``, ``actor_location``) and the two scheduling heaps
+``select_actors`` reads; the executor's ``_cluster_autoscaler`` and its
 ``_send_resource_request``. Where they differ the pool keeps Ray Data's own policy.
 """
 
@@ -126,12 +126,12 @@ class Follower:
             self.target = target
             # a wait that began before this period is counted whole at its end: cap it
             self.series.append((round(now - self._t0, 2), actors, target,
-                                round(min(waited, 1.0), 4)))  # fmt: skip
+                                round(min(waited, 1.0), 4), round(min(held, 1.0), 4)))  # fmt: skip
             return target
 
     def summary(self) -> dict[str, Any]:
-        """``actors``, ``target``, ``changes`` and the ``series`` of
-        ``(seconds, actors, target, trainer wait share)``, one point per decision; the
+        """``actors``, ``target``, ``changes`` and the ``series`` of ``(seconds, actors,
+        target, trainer wait share, held-back share)``, one point per decision; the
         seconds count from ``started`` (the clock's time when the follower began)."""
         with self._lock:
             return {"actors": self.actors, "target": self.target, "min": self.lo,
@@ -168,8 +168,8 @@ def check_ray() -> str | None:
         return f"Ray's executor internals moved: {e}"
     fields = {f.name for f in dataclasses.fields(AutoscalingActorConfig)}
     missing = [n for n in ("min_size", "max_size", "initial_size") if n not in fields]
-    missing += [n for n in ("select_actors", "scale", "current_size", "_update_rank")
-                if not hasattr(_ActorPool, n)]  # fmt: skip
+    missing += [n for n in ("select_actors", "scale", "current_size", "num_pending_actors",
+                            "_release_running_actor") if not hasattr(_ActorPool, n)]  # fmt: skip
     missing += [n for n in ("downscale",) if not hasattr(ActorPoolScalingRequest, n)]
     missing += [n for n in ("execute", "shutdown") if not hasattr(StreamingExecutor, n)]
     return f"Ray's executor internals changed: {missing} missing" if missing else None
@@ -200,31 +200,40 @@ class FollowingAutoscaler:
         if id(pool) not in self._wrapped:
             self._wrapped.add(id(pool))
             _skip_draining(pool, self._draining)
-        target = max(self.follower.decide(pool.current_size()), pool.min_size())
-        config = pool._config
-        if config.max_size != target:
-            pool._config = dataclasses.replace(
-                config, max_size=target, initial_size=min(config.initial_size, target)
-            )
+        target = self.follower.decide(pool.current_size())  # in [lo, hi]
         excess = pool.current_size() - target
-        if excess > 0:  # pending actors first, then idle ones; busy ones are drained
-            excess += pool.scale(ActorPoolScalingRequest.downscale(
-                delta=-excess, force=True, reason="raypipe: the trainer is slower than the pool",
-            )) or 0  # fmt: skip
+        pending = min(excess, pool.num_pending_actors())
+        if pending > 0:  # actors not started yet go first (Ray's pool picks pending first)
+            pool.scale(ActorPoolScalingRequest.downscale(
+                delta=-pending, force=True, reason="raypipe: the trainer is slower than the pool",
+            ))  # fmt: skip
+            excess = pool.current_size() - target
         running = pool._running_actors
         self._draining.intersection_update(running)
         if excess <= 0:
             self._draining.clear()
-            return
-        # a node the autoscaler can remove, with the fewest actors, first: it empties soonest
-        per_node = collections.Counter(s.actor_location for s in running.values())
-        order = sorted((a for a in running if a not in self._draining),
-                       key=lambda a: (running[a].actor_location in self.head_nodes,
-                                      per_node[running[a].actor_location],
-                                      running[a].num_tasks_in_flight))  # fmt: skip
-        while len(self._draining) > excess:
-            self._draining.pop()
-        self._draining.update(order[: excess - len(self._draining)])
+        else:  # a node the autoscaler can remove, with the fewest actors, first
+            per_node = collections.Counter(s.actor_location for s in running.values())
+            order = sorted((a for a in running if a not in self._draining),
+                           key=lambda a: (running[a].actor_location in self.head_nodes,
+                                          per_node[running[a].actor_location],
+                                          running[a].num_tasks_in_flight))  # fmt: skip
+            while len(self._draining) > excess:
+                self._draining.pop()
+            self._draining.update(order[: excess - len(self._draining)])
+            for actor in [a for a in self._draining if running[a].num_tasks_in_flight == 0]:
+                self._draining.discard(actor)
+                pool._release_running_actor(actor)  # the one chosen, not any idle one
+        # Ray Data's own autoscaler may grow the pool up to the target (as its utilization
+        # asks) and restore lost actors, never shrink it: which actor goes is chosen here
+        size = pool.current_size()
+        low, high = max(self.follower.lo, size), max(target, size)
+        config = pool._config
+        if (config.min_size, config.max_size) != (low, high):
+            pool._config = dataclasses.replace(
+                config, min_size=low, max_size=high,
+                initial_size=min(max(config.initial_size, low), high),
+            )  # fmt: skip
 
 
 class FollowingCluster:

@@ -2,9 +2,9 @@
 one-epoch `raypipe.Pipeline` whose trainers are slow for a while and then fast, with the
 pool's actors and the cluster's nodes sampled from outside.
 
-``python -m tests.follow_driver ADDRESS DATA OUT CONFIG_JSON WORLD SLOW_S PAUSE_S``:
+``python -m tests.follow_driver ADDRESS DATA OUT CONFIG_JSON WORLD SLOW_S PAUSE_S [MIB]``:
 ADDRESS ``local`` starts a Ray of its own (4 CPUs, a 100 MiB object store), else joins
-that head. CONFIG_JSON holds `PipelineConfig` fields besides ``source``. Each rank sleeps
+that head; MIB, when given, limits the object store Ray Data reads ahead into. CONFIG_JSON holds `PipelineConfig` fields besides ``source``. Each rank sleeps
 PAUSE_S after every batch until SLOW_S after its first batch, then none. Writes to OUT
 (JSON): the keys per rank, the stats, the times (seconds on the watch's clock) of each
 rank's first batch and fast phase, the trainers' progress ``(t, samples read)``, the
@@ -28,13 +28,18 @@ STORE_MIB = 100
 
 
 def main(address: str, data: str, out: str, config_json: str, world: str, slow_s: str,
-         pause_s: str) -> None:  # fmt: skip
+         pause_s: str, store_limit_mib: str = "0") -> None:  # fmt: skip
     if address == "local":
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
                  object_store_memory=STORE_MIB << 20, configure_logging=False)  # fmt: skip
     else:
         ray.init(address=address, log_to_driver=False, configure_logging=False)
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    if int(store_limit_mib):  # how far ahead of the trainers Ray Data may read
+        ctx.execution_options.resource_limits = ctx.execution_options.resource_limits.copy(
+            object_store_memory=int(store_limit_mib) << 20
+        )
     config = PipelineConfig(source=data, **json.loads(config_json))
     slow, pause = float(slow_s), float(pause_s)
     lock = threading.Lock()
