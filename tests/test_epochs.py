@@ -32,7 +32,8 @@ def test_epochs_exactly_once_and_equal_with_skips_two_ranks(ray_session, tmp_pat
     source, expected = mixed_source(tmp_path, fmt)
     config = PipelineConfig(source=str(source), image_size=8, batch_size=6, actors=(2, 2),
                             files_per_task=9, rows_per_block=4, max_skipped=None)  # fmt: skip
-    out, stats = run_ranks(config, 2, 3, skips=SkipLog.create())  # one log for both ranks
+    log = SkipLog.create()
+    out, stats = run_ranks(config, 2, 3, skips=log)  # one log for both ranks
     total = stats[0][0]["planned"] + stats[1][0]["planned"]
     bad = sum(expected.values())
     for epoch in range(3):
@@ -41,7 +42,10 @@ def test_epochs_exactly_once_and_equal_with_skips_two_ranks(ray_session, tmp_pat
         keys = check_epoch(out, epoch, 6, set(range(total)))
         assert len(keys) == 2 * 6 * (min(good_rows) // 6)
         assert sum(stats[r][epoch]["dropped"] for r in range(2)) == total - bad - len(keys)
-        assert sum(stats[0][epoch]["skipped"].values()) == bad  # the epoch's, over all ranks
+        # rank 0's stats() read the shared log as its epoch ended, when the other rank's
+        # last records may still be on their way; once both are done it holds every one
+        assert sum(stats[0][epoch]["skipped"].values()) <= bad
+        assert sum(log.epoch(epoch).counts().values()) == bad  # the epoch's, over all ranks
     orders = {tuple(np.concatenate([b["key"] for b in out[0][e]])) for e in range(3)}
     assert len(orders) > 1, "epochs should read in different orders"
 
