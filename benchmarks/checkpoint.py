@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from raypipe.config import PipelineConfig
-from raypipe.resume import PipelineState, fingerprint, merge_states
-from raypipe.sources import epoch_order, list_shards
+from raypipe.data.shards import epoch_order, list_shards
+from raypipe.train.state import PipelineState, fingerprint, merge_states
 
 IMAGENET = 1_281_167
 

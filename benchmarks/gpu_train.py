@@ -39,7 +39,7 @@ from nodecpu import CpuMeter
 from torch import nn
 
 import raypipe
-from raypipe.loader import IMAGENET_MEAN, IMAGENET_STD, normalize
+from raypipe.loader.iterator import IMAGENET_MEAN, IMAGENET_STD, normalize
 
 WARM_STEPS = 3  # steps per epoch left out of the step-time median (the epoch's start)
 

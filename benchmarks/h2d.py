@@ -31,8 +31,8 @@ import time
 import torch
 from torch import nn
 
-from raypipe.h2d import HostToDevice
-from raypipe.loader import IMAGENET_MEAN, IMAGENET_STD, normalize
+from raypipe.loader.h2d import HostToDevice
+from raypipe.loader.iterator import IMAGENET_MEAN, IMAGENET_STD, normalize
 
 SIZE = 224
 

@@ -1,7 +1,7 @@
 """Ingest throughput: raypipe against a tuned torch DataLoader, same files, same node.
 
 One run measures, on one generated corpus of ~400×300 photo JPEGs
-(``raypipe.demo.photo_crops``), random-resized-crop(224) + flip to uint8:
+(``raypipe.cli.demo.photo_crops``), random-resized-crop(224) + flip to uint8:
 
   (a) each transform in one process (the node's per-core limit);
   (b) torch DataLoader, best of a small sweep (workers, persistent workers, prefetch
@@ -36,15 +36,16 @@ import numpy as np
 from ingest_report import chart, print_table, stall_chart
 from nodecpu import CpuMeter
 
-from raypipe import fastimage, transforms
+from raypipe.cli.demo import write_photos
 from raypipe.config import PipelineConfig
-from raypipe.demo import write_photos
-from raypipe.sources import list_shards
-from raypipe.transforms import plan, sample_rng
+from raypipe.data import decode
+from raypipe.data.augment import plan, sample_rng
+from raypipe.data.pillow import pillow_decode_crop
+from raypipe.data.shards import list_shards
 
 SIZES = {"small": (2048, 5), "medium": (6144, 5), "large": (16384, 5)}  # images, epochs
 BATCH, IMAGE, SEED = 256, 224, 0
-TRANSFORMS = {"pillow": transforms.decode_crop, "fast": fastimage.decode_crop}
+TRANSFORMS = {"pillow": pillow_decode_crop, "fast": decode.decode_crop}
 
 
 def chooser(key: int, epoch: int):
@@ -73,8 +74,8 @@ def single_process(files: list[str], limit: int) -> dict:
         out[f"{name}_img_per_cpu_s"] = len(sample) / (time.process_time() - c0)
     diffs = [
         np.abs(
-            transforms.decode_crop(d, IMAGE, chooser(k, 0)).astype(np.int16)
-            - fastimage.decode_crop(d, IMAGE, chooser(k, 0)).astype(np.int16)
+            pillow_decode_crop(d, IMAGE, chooser(k, 0)).astype(np.int16)
+            - decode.decode_crop(d, IMAGE, chooser(k, 0)).astype(np.int16)
         ).mean()
         for k, d in enumerate(Path(f).read_bytes() for f in sample[:64])
     ]

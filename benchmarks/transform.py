@@ -1,6 +1,6 @@
 """Your own transform: the same one in raypipe's actors and in a tuned torch DataLoader.
 
-The transform is `raypipe.examples.ColorCrop(224)` (random-resized-crop + flip + colour
+The transform is `raypipe.cli.examples.ColorCrop(224)` (random-resized-crop + flip + colour
 jitter on a PIL image, drawing from torch's generator, as a torchvision v2 pipeline does).
 Both paths decode the same photo JPEGs with Pillow, run it, and hand uint8 3×224×224
 batches of 256 to a consumer that takes them as fast as they come. The DataLoader is the
@@ -23,9 +23,9 @@ from pathlib import Path
 
 from ingest import make_corpus, run_epochs
 
+from raypipe.cli.examples import ColorCrop
 from raypipe.config import PipelineConfig
-from raypipe.examples import ColorCrop
-from raypipe.sources import list_shards
+from raypipe.data.shards import list_shards
 
 BATCH, IMAGE, SEED = 256, 224, 0
 
@@ -43,7 +43,7 @@ class PhotoDataset:
         import torch
         from PIL import Image
 
-        from raypipe.usermap import seed_globals
+        from raypipe.data.usermap import seed_globals
 
         s = self.shards[i]
         with Image.open(io.BytesIO(Path(s.path).read_bytes())) as img:

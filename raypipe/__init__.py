@@ -17,18 +17,19 @@ Public contract:
 - `train_ddp(config, train_loop, num_workers=...)`: DDP on Ray Train in one call;
   ``train_loop`` receives a `TrainContext`. Its checkpoints hold the pipeline's
   position (``checkpoint_every=``); ``resume_from=`` resumes mid-epoch, exactly
-  once, with any number of workers (`raypipe.resume`).
+  once, with any number of workers (`raypipe.train.state`).
 """
 
-from raypipe.budget import SkipBudgetError
+from raypipe import _moved
 from raypipe.config import PipelineConfig
-from raypipe.epochs import Pipeline
-from raypipe.loader import iter_torch_batches
-from raypipe.pipeline import build_dataset
-from raypipe.poolwatch import PoolWatch
-from raypipe.skips import SampleError, SkipLog
-from raypipe.storage import StorageError
-from raypipe.train import TrainContext, train_ddp
+from raypipe.data.budget import SkipBudgetError
+from raypipe.data.dataset import build_dataset
+from raypipe.data.poolwatch import PoolWatch
+from raypipe.data.skips import SampleError, SkipLog
+from raypipe.formats.storage import StorageError
+from raypipe.loader.iterator import iter_torch_batches
+from raypipe.loader.pipeline import Pipeline
+from raypipe.train.ddp import TrainContext, train_ddp
 
 __all__ = [
     "Pipeline",
@@ -44,5 +45,6 @@ __all__ = [
     "train_ddp",
 ]
 assert __all__ == sorted(__all__)
+_moved.install()
 
 __version__ = "0.1.0"

@@ -70,14 +70,14 @@ class PipelineConfig:
             samples) and returns a dict of per-row values, instead of one sample.
         collate: turns each rank's numpy batch into the batch the trainer gets (a callable
             or ``"module:function"``); None: numeric fields as tensors, ragged ones padded
-            with a ``<field>_mask`` (`raypipe.usermap.pad_collate`) when there is a transform.
+            with a ``<field>_mask`` (`raypipe.data.usermap.pad_collate`) when there is a transform.
         decode: ``"cpu"``: the actors decode and crop, uint8 pixels reach the trainer.
             ``"gpu"``: the actors read each JPEG's header and draw its crop plan; the JPEG
             bytes travel instead of pixels and each rank decodes its batch on its device
             (nvJPEG through torchvision), then crops, resizes and flips it as planned.
             Other formats are decoded in the actors as with ``"cpu"``. Not with a
             ``transform`` (it needs pixels in the actors).
-        follow: the pool follows the trainer (`raypipe.follow`): grows while the trainer
+        follow: the pool follows the trainer (`raypipe.data.follow`): grows while the trainer
             waits for data, shrinks while it never waits and the data is held back.
         follow_wait: share of the trainer's time spent waiting above which the pool grows.
         follow_shrink_s: seconds the trainer never waits and the data is held back before
@@ -237,7 +237,7 @@ def _validate(c: PipelineConfig) -> None:
         value = getattr(c, name)
         if not _is_int(value) or value < 0:
             raise bad(name, "must be an integer >= 0")
-    from raypipe.usermap import INPUTS, resolve_callable
+    from raypipe.data.usermap import INPUTS, resolve_callable
 
     resolve_callable(c.transform, "transform")
     resolve_callable(c.collate, "collate")

@@ -51,7 +51,7 @@ def loop(ctx) -> None:
 
 def _registered(run_dir: str, expect: list[int]) -> None:
     """Wait until Ray Train registered the checkpoint at ``expect`` = [epoch, consumed]."""
-    from raypipe.checkpoint import load_checkpoint
+    from raypipe.train.checkpoint import load_checkpoint
 
     for _ in range(600):
         try:

@@ -33,7 +33,7 @@ def jitter() -> None:
     """Worker setup: every decode waits 0-12 ms, drawn from the OS's randomness."""
     import random
 
-    import raypipe.pipeline as pipeline
+    import raypipe.data.dataset as pipeline
 
     rng, decode = random.SystemRandom(), pipeline.decode_crop
 

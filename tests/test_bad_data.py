@@ -19,12 +19,12 @@ import pytest
 from PIL import Image
 
 from raypipe import PipelineConfig, SampleError, SkipLog, build_dataset, iter_torch_batches
-from raypipe.fastimage import decode_crop as fast_decode_crop
-from raypipe.pipeline import Preprocessor
-from raypipe.skips import REASONS, SkipStore, reason_of
-from raypipe.sources import list_shards
-from raypipe.transforms import Box, Plan
-from raypipe.transforms import decode_crop as pillow_decode_crop
+from raypipe.data.augment import Box, Plan
+from raypipe.data.dataset import Preprocessor
+from raypipe.data.decode import decode_crop as fast_decode_crop
+from raypipe.data.pillow import pillow_decode_crop
+from raypipe.data.shards import list_shards
+from raypipe.data.skips import REASONS, SkipStore, reason_of
 from tests.ranks import in_threads
 
 from .conftest import image_bytes, make_imagefolder, make_parquet, make_webdataset
@@ -205,7 +205,7 @@ def test_exif_rotation_is_applied():
 @pytest.mark.parametrize("name", [n for n in BROKEN_FILES if not n.startswith("bomb")])
 def test_both_decoders_fail_with_the_same_reason(name, decode):
     """The fast path's own failures go to its Pillow fallback, which names the reason."""
-    from raypipe.fastimage import fast_decodable
+    from raypipe.data.decode import fast_decodable
 
     data, reason = BROKEN_FILES[name]
     assert fast_decodable(data) == (name == "truncated.jpg")

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from raypipe import cli, jobspec
-from raypipe.submit import entrypoint, job_address
+from raypipe.cli import app as cli
+from raypipe.cli import jobspec
+from raypipe.cli.submit import entrypoint, job_address
 from tests.conftest import make_imagefolder
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from raypipe.classify import RunConfig
+from raypipe.cli.classify import RunConfig
 
 CLUSTER = Path(__file__).resolve().parents[1] / "cluster"
 

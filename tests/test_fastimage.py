@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from raypipe import fastimage, transforms
-from raypipe.transforms import Box, Plan, plan, sample_rng
+from raypipe.data import decode
+from raypipe.data.augment import Box, Plan, plan, sample_rng
+from raypipe.data.pillow import pillow_decode_crop
 
 from .conftest import image_bytes
 
@@ -18,8 +19,8 @@ def chooser(key: int, *, train: bool = True, seed: int = 0, epoch: int = 0):
 
 
 def both(data: bytes, size: int, key: int, **kw) -> tuple[np.ndarray, np.ndarray]:
-    fast = fastimage.decode_crop(data, size, chooser(key, **kw))
-    standard = transforms.decode_crop(data, size, chooser(key, **kw))
+    fast = decode.decode_crop(data, size, chooser(key, **kw))
+    standard = pillow_decode_crop(data, size, chooser(key, **kw))
     return np.ascontiguousarray(fast), standard
 
 
@@ -34,7 +35,7 @@ def test_fast_matches_standard_on_the_same_boxes(train, image_size):
     rng = np.random.default_rng(0)
     for key in range(12):
         data = image_bytes(rng, size=image_size)
-        assert fastimage.fast_decodable(data)
+        assert decode.fast_decodable(data)
         fast, standard = both(data, 64, key, train=train)
         assert fast.shape == standard.shape == (3, 64, 64) and fast.dtype == np.uint8
         diff = np.abs(fast.astype(int) - standard.astype(int))
@@ -45,23 +46,23 @@ def test_fast_matches_standard_on_the_same_boxes(train, image_size):
 def test_flip_is_the_mirror_of_the_same_crop():
     data = image_bytes(np.random.default_rng(1), size=(200, 150))
     box = Box(10, 20, 120, 100)
-    plain = fastimage.decode_crop(data, 32, lambda w, h: Plan(box, False))
-    flipped = fastimage.decode_crop(data, 32, lambda w, h: Plan(box, True))
+    plain = decode.decode_crop(data, 32, lambda w, h: Plan(box, False))
+    flipped = decode.decode_crop(data, 32, lambda w, h: Plan(box, True))
     assert np.array_equal(plain[:, :, ::-1], flipped)
 
 
 def test_deterministic_per_seed_epoch_key():
     data = image_bytes(np.random.default_rng(2), size=(320, 240))
-    a = fastimage.decode_crop(data, 48, chooser(5, seed=1, epoch=2))
-    assert np.array_equal(a, fastimage.decode_crop(data, 48, chooser(5, seed=1, epoch=2)))
-    others = [fastimage.decode_crop(data, 48, chooser(k, seed=1, epoch=2)) for k in range(6, 12)]
+    a = decode.decode_crop(data, 48, chooser(5, seed=1, epoch=2))
+    assert np.array_equal(a, decode.decode_crop(data, 48, chooser(5, seed=1, epoch=2)))
+    others = [decode.decode_crop(data, 48, chooser(k, seed=1, epoch=2)) for k in range(6, 12)]
     assert sum(not np.array_equal(a, o) for o in others) >= len(others) - 1
 
 
 @pytest.mark.parametrize("fmt", ["PNG", "BMP", "WEBP"])
 def test_other_formats_fall_back_to_pillow_exactly(fmt):
     data = image_bytes(np.random.default_rng(3), fmt=fmt, size=(90, 70))
-    assert not fastimage.fast_decodable(data)
+    assert not decode.fast_decodable(data)
     for key in range(4):
         fast, standard = both(data, 32, key)
         assert np.array_equal(fast, standard)
@@ -78,23 +79,23 @@ def test_exif_rotated_and_cmyk_jpegs_take_pillow_with_the_same_plan():
     exif = Image.Exif()
     exif[0x0112] = 6  # rotate 90°: width and height swap after transposition
     rotated = _jpeg(base, exif=exif.tobytes())
-    assert fastimage.exif_orientation(rotated) == 6
+    assert decode.exif_orientation(rotated) == 6
     cmyk = _jpeg(base.convert("CMYK"))
     for data in (rotated, cmyk):
-        assert not fastimage.fast_decodable(data)
+        assert not decode.fast_decodable(data)
         for key in range(4):
             fast, standard = both(data, 32, key)
             assert np.array_equal(fast, standard)
     upright = Image.Exif()
     upright[0x0112] = 1
-    assert fastimage.exif_orientation(_jpeg(base, exif=upright.tobytes())) == 1
-    assert fastimage.exif_orientation(_jpeg(base)) == 1
+    assert decode.exif_orientation(_jpeg(base, exif=upright.tobytes())) == 1
+    assert decode.exif_orientation(_jpeg(base)) == 1
 
 
 def test_grayscale_jpeg_becomes_three_equal_channels():
     gray = Image.open(io.BytesIO(image_bytes(np.random.default_rng(5), size=(100, 100))))
     data = _jpeg(gray.convert("L"))
-    assert fastimage.fast_decodable(data)
+    assert decode.fast_decodable(data)
     fast, standard = both(data, 40, 0)
     assert np.array_equal(fast[0], fast[1]) and np.array_equal(fast[1], fast[2])
     assert np.abs(fast.astype(int) - standard.astype(int)).mean() < 2.0
@@ -109,8 +110,8 @@ def test_plan_is_drawn_once_even_when_decoding_fails():
         return Plan(Box(0, 0, w, h), False)
 
     with pytest.raises(Exception):  # noqa: B017 - either decoder's error is a bad sample
-        fastimage.decode_crop(data[: len(data) // 3], 16, choose)
+        decode.decode_crop(data[: len(data) // 3], 16, choose)
     assert len(calls) <= 1
     calls.clear()
-    fastimage.decode_crop(data, 16, choose)
+    decode.decode_crop(data, 16, choose)
     assert calls == [(100, 80)]

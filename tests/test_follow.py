@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from raypipe import PipelineConfig
-from raypipe.follow import RAY_VERSION, Demand, Follower, check_ray
+from raypipe.data.autoscale import RAY_VERSION, check_ray
+from raypipe.data.follow import Demand, Follower
 from tests.test_elastic import slow_images
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,7 +107,7 @@ def test_summary_holds_the_series_of_actors_target_and_wait():
 
 
 def test_the_ray_internals_it_drives_are_there():
-    """Fails when Ray changes what `raypipe.follow` reaches into: bump RAY_VERSION only
+    """Fails when Ray changes what `raypipe.data.follow` reaches into: bump RAY_VERSION only
     after checking the new executor (the names below and the run test)."""
     import ray
     from ray.data._internal.actor_autoscaler import (
@@ -272,7 +273,7 @@ def test_progress_lines_count_the_epoch_the_rate_the_wait_and_the_pool():
     import io
     import threading
 
-    from raypipe.progress import Progress
+    from raypipe.loader.progress import Progress
 
     f, clock, demand = make()
     run(f, clock, demand, 2, wait=0.0, held=0.9)

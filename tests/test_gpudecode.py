@@ -14,8 +14,9 @@ import torch
 from PIL import Image
 
 import raypipe
-from raypipe import fastimage
-from raypipe.gpudecode import (
+from raypipe.data import decode
+from raypipe.data.augment import Box, Plan, plan, sample_rng
+from raypipe.data.gpudecode import (
     DeviceDecode,
     Encoded,
     EncodedBlocks,
@@ -23,9 +24,8 @@ from raypipe.gpudecode import (
     crop_resize,
     decode_rgb,
 )
-from raypipe.shardfiles import RawSample
-from raypipe.skips import SampleError
-from raypipe.transforms import Box, Plan, plan, sample_rng
+from raypipe.data.skips import SampleError
+from raypipe.formats.webdataset import RawSample
 from tests.conftest import image_bytes, make_imagefolder
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -61,10 +61,10 @@ def test_crop_resize_follows_the_plan_like_the_cpu_path(train):
     diffs = []
     for key in range(40):
         data = photo(rng, size=(int(rng.integers(40, 160)), int(rng.integers(40, 160))))
-        height, width = fastimage.jpeg_size(data)
+        height, width = decode.jpeg_size(data)
         p = plan(width, height, train=train, rng=sample_rng(0, 0, key), scale=(0.08, 1.0),
                  ratio=(3 / 4, 4 / 3), flip=True)  # fmt: skip
-        cpu = fastimage.decode_crop(data, 32, lambda w, h, p=p: p)
+        cpu = decode.decode_crop(data, 32, lambda w, h, p=p: p)
         rgb = torch.from_numpy(decode_rgb(data)).permute(2, 0, 1)
         dev = crop_resize(rgb, (*p.box, float(p.flip)), 32)
         assert dev.shape == (3, 32, 32) and dev.dtype == torch.uint8
@@ -185,7 +185,7 @@ def test_bad_config_is_refused():
     with pytest.raises(ValueError, match="decode"):
         raypipe.PipelineConfig(source="x", decode="nvjpeg")
     with pytest.raises(ValueError, match="decode.*transform"):
-        raypipe.PipelineConfig(source="x", decode="gpu", transform="raypipe.examples:ColorCrop")
+        raypipe.PipelineConfig(source="x", decode="gpu", transform="raypipe.cli.examples:ColorCrop")
 
 
 def test_a_non_jpeg_keeps_the_cpu_path():

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from raypipe.demo import write_digits
+from raypipe.cli.demo import write_digits
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from raypipe.ledger import EpochLedger, Gate, create_ledger
+from raypipe.loader.ledger import EpochLedger, Gate, create_ledger
 
 
 def test_ledger_answers_the_least_sure_and_the_least_final_rows():

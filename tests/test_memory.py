@@ -66,7 +66,7 @@ def test_ten_stores_of_data_stream_through_a_small_store(tmp_path):
 
 
 def test_default_blocks_are_one_batch_unless_the_store_is_too_small(ray_session, datasets):
-    from raypipe.blocksize import sized_blocks
+    from raypipe.data.blocksize import sized_blocks
 
     store = min(n["Resources"]["object_store_memory"] for n in ray_session.nodes() if n["Alive"])
     config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=224, batch_size=64)

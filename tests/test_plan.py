@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from raypipe.plan import RankPlan, epoch_keys
-from raypipe.sources import Listing, Shard, epoch_order
+from raypipe.data.rankplan import RankPlan, epoch_keys
+from raypipe.data.shards import Listing, Shard, epoch_order
 
 
 def listing(sizes: list[int], fmt: str = "webdataset") -> Listing:

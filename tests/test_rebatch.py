@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from raypipe.rebatch import rebatch
+from raypipe.loader.rebatch import rebatch
 
 
 def blocks_of(sizes, start=0):

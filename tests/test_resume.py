@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from raypipe import PipelineConfig, SkipLog, build_dataset, iter_torch_batches
-from raypipe.resume import PipelineState, fingerprint, merge_states, pending_rows
-from raypipe.sources import Shard, list_shards
+from raypipe.data.shards import Shard, list_shards, pending_rows
+from raypipe.train.state import PipelineState, fingerprint, merge_states
 from tests.conftest import make_imagefolder, make_parquet, make_webdataset
 
 
@@ -209,7 +209,7 @@ def _keys(out: Path, tag: str, epoch: int, upto: int | None = None, attempt: int
 
 
 def _consumed(run_dir: Path) -> tuple[int, set[int]]:
-    from raypipe.checkpoint import load_checkpoint
+    from raypipe.train.checkpoint import load_checkpoint
 
     state, _ = load_checkpoint(run_dir)
     return state.epoch, set(np.flatnonzero(state.consumed).tolist())
@@ -274,7 +274,7 @@ def _reference_sums(config: PipelineConfig, epochs: int) -> list[dict[int, float
     """Per epoch and key: the sum of the normalized image an uninterrupted run delivers."""
     import torch
 
-    from raypipe.loader import normalize
+    from raypipe.loader.iterator import normalize
 
     sums = []
     for epoch in range(epochs):

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from raypipe import PipelineConfig, build_dataset
-from raypipe.shard_writer import count_samples
-from raypipe.shards import INDEX, ShardsConfig, plan, preprocess, shard_name
+from raypipe.cli.convert import INDEX, ShardsConfig, plan, preprocess, shard_name
+from raypipe.formats.writer import count_samples
 from tests.conftest import make_imagefolder
 
 COUNTS = {"ant": 11, "bee": 7, "cow": 9}  # 27 samples: no shard count divides it evenly

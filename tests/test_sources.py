@@ -1,7 +1,7 @@
 import pytest
 
 from raypipe import PipelineConfig
-from raypipe.sources import epoch_order, infer_format, list_shards, read_shard
+from raypipe.data.shards import epoch_order, infer_format, list_shards, read_shard
 
 from .conftest import FORMAT_SIZES
 

@@ -10,8 +10,8 @@ import yaml
 
 import raypipe
 from raypipe import PipelineConfig, TrainContext, train_ddp
-from raypipe.classify import run
-from raypipe.demo import write_digits
+from raypipe.cli.classify import run
+from raypipe.cli.demo import write_digits
 
 
 def test_help_shows_the_contract():

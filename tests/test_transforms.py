@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from raypipe.transforms import center_box, decode_crop, plan, random_resized_box, sample_rng
+from raypipe.data.augment import center_box, plan, random_resized_box, sample_rng
+from raypipe.data.pillow import pillow_decode_crop as decode_crop
 
 from .conftest import image_bytes
 
@@ -47,7 +48,7 @@ def test_eval_is_center_crop_and_deterministic():
 
 def test_flip_mirrors_the_same_crop():
     data = image_bytes(np.random.default_rng(2), fmt="PNG", size=(40, 40))
-    from raypipe.transforms import Box, Plan
+    from raypipe.data.augment import Box, Plan
 
     box = Box(4, 6, 20, 20)
     plain = decode_crop(data, 16, lambda w, h: Plan(box, False))
@@ -59,7 +60,7 @@ def test_jpeg_draft_decode_matches_full_decode():
     """Draft (DCT-scaled) decoding must give nearly the image a full decode gives."""
     from PIL import Image
 
-    from raypipe.transforms import Box, Plan
+    from raypipe.data.augment import Box, Plan
 
     rng = np.random.default_rng(3)
     data = image_bytes(rng, size=(800, 600))

@@ -10,8 +10,8 @@ import pytest
 from PIL import Image
 
 from raypipe import Pipeline, PipelineConfig, SampleError, SkipLog
-from raypipe.collate import pad_collate
-from raypipe.usermap import TransformOutputError
+from raypipe.data.usermap import TransformOutputError
+from raypipe.loader.collate import pad_collate
 from tests import user_transforms
 
 T = "tests.user_transforms"

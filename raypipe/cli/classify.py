@@ -1,0 +1,195 @@
+"""The main job: train a small image classifier with DDP on Ray Train from a run config.
+
+A run config is YAML with three sections::
+
+    data:    PipelineConfig of the training set
+    eval:    PipelineConfig of the held-out set (optional)
+    trainer: num_workers, epochs, lr, use_gpu, cpus_per_worker, storage_path, max_failures
+
+Each epoch prints loss, held-out accuracy, samples/s and the iterator's wait fraction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+from raypipe.config import PipelineConfig, check_keys, load_yaml
+from raypipe.data.shards import list_shards
+from raypipe.train.ddp import TrainContext, train_ddp
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSettings:
+    num_workers: int = 2
+    epochs: int = 5
+    lr: float = 3e-3
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+    storage_path: str | None = None
+    max_failures: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    data: PipelineConfig
+    eval: PipelineConfig | None
+    trainer: TrainerSettings
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> RunConfig:
+        raw = load_yaml(path)
+        check_keys(raw, ["data", "eval", "trainer"], where=str(path))
+        if "data" not in raw:
+            raise ValueError(f"{path}: a run config needs a 'data' section")
+        trainer = raw.get("trainer") or {}
+        check_keys(
+            trainer, [f.name for f in dataclasses.fields(TrainerSettings)], where=f"{path}: trainer"
+        )
+        return cls(
+            data=_section(path, "data", raw["data"]),
+            eval=_section(path, "eval", raw["eval"]) if raw.get("eval") else None,
+            trainer=TrainerSettings(**trainer),
+        )
+
+
+def _section(path, name: str, data: Any) -> PipelineConfig:
+    try:
+        return PipelineConfig.from_dict(data)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {name}: {e}") from None
+
+
+def small_cnn(num_classes: int):
+    import torch.nn as nn
+
+    def block(cin: int, cout: int) -> nn.Sequential:
+        # GroupNorm: no running statistics, so evaluation matches training from epoch 0.
+        return nn.Sequential(
+            nn.Conv2d(cin, cout, 3, padding=1), nn.GroupNorm(8, cout), nn.ReLU(inplace=True)
+        )
+
+    return nn.Sequential(
+        block(3, 32), nn.MaxPool2d(2),
+        block(32, 64), nn.MaxPool2d(2),
+        block(64, 64), nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(), nn.Linear(64 * 16, 128), nn.ReLU(inplace=True), nn.Linear(128, num_classes),
+    )  # fmt: skip
+
+
+def classify_loop(ctx: TrainContext) -> None:
+    """The per-worker loop: train, evaluate on the held-out set, report each epoch."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(ctx.config.seed)
+    model = ctx.prepare_model(small_cnn(ctx.loop_config["num_classes"]))
+    opt = torch.optim.Adam(model.parameters(), lr=ctx.loop_config["lr"])
+    for epoch, batches in ctx.epochs():
+        model.train()
+        loss_sum, steps, t0 = 0.0, 0, time.perf_counter()
+        for batch in batches:
+            loss = F.cross_entropy(model(batch["image"]), batch["label"])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            loss_sum += loss.item()
+            steps += 1
+        seconds = time.perf_counter() - t0
+        it = batches.stats()
+        loss_total, steps_total, samples, wait, actors = ctx.all_reduce_sum(
+            [
+                loss_sum,
+                steps,
+                it["samples"],
+                it["wait_fraction"],
+                it.get("pool", {}).get("actors", 0),
+            ]
+        )
+        metrics = {
+            "epoch": epoch,
+            "loss": loss_total / max(steps_total, 1),
+            "samples": int(samples),
+            "samples_per_s": samples / seconds if seconds > 0 else 0.0,
+            "wait_fraction": wait / ctx.world_size,
+            "steps_per_rank": steps,
+            "skipped": sum(it["skipped"].values()),  # the epoch's, over all ranks
+            "bound": it["bound"],  # rank 0's stall view
+            "actors": int(actors),  # the preprocessing pools' actors as the epoch ended
+        }
+        if ctx.eval_config is not None:
+            metrics["val_accuracy"] = evaluate(ctx, model)
+        last = epoch == ctx.num_epochs - 1
+        state = {"model": _unwrap(model).state_dict(), "epoch": epoch} if last else None
+        ctx.report(metrics, state=state)
+
+
+def evaluate(ctx: TrainContext, model) -> float:
+    import torch
+
+    model.eval()
+    net = _unwrap(model)
+    correct = total = 0
+    with torch.no_grad():
+        for batch in ctx.eval_batches():
+            pred = net(batch["image"]).argmax(1)
+            correct += int((pred == batch["label"]).sum())
+            total += len(pred)
+    correct, total = ctx.all_reduce_sum([correct, total])
+    return correct / max(total, 1)
+
+
+def _unwrap(model):
+    return getattr(model, "module", model)
+
+
+def format_epoch(m: dict[str, Any]) -> str:
+    acc = f"  val_acc {m['val_accuracy']:.3f}" if "val_accuracy" in m else ""
+    skipped = f", {m['skipped']} bad skipped" if m.get("skipped") else ""
+    bound = f"  bound: {m['bound'].split(':')[0]}" if m.get("bound") else ""
+    actors = f"  actors {m['actors']}" if m.get("actors") else ""
+    return (
+        f"epoch {m['epoch']}: loss {m['loss']:.4f}{acc}  {m['samples_per_s']:.0f} samples/s"
+        f"  wait {m['wait_fraction']:.1%}{bound}{actors}  ({m['samples']} samples{skipped})"
+    )
+
+
+def _epoch_printer():
+    """A Ray Train callback printing one line per epoch (it runs on the Train controller)."""
+    import ray.train
+
+    class EpochPrinter(ray.train.UserCallback):
+        def after_report(self, run_context, metrics, checkpoint):
+            if metrics and "epoch" in metrics[0]:
+                print(format_epoch(metrics[0]), flush=True)
+
+    return EpochPrinter()
+
+
+def run(config_path: str | Path, *, epochs: int | None = None, storage_path: str | None = None):
+    """Train from a run config on the Ray this process is connected to (or a local one)."""
+    run_cfg = RunConfig.from_yaml(config_path)
+    t = run_cfg.trainer
+    classes = list_shards(run_cfg.data).classes
+    if not classes:
+        raise ValueError(
+            f"{config_path}: the classifier job needs an image folder (class sub-folders)"
+        )
+    result = train_ddp(
+        run_cfg.data,
+        classify_loop,
+        num_workers=t.num_workers,
+        use_gpu=t.use_gpu,
+        epochs=epochs or t.epochs,
+        storage_path=storage_path or t.storage_path,
+        eval_config=run_cfg.eval,
+        loop_config={"num_classes": len(classes), "lr": t.lr},
+        cpus_per_worker=t.cpus_per_worker,
+        max_failures=t.max_failures,
+        callbacks=[_epoch_printer()],
+    )
+    if result.error:
+        raise result.error
+    return result

@@ -1,0 +1,264 @@
+"""Preprocess an image folder into WebDataset or Parquet shards with Ray tasks.
+
+```
+ driver: list the folder (sorted, dense keys) → plan S contiguous shards → index.json
+   ▼ one Ray task per unfinished shard (read files → write temp → read back → rename)
+ driver: as each task ends, record its counts in index.json and print progress
+```
+
+Shards are named ``{prefix}-00003-of-00016.tar`` (or ``.parquet``) and hold samples in
+key order, so reading the shards back gives every sample the key and label it had in
+the folder. ``index.json`` holds per-shard sample counts and a fingerprint of the plan;
+a rerun with the same plan skips the shards already finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+from raypipe.config import PipelineConfig, check_keys, load_yaml
+from raypipe.data.shards import list_shards
+from raypipe.formats.writer import EXTENSIONS, Sample, Written, count_samples, write_shard
+
+INDEX = "index.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardsConfig:
+    """What ``raypipe preprocess`` does (the ``preprocess`` section of a YAML config).
+
+    Args:
+        source: the image folder (class sub-folders).
+        out: the output folder for the shards and ``index.json``.
+        format: ``"webdataset"`` (tar) or ``"parquet"``.
+        shards: number of shards; or leave it None and set ``samples_per_shard``.
+        samples_per_shard: samples per shard when ``shards`` is None.
+        prefix: shard name prefix, e.g. ``train`` → ``train-00000-of-00008.tar``.
+        cpus_per_task: logical CPUs each shard-writing Ray task reserves.
+    """
+
+    source: str
+    out: str
+    format: str = "webdataset"
+    shards: int | None = None
+    samples_per_shard: int = 1000
+    prefix: str = "train"
+    cpus_per_task: float = 1.0
+
+    def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> ValueError:
+            return ValueError(f"preprocess.{field}={getattr(self, field)!r}: {why}")
+
+        for name in ("source", "out", "prefix"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise bad(name, "must be a non-empty string")
+        if self.format not in EXTENSIONS:
+            raise bad("format", f"must be one of {sorted(EXTENSIONS)}")
+        if self.shards is not None and (not _is_int(self.shards) or self.shards < 1):
+            raise bad("shards", "must be an integer >= 1 (or left out)")
+        if not _is_int(self.samples_per_shard) or self.samples_per_shard < 1:
+            raise bad("samples_per_shard", "must be an integer >= 1")
+        if "/" in self.prefix or self.prefix.startswith("."):
+            raise bad("prefix", "must be a plain file name prefix")
+        if isinstance(self.cpus_per_task, bool) or not isinstance(self.cpus_per_task, (int, float)):
+            raise bad("cpus_per_task", "must be a number > 0")
+        if self.cpus_per_task <= 0:
+            raise bad("cpus_per_task", "must be a number > 0")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ShardsConfig:
+        if not isinstance(data, Mapping):
+            raise ValueError(f"preprocess config must be a mapping, got {type(data).__name__}")
+        check_keys(data, [f.name for f in dataclasses.fields(cls)], where="preprocess")
+        missing = [k for k in ("source", "out") if k not in data]
+        if missing:
+            raise ValueError(f"preprocess: missing required key(s) {', '.join(missing)}")
+        return cls(**data)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ShardsConfig:
+        raw = load_yaml(path)
+        check_keys(raw, ["preprocess"], where=str(path))
+        if "preprocess" not in raw:
+            raise ValueError(f"{path}: a preprocess config needs a 'preprocess' section")
+        try:
+            return cls.from_dict(raw["preprocess"])
+        except TypeError as e:
+            raise ValueError(f"{path}: preprocess: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """The outcome of one preprocess run."""
+
+    out: str
+    shards: int
+    written: int  # shards written by this run
+    reused: int  # shards already finished by an earlier run
+    samples: int
+    skipped: tuple[tuple[str, str], ...]
+    seconds: float
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+
+def shard_name(prefix: str, index: int, total: int, fmt: str) -> str:
+    return f"{prefix}-{index:05d}-of-{total:05d}{EXTENSIONS[fmt]}"
+
+
+def plan(config: ShardsConfig) -> tuple[list[list[Sample]], tuple[str, ...]]:
+    """The folder's samples in key order, cut into contiguous shards; and the classes."""
+    listing = list_shards(PipelineConfig(source=config.source, format="imagefolder"))
+    root = os.path.abspath(config.source)
+    samples = [
+        Sample(s.first_key, s.label, os.path.abspath(s.path), os.path.relpath(s.path, root))
+        for s in listing.shards
+    ]
+    n = len(samples)
+    total = config.shards or -(-n // config.samples_per_shard)
+    if total > n:
+        raise ValueError(f"preprocess.shards={total} is more than the {n} samples in the folder")
+    cuts = [i * n // total for i in range(total + 1)]
+    return [samples[cuts[i] : cuts[i + 1]] for i in range(total)], listing.classes
+
+
+def preprocess(config: ShardsConfig, *, log: TextIO | None = None) -> Summary:
+    """Write the shards of ``config`` with Ray tasks on the connected (or a local) Ray.
+
+    Progress goes to ``log`` (default: stderr), one line per finished shard.
+    """
+    import ray
+
+    log = log or sys.stderr
+    t0 = time.perf_counter()
+    parts, classes = plan(config)
+    out, total, fmt = os.path.abspath(config.out), len(parts), config.format
+    os.makedirs(out, exist_ok=True)
+    names = [shard_name(config.prefix, i, total, fmt) for i in range(total)]
+    fingerprint = _fingerprint(config, parts)
+    index = _load_index(out, fingerprint)
+    entries = (
+        index["shards"] if index else [_planned(nm, p) for nm, p in zip(names, parts, strict=True)]
+    )
+    todo = [i for i, e in enumerate(entries) if not _finished(out, e, fmt)]
+    reused = total - len(todo)
+    index = {
+        "format": fmt,
+        "prefix": config.prefix,
+        "source": os.path.abspath(config.source),
+        "classes": list(classes),
+        "fingerprint": fingerprint,
+        "num_shards": total,
+        "num_samples": None,
+        "complete": False,
+        "shards": entries,
+    }
+    _save_index(out, index)
+    print(f"preprocess: {total} shards into {out} ({reused} already finished)", file=log)
+
+    task = ray.remote(num_cpus=config.cpus_per_task)(write_shard)
+    pending = {task.remote(parts[i], out, names[i], fmt): i for i in todo}
+    reused_ids = set(range(total)) - set(todo)
+    skipped = [(p, why) for i in sorted(reused_ids) for p, why in entries[i]["skipped"]]
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        i = pending.pop(ready[0])
+        w: Written = ray.get(ready[0])
+        entries[i] = _entry(w, done=True)
+        skipped.extend(w.skipped)
+        _save_index(out, index)
+        done = total - len(pending)
+        print(f"  [{done:>{len(str(total))}}/{total}] {w.name}: {w.samples} samples", file=log)
+    index["num_samples"] = sum(e["samples"] for e in entries)
+    index["complete"] = True
+    _save_index(out, index)
+    for path, reason in skipped:
+        print(f"preprocess: skipped {path}: {reason}", file=log)
+    return Summary(
+        out,
+        total,
+        len(todo),
+        reused,
+        index["num_samples"],
+        tuple(skipped),
+        time.perf_counter() - t0,
+    )
+
+
+def _planned(name: str, part: list[Sample]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "samples": len(part),
+        "first_key": part[0].key,
+        "bytes": 0,
+        "skipped": [],
+        "done": False,
+    }
+
+
+def _entry(w: Written, *, done: bool) -> dict[str, Any]:
+    return {
+        "name": w.name,
+        "samples": w.samples,
+        "first_key": w.first_key,
+        "bytes": w.bytes,
+        "skipped": [list(s) for s in w.skipped],
+        "done": done,
+    }
+
+
+def _finished(out: str, entry: dict[str, Any], fmt: str) -> bool:
+    """A shard is finished when the index says so and the file holds that many samples."""
+    path = os.path.join(out, entry["name"])
+    if not entry["done"] or not os.path.isfile(path):
+        return False
+    try:
+        return count_samples(path, fmt) == entry["samples"]
+    except Exception:  # a damaged file is rewritten
+        return False
+
+
+def _fingerprint(config: ShardsConfig, parts: list[list[Sample]]) -> str:
+    h = hashlib.sha256(f"{config.format}|{config.prefix}|{len(parts)}".encode())
+    for part in parts:
+        h.update(b"|shard|")
+        for s in part:
+            size = os.path.getsize(s.path) if os.path.isfile(s.path) else -1
+            h.update(f"{s.name}:{s.label}:{size};".encode())
+    return h.hexdigest()
+
+
+def _load_index(out: str, fingerprint: str) -> dict[str, Any] | None:
+    path = os.path.join(out, INDEX)
+    if not os.path.exists(path):
+        return None
+    try:
+        index = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: unreadable index ({e}); remove it to start over") from None
+    if index.get("fingerprint") != fingerprint:
+        raise ValueError(
+            f"{out} holds shards of another source or plan (index fingerprint differs); "
+            "use a new output folder or remove the old one"
+        )
+    return index
+
+
+def _save_index(out: str, index: dict[str, Any]) -> None:
+    tmp = os.path.join(out, f".{INDEX}.{os.getpid()}.tmp")
+    Path(tmp).write_text(json.dumps(index, indent=1) + "\n")
+    os.replace(tmp, os.path.join(out, INDEX))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

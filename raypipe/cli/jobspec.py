@@ -1,0 +1,88 @@
+"""Job configs: which job a YAML file describes, checked, with its paths made absolute.
+
+Two kinds of YAML config drive raypipe jobs: a run config (``data``, ``eval``,
+``trainer`` sections; `raypipe run`) and a preprocess config (a ``preprocess``
+section; `raypipe preprocess`). Relative data paths in either are relative to the
+directory the user works in, which is not where a submitted job runs (Ray unpacks
+the working dir elsewhere), so jobs resolve them against an explicit root.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from raypipe.config import check_keys, load_yaml
+
+Kind = Literal["train", "preprocess"]
+
+RUN_SECTIONS = ("data", "eval", "trainer")
+# Path-valued keys per section: these are resolved against the data root.
+PATH_KEYS = {
+    "data": ("source",),
+    "eval": ("source",),
+    "trainer": ("storage_path",),
+    "preprocess": ("source", "out"),
+}
+
+
+def kind_of(path: str | Path) -> Kind:
+    """``"preprocess"`` for a config with a ``preprocess`` section, else ``"train"``."""
+    raw = load_yaml(path)
+    if "preprocess" in raw:
+        return "preprocess"
+    check_keys(raw, [*RUN_SECTIONS, "preprocess"], where=str(path))
+    if "data" not in raw:
+        raise ValueError(
+            f"{path}: neither a run config (needs a 'data' section) "
+            "nor a preprocess config (needs a 'preprocess' section)"
+        )
+    return "train"
+
+
+def check(path: str | Path) -> Kind:
+    """Load and validate the config fully; returns its kind. Errors are ValueErrors."""
+    from raypipe.cli.classify import RunConfig
+    from raypipe.cli.convert import ShardsConfig
+
+    kind = kind_of(path)
+    try:
+        (ShardsConfig if kind == "preprocess" else RunConfig).from_yaml(path)
+    except TypeError as e:
+        raise ValueError(f"{path}: {e}") from None
+    return kind
+
+
+def resolve_paths(path: str | Path, root: str | Path) -> dict[str, Any]:
+    """The config as a mapping with relative data paths joined onto ``root``."""
+    raw = copy.deepcopy(load_yaml(path))
+    root = os.path.abspath(root)
+    for section, keys in PATH_KEYS.items():
+        body = raw.get(section)
+        if not isinstance(body, dict):
+            continue
+        for key in keys:
+            value = body.get(key)
+            if isinstance(value, str):
+                body[key] = resolve(root, value)
+            elif isinstance(value, list):
+                body[key] = [resolve(root, v) if isinstance(v, str) else v for v in value]
+    return raw
+
+
+def write_resolved(path: str | Path, root: str | Path, out_dir: str | Path) -> Path:
+    """Write the resolved config into ``out_dir``; returns the new file's path."""
+    import yaml
+
+    out = Path(out_dir) / Path(path).name
+    out.write_text(yaml.safe_dump(resolve_paths(path, root), sort_keys=False))
+    return out
+
+
+def resolve(root: str, value: str) -> str:
+    """``value`` joined onto ``root`` unless it is absolute or a URL (``s3://...``)."""
+    if not value or "://" in value or os.path.isabs(value):
+        return value
+    return os.path.join(os.path.abspath(root), os.path.expanduser(value))

@@ -1,0 +1,222 @@
+"""`raypipe submit`: send a run or preprocess config to a Ray head as a Ray job.
+
+```
+ here:    check the config → pack the working dir (minus .venv, data, .git) →
+          POST the job to the head's job API (JobSubmissionClient)
+ head:    python -m raypipe {run|preprocess} CONFIG --data-root <where you submitted from>
+ here:    stream the job's log until it ends → exit 0 if SUCCEEDED, else 1
+```
+
+The job API runs any command it is sent, so a head that anyone can reach runs
+anyone's code: bind the dashboard to 127.0.0.1 (or a private network) and turn on
+Ray's token authentication (``RAY_AUTH_MODE=token``) for anything shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import TextIO
+from urllib.parse import urlparse
+
+from raypipe.cli import jobspec
+
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+EXCLUDES = [
+    ".venv/",
+    "demo-data/",
+    ".git/",
+    "__pycache__/",
+    "*.egg-info/",
+    ".pytest_cache/",
+    ".ruff_cache/",
+    "benchmarks/out/",
+]
+ENTRY = {"train": "run", "preprocess": "preprocess"}
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+class SubmitError(RuntimeError):
+    """The head could not be reached, refused the job, or the job did not succeed."""
+
+
+def job_address(address: str | None) -> str:
+    """The job API URL: ``address``, else ``RAY_ADDRESS``, else the local default."""
+    url = address or os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS
+    if "://" not in url:
+        url = f"http://{url}"
+    parsed = urlparse(url)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = -1
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or port == -1:
+        raise ValueError(
+            f"address={url!r} is not a job API URL like {DEFAULT_ADDRESS} "
+            "(the head's dashboard, not its GCS port)"
+        )
+    return url.rstrip("/")
+
+
+def entrypoint(config: Path, working_dir: Path, data_root: Path) -> tuple[str, str]:
+    """The job's command and the config's kind; the config must be inside the working dir."""
+    kind = jobspec.check(config)
+    try:
+        rel = config.resolve().relative_to(working_dir.resolve())
+    except ValueError:
+        raise ValueError(
+            f"config {str(config)!r} is outside the working dir {str(working_dir)!r} that is "
+            "shipped to the cluster: move it there or pass --working-dir"
+        ) from None
+    args = ["python", "-m", "raypipe", ENTRY[kind], rel.as_posix()]
+    args += ["--data-root", str(data_root.resolve())]
+    return shlex.join(args), kind
+
+
+def submit(
+    config: str | Path,
+    *,
+    address: str | None = None,
+    working_dir: str | Path | None = None,
+    wait: bool = True,
+    token_file: str | Path | None = None,
+    submission_id: str | None = None,
+    out: TextIO | None = None,
+) -> int:
+    """Submit ``config`` as a Ray job; with ``wait``, stream its log and return its exit code."""
+    out = out or sys.stdout
+    config = Path(config)
+    working_dir = Path(working_dir) if working_dir else _repo_root()
+    if not working_dir.is_dir():
+        raise ValueError(f"working dir {str(working_dir)!r} is not a directory")
+    command, kind = entrypoint(config, working_dir, Path.cwd())
+    url = job_address(address)
+    client = _client(url, token_file)
+    runtime_env = {"working_dir": str(working_dir), "excludes": list(EXCLUDES)}
+    job_id = submission_id or f"raypipe_{kind}_{uuid.uuid4().hex[:12]}"
+    _call(url, lambda: _submit_once(client, job_id, command, runtime_env))
+    print(f"submitted {kind} job {job_id} to {url}: {command}", file=out, flush=True)
+    if not wait:
+        print(f"follow it with: ray job logs --follow {job_id} --address {url}", file=out)
+        return 0
+    try:
+        asyncio.run(_stream(client, job_id, out))
+    except Exception as e:  # aiohttp and websocket errors: the job itself may be fine
+        raise SubmitError(
+            f"lost the log stream of job {job_id} ({type(e).__name__}: {e}); it may still run: "
+            f"ray job status {job_id} --address {url}"
+        ) from None
+    except KeyboardInterrupt:
+        print(
+            f"\nstopped following; job {job_id} goes on. Stop it with: "
+            f"ray job stop {job_id} --address {url}",
+            file=out,
+        )
+        return 130
+    info = _call(url, lambda: client.get_job_info(job_id))
+    for _ in range(60):  # the log stream ends as the job ends; its status may lag a moment
+        if str(getattr(info.status, "value", info.status)) in TERMINAL:
+            break
+        time.sleep(0.5)
+        info = _call(url, lambda: client.get_job_info(job_id))
+    status = str(getattr(info.status, "value", info.status))
+    line = f"job {job_id}: {status}"
+    if status != "SUCCEEDED" and info.message:
+        line += f" ({info.message.strip().splitlines()[-1]})"
+    print(line, file=out, flush=True)
+    return 0 if status == "SUCCEEDED" else 1
+
+
+def _submit_once(client, job_id: str, command: str, runtime_env: dict, tries: int = 3) -> None:
+    """Submit, trying again after a server error (a busy head); the fixed id keeps it once."""
+    for attempt in range(tries):
+        try:
+            client.submit_job(entrypoint=command, runtime_env=runtime_env, submission_id=job_id)
+            return
+        except RuntimeError as e:
+            if attempt > 0 and "already exists" in str(e):
+                return  # an earlier try reached the head after all
+            if attempt == tries - 1 or "status code 5" not in str(e):
+                raise
+            time.sleep(2 * (attempt + 1))
+
+
+async def _stream(client, job_id: str, out: TextIO) -> None:
+    async for lines in client.tail_job_logs(job_id):
+        out.write(lines)
+        out.flush()
+
+
+def _client(url: str, token_file: str | Path | None):
+    from ray.job_submission import JobSubmissionClient
+
+    token = _token(token_file)
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    return _call(url, lambda: JobSubmissionClient(url, headers=headers))
+
+
+def _token(token_file: str | Path | None) -> str | None:
+    """The auth token to send: ``token_file``'s, else the one Ray itself would use.
+
+    With ``RAY_AUTH_MODE`` set, Ray's client decides alone (``token``: it sends
+    ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``; ``disabled``:
+    nothing). Unset, raypipe does what ``ray.init`` does when it joins a cluster: it
+    sends the token Ray finds there, if any.
+    """
+    if token_file is not None:
+        path = Path(token_file).expanduser()
+        if not path.is_file():
+            raise ValueError(f"token file {str(path)!r} not found")
+        return path.read_text().strip()
+    if os.environ.get("RAY_AUTH_MODE"):
+        return None
+    from ray._raylet import AuthenticationTokenLoader
+
+    loader = AuthenticationTokenLoader.instance()
+    if not loader.has_token(ignore_auth_mode=True):
+        return None
+    return loader.get_raw_token(ignore_auth_mode=True)
+
+
+def _call(url: str, fn):
+    """Run one job API call, turning Ray's connection and auth errors into one clear line."""
+    import requests
+    from ray.exceptions import AuthenticationError
+
+    try:
+        return fn()
+    except AuthenticationError as e:
+        first = str(e).strip().splitlines()[0]
+        raise SubmitError(
+            f"the head at {url} refused the request ({first}); it uses token authentication: "
+            "pass --token-file, or set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN"
+        ) from None
+    except (ConnectionError, requests.exceptions.RequestException):
+        raise SubmitError(
+            f"cannot reach a Ray job API at {url}: is a head running there? "
+            "(ray start --head --dashboard-host=127.0.0.1)"
+        ) from None
+    except RuntimeError as e:
+        raise SubmitError(f"the job API at {url} failed: {_gist(str(e))}") from None
+
+
+def _gist(message: str) -> str:
+    """One line of an error: the exception line of a server traceback, else the first line."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return "no message"
+    head, _, _ = lines[0].partition("Traceback (most recent call last)")
+    if len(lines) > 1 and head != lines[0]:
+        return f"{head}{lines[-1]}"
+    return lines[0]
+
+
+def _repo_root() -> Path:
+    """The source checkout raypipe runs from (it holds jobs/ and configs), else the cwd."""
+    root = Path(__file__).resolve().parents[1]
+    return root if (root / "pyproject.toml").is_file() else Path.cwd()

@@ -1,0 +1,111 @@
+"""``raypipe inspect``: what raypipe reads from a source, before a run trains on it.
+
+Lists the source as a run would (format, shards, samples, classes, where labels come
+from), then reads and decodes a few samples spread over the shards exactly as the
+preprocessing actors do, in this process, without Ray: their sizes, labels, and the
+reason for every sample that would be skipped.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+from typing import Any
+
+import numpy as np
+
+from raypipe.config import PipelineConfig
+from raypipe.data.dataset import Preprocessor
+from raypipe.data.shards import Listing, list_shards
+from raypipe.data.skips import detail_of, reason_of
+
+__all__ = ["format_survey", "survey"]
+assert __all__ == sorted(__all__)
+
+
+def survey(config: PipelineConfig, *, samples: int = 32) -> dict[str, Any]:
+    """Facts about ``config.source`` and ``samples`` of its samples, spread over its shards."""
+    if not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"{samples=} must be an integer >= 1")
+    listing = list_shards(config)
+    looked = list(_spread(listing, samples))
+    pre = Preprocessor(config.replace(on_error="skip", train=False), listing.reader, 0)
+    sizes: collections.Counter[str] = collections.Counter()
+    labels: collections.Counter[int] = collections.Counter()
+    skipped: list[dict[str, Any]] = []
+    for raw in looked:
+        try:
+            pre._decode(raw, 0)
+        except Exception as e:
+            reason = reason_of(e, raw.data)
+            skipped.append({"where": raw.where, "reason": reason, "detail": detail_of(e, raw.data)})
+            continue
+        sizes[_size(raw.data)] += 1
+        labels[raw.label] += 1
+    storage = listing.reader.storage
+    return {
+        "source": config.source,
+        "format": listing.format,
+        "format_inferred": config.format is None,
+        "storage": storage.scheme + "://" if storage.remote else "local",
+        "shards": len(listing.shards),
+        "samples": listing.num_samples,
+        "classes": list(listing.classes),
+        "labels": listing.labels,
+        "looked_at": len(looked),
+        "good": len(looked) - len(skipped),
+        "sizes": dict(sizes.most_common()),
+        "labels_seen": dict(sorted(labels.items())),
+        "skipped": skipped,
+        "skipped_by_reason": dict(collections.Counter(s["reason"] for s in skipped)),
+    }
+
+
+def format_survey(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """The report as ``(name, value)`` rows for the command line."""
+    classes = report["classes"]
+    shown = ", ".join(classes[:8]) + (", ..." if len(classes) > 8 else "")
+    rows = [
+        ("format", report["format"] + (" (inferred)" if report["format_inferred"] else "")),
+        ("storage", report["storage"]),
+        ("shards", f"{report['shards']:,}"),
+        ("samples", f"{report['samples']:,}"),
+        ("classes", f"{len(classes)}: {shown}" if classes else "none named (integer labels)"),
+        ("labels from", report["labels"]),
+        (
+            "looked at",
+            f"{report['looked_at']} samples: {report['good']} good, "
+            f"{report['looked_at'] - report['good']} would be skipped",
+        ),  # fmt: skip
+    ]
+    if report["sizes"]:
+        sizes = ", ".join(f"{s} ({n})" for s, n in list(report["sizes"].items())[:5])
+        rows.append(("sizes", sizes + (", ..." if len(report["sizes"]) > 5 else "")))
+        seen = report["labels_seen"]
+        rows.append(("labels seen", ", ".join(f"{k} ({n})" for k, n in list(seen.items())[:10])))
+    for reason, n in report["skipped_by_reason"].items():
+        first = next(s for s in report["skipped"] if s["reason"] == reason)
+        rows.append((f"skip: {reason}", f"{n}, e.g. {first['where']}: {first['detail']}"))
+    return rows
+
+
+def _spread(listing: Listing, n: int):
+    """Up to ``n`` raw samples: the first few of shards spread evenly over the listing."""
+    shards = listing.shards
+    picks = sorted(set(np.linspace(0, len(shards) - 1, min(n, len(shards))).astype(int)))
+    per_shard = -(-n // len(picks))
+    taken = 0
+    for i in picks:
+        s = shards[i]
+        for j, raw in enumerate(listing.reader.read(s.path, s.first_key, s.label)):
+            if j >= per_shard or taken >= n:
+                break
+            taken += 1
+            yield raw
+
+
+def _size(data: bytes) -> str:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        return f"{img.width}x{img.height} {img.mode}"

@@ -1,0 +1,307 @@
+"""``decode="gpu"``: the actors ship JPEG bytes and the seeded crop plan; the rank decodes.
+
+```
+ actor     JPEG header → plan(width, height, rng(seed, epoch, key))      no pixel decoded
+           row: payload = the file's bytes, plan = (left, top, width, height, flip)
+           (a PNG, CMYK or EXIF-rotated JPEG: decoded and cropped here as with "cpu";
+            its row's payload is the uint8 3×S×S pixels, plan width 0)
+ iterator  step 4: label/key through the pinned ring; then on the copy stream:
+           nvJPEG decodes the batch (torchvision.io.decode_jpeg, device=...) → crop the
+           plan's box → resize to S×S (bilinear, antialiased) → flip → uint8 N×3×S×S
+```
+
+The plan is the one ``decode="cpu"`` draws for the key, so a key gets the same crop and
+flip either way; only the resampling arithmetic differs (a few grey levels on average).
+
+A JPEG that nvJPEG refuses is decoded on the CPU (libjpeg-turbo, then Pillow). One that
+both refuse is a bad sample as usual: ``on_error="raise"`` raises `SampleError` naming the
+file; ``"skip"`` records it in the run's `SkipLog` and leaves it out of its batch — that
+batch is one row short, the batch *count* (what DDP needs) is unchanged. The actors check
+each JPEG's header, so only files damaged after their header get that far.
+
+On a CPU device (tests, machines without CUDA) the same step runs with libjpeg-turbo.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from raypipe.data.augment import Plan
+from raypipe.data.decode import jpeg_size
+from raypipe.data.skips import SampleError, SkipRecord
+
+__all__ = [
+    "DeviceDecode",
+    "Encoded",
+    "EncodedBlocks",
+    "collate_encoded",
+    "crop_resize",
+    "decode_rgb",
+    "device_map_for",
+]
+assert __all__ == sorted(__all__)
+
+_END_OF_IMAGE = b"\xff\xd9"  # the JPEG marker a file cut short lacks
+PLAN_FIELDS = 5  # left, top, width, height, flip; width 0: the payload is decoded pixels
+
+
+class Encoded(NamedTuple):
+    """One sample the actor did not decode: its JPEG bytes and the plan drawn for it."""
+
+    data: bytes
+    plan: Plan
+
+    @classmethod
+    def of(cls, data: bytes, choose) -> Encoded | None:
+        """``data`` with ``choose(width, height)``'s plan when it is a JPEG the device path
+        handles (YCbCr/grey, upright, ending in its end-of-image marker); None otherwise:
+        the actor decodes it as ``decode="cpu"`` does (a truncated file is then read or
+        skipped exactly as there; nvJPEG would hand back a partly grey image)."""
+        size = jpeg_size(data)
+        if size is None or _END_OF_IMAGE not in data[-1024:]:  # cut short: the CPU decides
+            return None
+        height, width = size
+        return cls(bytes(data), choose(width, height))
+
+
+class EncodedBlocks:
+    """The actor's block builder for ``decode="gpu"``: ``payload`` (bytes per row), ``plan``
+    (float32 N×5), ``where`` (the file), ``label``, ``key``."""
+
+    def __init__(self, size: int, rows: int):
+        self.size, self.rows = size, rows
+        self.bad: list[SkipRecord] = []  # never any: nothing fails after the actor's checks
+        self._reset()
+
+    def _reset(self) -> None:
+        self.payload: list[bytes] = []
+        self.plan = np.zeros((self.rows, PLAN_FIELDS), dtype=np.float32)
+        self.where: list[str] = []
+        self.label = np.empty(self.rows, dtype=np.int64)
+        self.key = np.empty(self.rows, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.payload)
+
+    def add(self, item: Encoded | np.ndarray, raw) -> bool:
+        """Append a sample (`Encoded`, or pixels the actor decoded); True when full."""
+        n = len(self.payload)
+        if isinstance(item, Encoded):
+            box, flip = item.plan
+            self.plan[n] = (*box, float(flip))
+            self.payload.append(item.data)
+        else:
+            self.payload.append(np.ascontiguousarray(item, dtype=np.uint8).tobytes())
+        self.where.append(raw.where)
+        self.label[n], self.key[n] = raw.label, raw.key
+        return n + 1 == self.rows
+
+    def take(self) -> dict[str, np.ndarray]:
+        n = len(self.payload)
+        payload, where = np.empty(n, dtype=object), np.empty(n, dtype=object)
+        payload[:], where[:] = self.payload, self.where
+        block = {"payload": payload, "plan": self.plan[:n], "where": where,
+                 "label": self.label[:n], "key": self.key[:n]}  # fmt: skip
+        self._reset()
+        return block
+
+
+def device_map_for(config, device, skips=None) -> DeviceDecode | None:
+    """The rank iterator's device step for a `PipelineConfig` (None with decode="cpu")."""
+    if config.decode != "gpu":
+        return None
+    return DeviceDecode(config.image_size, device, on_error=config.on_error, skips=skips)
+
+
+def collate_encoded(batch: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The rank's collate: ``label``/``key`` as tensors (they take the pinned ring); the
+    payloads, plans and files stay on the host for `DeviceDecode`."""
+    import torch
+
+    out = {k: torch.from_numpy(np.array(batch[k])) for k in ("label", "key")}
+    payload = [np.frombuffer(p, dtype=np.uint8) for p in batch["payload"]]
+    return {**out, "payload": payload, "plan": np.asarray(batch["plan"]),
+            "where": list(batch["where"])}  # fmt: skip
+
+
+class DeviceDecode:
+    """Step 4's device half for ``decode="gpu"``: a collated batch in, ``image`` (uint8
+    N×3×S×S on ``device``), ``label``, ``key`` out. Runs on the copy stream.
+
+    ``fallbacks`` counts samples nvJPEG refused and the CPU decoded; ``skipped`` those
+    neither could (``on_error="skip"``), also sent to ``skips`` (a `SkipLog`) when given.
+    """
+
+    def __init__(self, size: int, device, *, on_error: str = "skip", skips=None):
+        import torch
+
+        self.size, self.device, self.on_error = size, torch.device(device), on_error
+        self.skips = skips
+        self.fallbacks = 0
+        self.skipped = 0
+        self._nvjpeg = None
+        if self.device.type == "cuda":
+            try:
+                from torchvision.io import ImageReadMode, decode_jpeg
+            except ImportError as e:
+                raise RuntimeError(
+                    "decode='gpu' on a CUDA device needs torchvision (its decode_jpeg runs "
+                    f"nvJPEG): {e}; install the torchvision that matches your torch"
+                ) from None
+            self._nvjpeg = lambda data: decode_jpeg(
+                data, mode=ImageReadMode.RGB, device=self.device
+            )
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+        import torch
+
+        payload, plans, where = batch["payload"], np.asarray(batch["plan"]), batch["where"]
+        n, size = len(payload), self.size
+        encoded = np.flatnonzero(plans[:, 2] > 0)
+        decoded = self._decode([payload[i] for i in encoded])
+        images, kept = [], []
+        for i, image in zip(encoded.tolist(), decoded, strict=True):
+            if image is None:  # nvJPEG refused it (or there is no nvJPEG): the CPU decodes
+                image = self._on_cpu(payload[i], where[i], int(batch["key"][i]))
+            if image is not None:
+                images.append(image)
+                kept.append(i)
+        out = torch.empty((n, 3, size, size), dtype=torch.uint8, device=self.device)
+        if images:
+            out[kept] = resample(images, plans[kept], size)
+        pixels = np.flatnonzero(plans[:, 2] == 0)  # rows the actor decoded (PNG, CMYK, ...)
+        if len(pixels):
+            host = np.stack([payload[i] for i in pixels]).reshape(-1, 3, size, size)
+            out[pixels.tolist()] = torch.from_numpy(host).to(self.device)
+        rest = {k: v for k, v in batch.items() if k not in ("payload", "plan", "where")}
+        keep = sorted(kept + pixels.tolist())
+        if len(keep) < n:  # samples neither decoder read, skipped: this batch is shorter
+            out = out[keep]
+            index = torch.tensor(keep, device=batch["key"].device)
+            rest = {k: v.index_select(0, index) if torch.is_tensor(v) else v
+                    for k, v in rest.items()}  # fmt: skip
+        return {**rest, "image": out}
+
+    def _decode(self, payload: list[np.ndarray]) -> list:
+        """3×H×W uint8 device tensors, None where nvJPEG refused a sample (or no nvJPEG)."""
+        import torch
+
+        if self._nvjpeg is None or not payload:
+            return [None] * len(payload)
+        data = [torch.from_numpy(p) for p in payload]
+        try:
+            return list(self._nvjpeg(data))
+        except RuntimeError:  # one bad file fails the whole batch call: one at a time
+            return [self._one(d) for d in data]
+
+    def _one(self, data):
+        try:
+            return self._nvjpeg([data])[0]
+        except RuntimeError:
+            self.fallbacks += 1
+            return None
+
+    def _on_cpu(self, data: np.ndarray, where: str, key: int):
+        """libjpeg-turbo (Pillow for what it refuses), then to the device; a file neither
+        reads is a bad sample under ``on_error``."""
+        import torch
+
+        try:
+            rgb = decode_rgb(data.tobytes())
+        except Exception as e:
+            detail = f"{type(e).__name__}: {e}"
+            if self.on_error == "raise":
+                raise SampleError(where, key, "decode_error", detail) from e
+            self.skipped += 1
+            if self.skips is not None:
+                self.skips.add([SkipRecord(key, where, "decode_error", detail)])
+            return None
+        chw = torch.from_numpy(np.ascontiguousarray(rgb.transpose(2, 0, 1)))
+        return chw.to(self.device, non_blocking=True)
+
+
+def decode_rgb(data: bytes) -> np.ndarray:
+    """H×W×3 uint8: libjpeg-turbo, or Pillow for the damage it refuses strictly."""
+    import simplejpeg
+
+    try:
+        return simplejpeg.decode_jpeg(data, colorspace="RGB")
+    except ValueError:
+        from PIL import Image
+
+        from raypipe.data.pillow import to_rgb
+
+        with Image.open(io.BytesIO(data)) as img:
+            return np.asarray(to_rgb(img))
+
+
+def crop_resize(image, plan, size: int):
+    """One image's `resample`: ``plan``'s box of a 3×H×W uint8 tensor to 3×size×size."""
+    return resample([image], np.asarray([plan], dtype=np.float32), size)[0]
+
+
+def resample(images: list, plans: np.ndarray, size: int, *, budget: int = 1 << 29):
+    """Each plan's box of its 3×H×W uint8 image, resampled to size×size and flipped when
+    its plan says so: uint8 N×3×size×size on the images' device.
+
+    Pillow's bilinear resize with a box, as batched matrix products: each output pixel is
+    a triangle-filter average (as wide as the scale when it shrinks) of the source pixels
+    around the box's exact pixel centre, so fractional boxes (the eval center crop) and
+    whole-pixel ones (random-resized-crop) are one code path. The regions the boxes read
+    are copied into one padded batch; the products run over chunks of it that stay under
+    ``budget`` bytes of float32.
+    """
+    import torch
+
+    device = images[0].device
+    rows = [_span(p[1], p[3], size, img.shape[1]) for img, p in zip(images, plans, strict=True)]
+    cols = [_span(p[0], p[2], size, img.shape[2]) for img, p in zip(images, plans, strict=True)]
+    hmax, wmax = max(b - a for a, b in rows), max(b - a for a, b in cols)
+    region = torch.zeros((len(images), 3, hmax, wmax), dtype=torch.uint8, device=device)
+    for j, (img, (y0, y1), (x0, x1)) in enumerate(zip(images, rows, cols, strict=True)):
+        region[j, :, : y1 - y0, : x1 - x0] = img[:, y0:y1, x0:x1]
+    spans = np.array(
+        [(y0, y1 - y0, x0, x1 - x0) for (y0, y1), (x0, x1) in zip(rows, cols, strict=True)]
+    )
+    geometry = torch.tensor(np.column_stack([plans[:, :4], spans]), dtype=torch.float64,
+                            device=device)  # fmt: skip
+    left, top, width, height, y0, h, x0, w = geometry.unbind(1)
+    flip = torch.tensor(plans[:, 4] > 0, device=device)
+    out = torch.empty((len(images), 3, size, size), dtype=torch.uint8, device=device)
+    step = max(1, budget // (12 * hmax * wmax))
+    for c in range(0, len(images), step):
+        part = slice(c, c + step)
+        wy = _weights(top[part] - y0[part], height[part], h[part], size, hmax)
+        wx = _weights(left[part] - x0[part], width[part], w[part], size, wmax)
+        wx = torch.where(flip[part, None, None], wx.flip(1), wx)
+        x = region[part].to(torch.float32)
+        y = torch.matmul(torch.matmul(wy.unsqueeze(1), x), wx.transpose(1, 2).unsqueeze(1))
+        out[part] = y.round_().clamp_(0, 255).to(torch.uint8)
+    return out
+
+
+def _span(start: float, extent: float, size: int, limit: int) -> tuple[int, int]:
+    """The source pixels ``[first, stop)`` that a box edge to edge ``start``..``start +
+    extent`` reads when resampled to ``size`` pixels (its filter's reach included)."""
+    support = max(extent / size, 1.0)
+    first = max(0, math.floor(start - support))
+    return first, min(limit, math.ceil(start + extent + support) + 1)
+
+
+def _weights(start, extent, valid, size: int, length: int):
+    """(m × size × length) float32 filter weights; sample i reads pixels ``< valid[i]`` of
+    its region, its box starting at ``start[i]`` and ``extent[i]`` pixels long."""
+    import torch
+
+    scale = (extent / size)[:, None, None]
+    support = scale.clamp(min=1.0)  # the triangle's half-width in source pixels
+    out = torch.arange(size, device=start.device, dtype=torch.float64)[None, :, None] + 0.5
+    centres = start[:, None, None] + out * scale
+    pixels = torch.arange(length, device=start.device, dtype=torch.float64)[None, None, :]
+    weights = (1 - ((pixels + 0.5 - centres) / support).abs()).clamp_(min=0)
+    weights = weights * (pixels < valid[:, None, None])
+    return (weights / weights.sum(dim=2, keepdim=True)).to(torch.float32)

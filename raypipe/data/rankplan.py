@@ -1,0 +1,122 @@
+"""Epoch plans: which keys each rank reads in an epoch, in which order, in which tasks.
+
+Pure functions of the listing, the seed, the epoch and the world size, so every process
+(the driver, each rank, each preprocessing actor) computes the same plan on its own and
+nothing but three integers per task crosses the object store::
+
+    shards (sorted, dense keys) ─► seeded shard permutation (seed, epoch) ─► the epoch's
+    key order ─► minus keys consumed before a resume ─► np.array_split into ``world``
+    contiguous slices (sizes differ by at most one) ─► rank r's slice ─► tasks of
+    ``files_per_task`` image files, or one shard piece (tar / Parquet) each
+
+A rank's keys in an epoch depend on nothing that happens at run time, so the same seed
+gives every rank the same samples in the same order, whatever the timing or pool size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from raypipe.data.shards import Listing
+
+__all__ = ["RankPlan", "epoch_keys"]
+assert __all__ == sorted(__all__)
+
+
+def epoch_keys(
+    first: np.ndarray, counts: np.ndarray, *, seed: int, epoch: int, shuffle: bool
+) -> np.ndarray:
+    """Every key of the epoch in reading order: shards in a ``(seed, epoch)`` permutation
+    (the one `raypipe.data.shards.epoch_order` uses), members of a shard in key order."""
+    if shuffle:
+        perm = np.random.default_rng([seed, epoch, 0x5EED]).permutation(len(first))
+        first, counts = first[perm], counts[perm]
+    total = int(counts.sum())
+    offsets = np.cumsum(counts) - counts
+    return np.arange(total, dtype=np.int64) + np.repeat(first - offsets, counts)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RankPlan:
+    """The epochs of one rank: its keys per epoch and the tasks that read them.
+
+    Attributes:
+        first, counts: first key and sample count of every shard, in key order.
+        seed, shuffle: ``PipelineConfig.seed`` and ``shuffle_files``.
+        rank, world_size: this rank and the number of ranks.
+        per_task: shards one task reads (image files per task; 1 for tar / Parquet).
+        resume_epoch, consumed: keys of ``resume_epoch`` already consumed (bool per
+            key), left out of that epoch before it is split; None for a fresh start.
+    """
+
+    first: np.ndarray
+    counts: np.ndarray
+    seed: int
+    shuffle: bool
+    rank: int
+    world_size: int
+    per_task: int
+    resume_epoch: int = -1
+    consumed: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, listing: Listing, *, seed: int, shuffle: bool, rank: int, world_size: int,
+           per_task: int, resume_epoch: int = -1, consumed=None) -> RankPlan:  # fmt: skip
+        if not 0 <= rank < world_size:
+            raise ValueError(f"{rank=} must be in 0..{world_size - 1} ({world_size=})")
+        first = np.fromiter((s.first_key for s in listing.shards), np.int64, len(listing.shards))
+        counts = np.fromiter((s.num_samples for s in listing.shards), np.int64, len(first))
+        if consumed is not None:
+            consumed = np.asarray(consumed, dtype=bool)
+            if consumed.shape != (int(counts.sum()),):
+                raise ValueError(f"consumed has shape {consumed.shape}, not ({counts.sum()},)")
+        return cls(first, counts, seed, shuffle, rank, world_size, per_task, resume_epoch,
+                   consumed)  # fmt: skip
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.counts.sum())
+
+    def all_keys(self, epoch: int) -> np.ndarray:
+        """The epoch's keys in order, before the split: what all ranks read together."""
+        keys = epoch_keys(self.first, self.counts, seed=self.seed, epoch=epoch,
+                          shuffle=self.shuffle)  # fmt: skip
+        if epoch == self.resume_epoch and self.consumed is not None:
+            keys = keys[~self.consumed[keys]]
+        return keys
+
+    def sizes(self, epoch: int) -> list[int]:
+        """Samples each rank is given in ``epoch`` (before bad ones are skipped)."""
+        total = self.num_samples
+        if epoch == self.resume_epoch and self.consumed is not None:
+            total -= int(self.consumed.sum())
+        q, r = divmod(total, self.world_size)
+        return [q + (i < r) for i in range(self.world_size)]
+
+    def keys(self, epoch: int) -> np.ndarray:
+        """This rank's keys of ``epoch``, in reading order (cached: actors ask per task)."""
+        return _rank_keys(self, epoch)
+
+    def shard_of(self, keys: np.ndarray) -> np.ndarray:
+        """Index of the shard holding each key."""
+        return np.searchsorted(self.first, keys, side="right") - 1
+
+    def tasks(self, epoch: int) -> list[tuple[int, int]]:
+        """``(lo, hi)`` positions into `keys`: each task reads ``per_task`` shard pieces."""
+        keys = self.keys(epoch)
+        if len(keys) == 0:
+            return []
+        shard = self.shard_of(keys)
+        starts = np.concatenate(([0], np.flatnonzero(np.diff(shard)) + 1))[:: self.per_task]
+        bounds = [*starts.tolist(), len(keys)]
+        return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+@functools.lru_cache(maxsize=4)
+def _rank_keys(plan: RankPlan, epoch: int) -> np.ndarray:
+    keys = np.array_split(plan.all_keys(epoch), plan.world_size)[plan.rank]
+    keys.setflags(write=False)
+    return keys

@@ -1,0 +1,179 @@
+"""Samples inside Parquet shards: raypipe's own, and what Hugging Face ``datasets`` writes.
+
+An image column is ``binary``, or a struct with a ``bytes`` field (a ``datasets`` ``Image()``
+column: ``struct<bytes: binary, path: string>``). A label column holds integers (a
+``ClassLabel`` column is one; its names, from the file's ``huggingface`` metadata, become
+the classes), or strings, mapped through the sorted set of every file's labels, which the
+listing records. Row groups are read one at a time with ranged reads; a consumed row group
+(a resumed epoch) is not read at all.
+
+Bad data never raises here: a wrong column fails every row of its shard with one reason
+(``missing_column``, ``wrong_type``), a null image or label fails its row (``null_value``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+
+import numpy as np
+
+from raypipe.formats.storage import Storage
+from raypipe.formats.webdataset import RawSample
+
+__all__ = ["count_parquet_rows", "parquet_labels", "read_parquet"]
+assert __all__ == sorted(__all__)
+
+ROWS_PER_READ = 256
+
+
+def count_parquet_rows(storage: Storage, path: str) -> int:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(storage.open_arrow(path)).metadata.num_rows
+    except Exception:  # pyarrow raises several types for a bad footer
+        return 1  # the reader yields one unreadable_shard sample for it
+
+
+def parquet_labels(storage: Storage, paths: list[str], column: str) -> tuple[tuple[str, ...], str]:
+    """The class names of ``column`` over all ``paths`` and how labels are read from it.
+
+    Integers: the ``ClassLabel`` names of the first file that has them, else none.
+    Strings: every file's distinct values, sorted (one column chunk read per file).
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    for path in paths:
+        try:
+            schema = pq.ParquetFile(storage.open_arrow(path)).schema_arrow
+        except Exception:
+            continue  # an unreadable shard: its samples are skipped by the reader
+        if column not in schema.names:
+            return (), f"column {column!r} missing (the files have {schema.names})"
+        kind = _label_kind(schema.field(column).type)
+        if kind == "int":
+            names = _class_label_names(schema, column)
+            what = f"ClassLabel, {len(names)} names" if names else "integers"
+            return names, f"column {column!r} ({what})"
+        if kind != "str":
+            return (), f"column {column!r} is {schema.field(column).type}, not integers or strings"
+        seen: set[str] = set()
+        for p in paths:
+            try:
+                values = pq.read_table(storage.open_arrow(p), columns=[column]).column(column)
+            except Exception:
+                continue
+            values = values.cast(pa.string()) if pa.types.is_dictionary(values.type) else values
+            seen.update(v for v in pc.unique(values).to_pylist() if v is not None)
+        classes = tuple(sorted(seen))
+        return classes, f"column {column!r} (strings → {len(classes)} sorted classes)"
+    return (), "no readable Parquet file"
+
+
+def read_parquet(storage: Storage, path: str, first_key: int, done: np.ndarray | None, *,
+                 image_column: str = "image", label_column: str = "label",
+                 classes: tuple[str, ...] = (), extras: bool = False) -> Iterator[RawSample]:  # fmt: skip
+    """Rows of ``image_column`` (bytes) and ``label_column``; a bad column fails every row.
+    ``extras``: each row also carries the values of the file's other columns."""
+    import pyarrow.parquet as pq
+
+    try:
+        file = pq.ParquetFile(storage.open_arrow(path))
+        schema = file.schema_arrow
+    except Exception as e:
+        yield RawSample(first_key, -1, None, path, f"{type(e).__name__}: {e}", "unreadable_shard")
+        return
+    why = _check_columns(schema, image_column, label_column)
+    if why is not None:
+        for i in range(file.metadata.num_rows):
+            yield RawSample(first_key + i, -1, None, f"{path}:row{i}", *why)
+        return
+    index = {name: i for i, name in enumerate(classes)}
+    key = first_key
+    for g in range(file.num_row_groups):
+        size = file.metadata.row_group(g).num_rows
+        if done is not None and done[key - first_key : key - first_key + size].all():
+            key += size
+            continue  # a consumed row group is not read
+        others = (
+            [n for n in schema.names if n not in (image_column, label_column)] if extras else []
+        )
+        batches = file.iter_batches(
+            batch_size=ROWS_PER_READ, row_groups=[g], columns=[image_column, label_column, *others]
+        )
+        for batch in batches:
+            images, labels = _image_bytes(batch.column(0)), batch.column(1).to_pylist()
+            more = {n: batch.column(n).to_pylist() for n in others}
+            for i in range(batch.num_rows):
+                if done is None or not done[key - first_key]:
+                    where = f"{path}:row{key - first_key}"
+                    row = _row(key, where, images[i].as_py(), labels[i], index)
+                    if others and row.reason is None:
+                        row = dataclasses.replace(row, extras={n: v[i] for n, v in more.items()})
+                    yield row
+                key += 1
+
+
+def _row(key: int, where: str, image, label, index: dict[str, int]) -> RawSample:
+    if image is None or label is None:
+        null = "image" if image is None else "label"
+        return RawSample(key, -1, None, where, f"{null} is null", "null_value")
+    if isinstance(label, str):
+        if label not in index:
+            return RawSample(
+                key, -1, None, where, f"label {label!r} not in the listed classes", "bad_label"
+            )
+        label = index[label]
+    return RawSample(key, int(label), image, where)
+
+
+def _check_columns(schema, image_column: str, label_column: str) -> tuple[str, str] | None:
+    for name, ok in ((image_column, _is_image), (label_column, _label_kind)):
+        if name not in schema.names:
+            return f"no {name!r} column (has {schema.names})", "missing_column"
+        if not ok(schema.field(name).type):
+            return f"column {name!r} is {schema.field(name).type}", "wrong_type"
+    return None
+
+
+def _is_image(t) -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_struct(t):
+        i = t.get_field_index("bytes")
+        return i >= 0 and _is_image(t.field(i).type)
+    return pa.types.is_binary(t) or pa.types.is_large_binary(t)
+
+
+def _label_kind(t) -> str | None:
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    if pa.types.is_integer(t):
+        return "int"
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "str"
+    return None
+
+
+def _image_bytes(column):
+    """The bytes of an image column: itself, or the ``bytes`` field of a struct."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    return pc.struct_field(column, "bytes") if pa.types.is_struct(column.type) else column
+
+
+def _class_label_names(schema, column: str) -> tuple[str, ...]:
+    meta = (schema.metadata or {}).get(b"huggingface")
+    try:
+        feature = json.loads(meta)["info"]["features"][column]
+    except (TypeError, ValueError, KeyError):
+        return ()
+    names = feature.get("names") if isinstance(feature, dict) else None
+    return tuple(str(n) for n in names) if isinstance(names, list) else ()

@@ -1,0 +1,161 @@
+"""Samples inside WebDataset tar shards, counted and read (Parquet: `raypipe.formats.parquet`).
+
+Bad data never raises here: a sample that cannot be read is yielded with a ``reason``
+(one of ``raypipe.data.skips.REASONS``). A shard that cannot be opened holds one such sample;
+a tar that ends early holds its readable samples plus one for the lost tail, so the
+count and the reader always agree on the number of keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tarfile
+from collections.abc import Iterator
+
+import numpy as np
+
+from raypipe.formats.storage import Storage
+
+WDS_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+LABEL_MEMBERS = ("cls", "json", "txt")  # where a sample's label is looked for, in order
+
+
+@dataclasses.dataclass(frozen=True)
+class RawSample:
+    """Undecoded bytes of one sample and where they came from (for error reports)."""
+
+    key: int
+    label: int
+    data: bytes | None
+    where: str
+    error: str | None = None  # set when the sample could not even be read: the detail
+    reason: str | None = None  # and the reason, one of raypipe.data.skips.REASONS
+    extras: dict | None = None  # with a user transform: the sample's other members/columns
+
+
+def _wds_groups(members: list[tarfile.TarInfo]) -> list[tuple[str, dict[str, tarfile.TarInfo]]]:
+    """Group tar members into samples, in first-seen order, by webdataset's rule: a
+    member's key is its path up to the first dot of its base name, the rest its extension."""
+    groups: dict[str, dict[str, tarfile.TarInfo]] = {}
+    for m in members:
+        if not m.isfile():
+            continue
+        base = os.path.basename(m.name)
+        if "." not in base:
+            continue
+        stem, ext = base.split(".", 1)
+        prefix = os.path.join(os.path.dirname(m.name), stem)
+        groups.setdefault(prefix, {})[ext.lower()] = m
+    return [(k, v) for k, v in groups.items() if _image_member(v) is not None]
+
+
+def _image_member(parts: dict[str, tarfile.TarInfo]) -> str | None:
+    """The sample's image member: its extension's last part names an image type."""
+    return next((e for e in parts if e.rsplit(".", 1)[-1] in WDS_IMAGE_EXTS), None)
+
+
+def _tar_index(storage: Storage, path: str):
+    """The samples of a tar, and why it ends early (None when it ends properly).
+
+    Raises ``tarfile.TarError`` / ``OSError`` when not even one member can be listed.
+    A tar that stops mid-member, or lacks the two zero blocks that end an archive,
+    is truncated: the samples before the cut are kept. Only headers are read.
+    """
+    members: list[tarfile.TarInfo] = []
+    with storage.open(path) as f, tarfile.open(fileobj=f, mode="r:") as tar:
+        try:
+            while (member := tar.next()) is not None:
+                members.append(member)
+            cut = None
+            if storage.size(path) - tar.offset < 2 * tarfile.BLOCKSIZE:
+                cut = "no end-of-archive marker"
+        except tarfile.ReadError as e:
+            cut = str(e)
+    if cut is not None:
+        cut = f"tar ends early after {len(members)} members ({cut})"
+    return _wds_groups(members), cut
+
+
+def count_tar_samples(storage: Storage, path: str) -> int:
+    try:
+        groups, cut = _tar_index(storage, path)
+    except (tarfile.TarError, OSError):
+        return 1  # the reader yields one unreadable_shard sample for it
+    return len(groups) + (cut is not None)
+
+
+def tar_label_members(storage: Storage, path: str) -> dict[str, int]:
+    """How many samples of the first readable tar hold each label member (for ``inspect``)."""
+    groups, _ = _tar_index(storage, path)
+    return {m: sum(m in parts for _, parts in groups) for m in LABEL_MEMBERS}
+
+
+def read_tar(storage: Storage, path: str, first_key: int, done: np.ndarray | None, *,
+             label_member: str | None = None, label_key: str = "label",
+             extras: bool = False) -> Iterator[RawSample]:  # fmt: skip
+    """The samples of a WebDataset tar; the label from ``label_member`` (``.cls``, ``.txt``
+    holding an integer, or key ``label_key`` of a ``.json``), or the first of those present.
+    ``extras``: each sample also carries its other members' bytes, by extension."""
+    try:
+        groups, cut = _tar_index(storage, path)
+    except (tarfile.TarError, OSError) as e:
+        yield RawSample(first_key, -1, None, path, os_error(e), "unreadable_shard")
+        return
+    wanted = (label_member,) if label_member else LABEL_MEMBERS
+    with storage.open(path) as f, tarfile.open(fileobj=f, mode="r:") as tar:
+        for i, (prefix, parts) in enumerate(groups):
+            if done is not None and done[i]:
+                continue
+            key, where = first_key + i, f"{path}:{prefix}"
+            image_ext = _image_member(parts)
+            member = next((m for m in wanted if m in parts), None)
+            try:
+                data = tar.extractfile(parts[image_ext]).read()
+                if member is None:
+                    looked = ", ".join(f".{m}" for m in wanted)
+                    yield RawSample(key, -1, None, where, f"no {looked} member", "missing_label")
+                    continue
+                text = tar.extractfile(parts[member]).read().decode(errors="replace").strip()
+            except (tarfile.TarError, OSError) as e:
+                reason = "truncated_shard" if cut is not None else "unreadable"
+                yield RawSample(key, -1, None, where, os_error(e), reason)
+                continue
+            label, reason, detail = _label_of(text, member, label_key)
+            more = None
+            if extras and reason is None:
+                try:
+                    more = {e: tar.extractfile(m).read() for e, m in parts.items()
+                            if e not in (image_ext, member)}  # fmt: skip
+                except (tarfile.TarError, OSError) as e:
+                    yield RawSample(key, -1, None, where, os_error(e), "unreadable")
+                    continue
+            yield RawSample(
+                key, label, data if reason is None else None, where, detail, reason, more
+            )
+    if cut is not None:
+        yield RawSample(first_key + len(groups), -1, None, f"{path}:<end>", cut, "truncated_shard")
+
+
+def _label_of(text: str, member: str, label_key: str) -> tuple[int, str | None, str | None]:
+    """``(label, None, None)`` from a member's text, or ``(-1, reason, detail)``."""
+    value: object = text
+    if member.endswith("json"):
+        try:
+            doc = json.loads(text)
+        except ValueError:
+            return -1, "bad_label", f".{member} is not JSON: {text[:40]!r}"
+        if not isinstance(doc, dict) or label_key not in doc:
+            return -1, "missing_label", f".{member} has no key {label_key!r} (label_key)"
+        value = doc[label_key]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, None, None
+    try:
+        return int(str(value).strip()), None, None
+    except ValueError:
+        return -1, "bad_label", f".{member} label is {str(value)[:40]!r}, not an integer"
+
+
+def os_error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}"

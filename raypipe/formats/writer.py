@@ -1,0 +1,141 @@
+"""Write one WebDataset tar or Parquet shard atomically, then read it back to verify it.
+
+A shard is written under a hidden temporary name in the output folder and renamed to
+its final name only after it was read back and matched what was meant to be in it, so
+a final name always means a finished, verified shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import os
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from raypipe.data.shards import read_shard
+from raypipe.formats.webdataset import WDS_IMAGE_EXTS
+
+EXTENSIONS = {"webdataset": ".tar", "parquet": ".parquet"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One image of the source folder: its key and label and where its bytes are."""
+
+    key: int
+    label: int
+    path: str
+    name: str  # the path relative to the source folder, stored with the sample
+
+
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """What went into one shard."""
+
+    name: str
+    samples: int
+    first_key: int
+    bytes: int
+    skipped: tuple[tuple[str, str], ...]  # (path, reason) of each sample left out
+
+
+def write_shard(samples: list[Sample], out: str, name: str, fmt: str) -> Written:
+    """Write ``samples`` in order into ``out/name``; unreadable images are skipped."""
+    if fmt not in EXTENSIONS:
+        raise ValueError(f"{fmt=} must be one of {sorted(EXTENSIONS)}")
+    kept, skipped = [], []
+    for sample, data, ext in _load(samples):
+        if data is None:
+            skipped.append((sample.path, ext))  # ext carries the reason here
+        else:
+            kept.append((sample, data, ext))
+    final = os.path.join(out, name)
+    tmp = os.path.join(out, f".{name}.{os.getpid()}.tmp")
+    try:
+        (_write_tar if fmt == "webdataset" else _write_parquet)(tmp, kept)
+        _verify(tmp, fmt, kept)
+        os.replace(tmp, final)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    first_key = kept[0][0].key if kept else -1
+    return Written(name, len(kept), first_key, os.path.getsize(final), tuple(skipped))
+
+
+def count_samples(path: str, fmt: str) -> int:
+    """Samples in a finished shard, read the way the pipeline reads it."""
+    return sum(1 for _ in read_shard(path, fmt, 0, -1))
+
+
+def _load(samples: list[Sample]) -> Iterator[tuple[Sample, bytes | None, str]]:
+    """Yield ``(sample, bytes, ext)``; JPEG and PNG stay as they are, others become PNG."""
+    for s in samples:
+        ext = Path(s.path).suffix.lower().lstrip(".")
+        try:
+            data = Path(s.path).read_bytes()
+            if ext not in WDS_IMAGE_EXTS:
+                data, ext = _to_png(data), "png"
+        except Exception as e:  # unreadable file or undecodable odd format
+            yield s, None, f"{type(e).__name__}: {e}"
+            continue
+        yield s, data, ext
+
+
+def _to_png(data: bytes) -> bytes:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        buf = io.BytesIO()
+        img.convert("RGB").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _write_tar(path: str, kept: list[tuple[Sample, bytes, str]]) -> None:
+    with open(path, "wb") as f, tarfile.open(fileobj=f, mode="w") as tar:
+        for sample, data, ext in kept:
+            stem = f"{sample.key:010d}"
+            for member, payload in (
+                (f"{stem}.{ext}", data),
+                (f"{stem}.cls", str(sample.label).encode()),
+                (f"{stem}.txt", sample.name.encode()),
+            ):
+                info = tarfile.TarInfo(member)
+                info.size, info.mode = len(payload), 0o644
+                tar.addfile(info, io.BytesIO(payload))
+        tar.close()
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_parquet(path: str, kept: list[tuple[Sample, bytes, str]]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table(
+        {
+            "image": pa.array([d for _, d, _ in kept], pa.binary()),
+            "label": pa.array([s.label for s, _, _ in kept], pa.int64()),
+            "key": pa.array([s.key for s, _, _ in kept], pa.int64()),
+            "name": pa.array([s.name for s, _, _ in kept], pa.string()),
+        }
+    )
+    pq.write_table(table, path, row_group_size=256)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _verify(path: str, fmt: str, kept: list[tuple[Sample, bytes, str]]) -> None:
+    """Read the shard back as the pipeline will and compare labels and image bytes."""
+    want = [(s.label, hashlib.sha1(d).digest()) for s, d, _ in kept]
+    got = [
+        (raw.label, hashlib.sha1(raw.data or b"").digest()) for raw in read_shard(path, fmt, 0, -1)
+    ]
+    if got != want:
+        first = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+        raise RuntimeError(
+            f"shard {path} does not read back as written: {len(got)} samples read, "
+            f"{len(want)} written, first difference at sample {first}"
+        )

@@ -1,0 +1,11 @@
+"""One rank's side: the iterator and its numbered stages, re-batching, host to device,
+and `Pipeline`, every epoch of a run from one warm pool.
+
+Imports `raypipe.config`, `raypipe.formats` and `raypipe.data`, never `train` or `cli`.
+"""
+
+from raypipe.loader.iterator import TorchBatches, iter_torch_batches
+from raypipe.loader.pipeline import Pipeline
+
+__all__ = ["Pipeline", "TorchBatches", "iter_torch_batches"]
+assert __all__ == sorted(__all__)

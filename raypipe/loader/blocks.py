@@ -1,0 +1,71 @@
+"""Blocks straight from a Ray Data execution: RefBundles → ``ray.get`` → numpy columns.
+
+The rank iterator reads blocks itself instead of through ``Dataset.iter_batches``: one
+``ray.get`` per bundle and a zero-copy Arrow → numpy view per column is all a batch costs
+when a block is one batch (Ray's batcher adds its own threads, queues and formatting).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+__all__ = ["block_columns", "dataset_columns", "execute"]
+assert __all__ == sorted(__all__)
+
+Columns = dict[str, np.ndarray]
+
+
+def execute(ds, follower=None):
+    """Start ``ds``'s execution here: its RefBundle iterator and ``stop()``, which shuts
+    the execution down (and with it its actor pools) from any thread. ``follower``: a
+    `raypipe.data.follow.Follower` that sizes the execution's actor pools."""
+    bundles, _, executor = ds._execute_to_iterator()
+    if follower is not None:
+        from raypipe.data.autoscale import follow
+
+        follow(executor, follower)
+    return bundles, (lambda: executor.shutdown(force=True)) if executor else (lambda: None)
+
+
+def dataset_columns(ds) -> Iterator[Columns]:
+    """Every block of ``ds`` as numpy columns; the execution stops when this generator does."""
+    bundles, stop = execute(ds)
+    try:
+        yield from block_columns(bundles)
+    finally:
+        stop()
+
+
+def block_columns(bundles) -> Iterator[Columns]:
+    """The numpy columns of every non-empty block of a stream of ``RefBundle``s."""
+    import ray
+
+    for bundle in bundles:
+        entries = [e for e in bundle.blocks if e.metadata.num_rows != 0]  # all-skipped tasks
+        if not entries:
+            continue
+        slices = getattr(bundle, "slices", None) or [None] * len(bundle.blocks)
+        pieces = [s for e, s in zip(bundle.blocks, slices, strict=True) if e.metadata.num_rows]
+        for block, piece in zip(ray.get([e.ref for e in entries]), pieces, strict=True):
+            columns = _columns(block)
+            if piece is not None:
+                columns = {k: v[piece.start_offset : piece.end_offset] for k, v in columns.items()}
+            yield columns
+
+
+def _columns(block) -> Columns:
+    """Zero-copy numpy views of an Arrow block's columns (Ray's own conversion otherwise)."""
+    import pyarrow as pa
+    from ray.data.block import BlockAccessor
+
+    if isinstance(block, pa.Table) and all(c.num_chunks == 1 for c in block.columns):
+        try:
+            return {
+                name: column.chunk(0).to_numpy(zero_copy_only=True)
+                for name, column in zip(block.column_names, block.columns, strict=True)
+            }
+        except (pa.ArrowInvalid, TypeError, NotImplementedError):
+            pass  # nulls, strings, ragged tensors: let Ray convert them
+    return BlockAccessor.for_block(block).to_batch_format("numpy")

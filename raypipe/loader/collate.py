@@ -1,0 +1,66 @@
+"""The rank iterator's collate: a numpy batch of exact size in, the trainer's batch out.
+
+Without a user transform every column is numeric and becomes a zero-copy tensor. A user
+transform's ragged fields (one array per row) are padded to the batch's maximum shape with
+a ``<field>_mask``; strings and other objects become lists. A user ``collate`` replaces it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from raypipe.data.usermap import resolve_callable
+
+__all__ = ["collate_for", "pad_collate"]
+assert __all__ == sorted(__all__)
+
+
+def collate_for(config) -> Callable | None:
+    """The rank iterator's collate for a `PipelineConfig`: its own, `pad_collate` when it
+    has a transform, else None (zero-copy tensors)."""
+    if config.decode == "gpu":  # payloads stay on the host for the device decode
+        from raypipe.data.gpudecode import collate_encoded
+
+        return collate_encoded
+    own = resolve_callable(config.collate, "collate")
+    return own or (pad_collate if config.transform is not None else None)
+
+
+def pad_collate(batch: dict[str, np.ndarray], *, pad_value: int = 0) -> dict[str, Any]:
+    """The default collate: numeric columns as tensors; a column of arrays (ragged) padded
+    to the batch's maximum shape with ``<field>_mask`` (True where the row has data, over the
+    varying leading dimension when only that one varies, else over every element); any
+    other column (strings, dicts) as a list."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for field, column in batch.items():
+        if column.dtype != object:
+            with warnings.catch_warnings():  # Ray's arrays may be read-only views
+                warnings.filterwarnings("ignore", message=".*not writable.*")
+                out[field] = torch.from_numpy(np.ascontiguousarray(column))
+        elif all(isinstance(v, np.ndarray) for v in column):
+            out[field], out[f"{field}_mask"] = _pad([np.asarray(v) for v in column], pad_value)
+        else:
+            out[field] = list(column)
+    return out
+
+
+def _pad(arrays: list[np.ndarray], pad_value: int):
+    import torch
+
+    shapes = np.array([a.shape for a in arrays])
+    top = tuple(shapes.max(axis=0))
+    varies = np.flatnonzero((shapes != shapes[0]).any(axis=0))
+    padded = np.full((len(arrays), *top), pad_value, dtype=arrays[0].dtype)
+    leading_only = list(varies) in ([0], [])
+    mask = np.zeros((len(arrays), top[0] if top else 1) if leading_only else padded.shape, bool)
+    for i, a in enumerate(arrays):
+        index = (i, *(slice(0, n) for n in a.shape))
+        padded[index] = a
+        mask[(i, slice(0, a.shape[0] if a.ndim else 1)) if leading_only else index] = True
+    return torch.from_numpy(padded), torch.from_numpy(mask)

@@ -1,0 +1,261 @@
+"""The rank side of the run-long pipeline: one thread turns blocks into every epoch's batches.
+
+```
+ feeder thread (one per rank, for the whole run)                        consumer (trainer)
+   1. blocks      RefBundles of this rank's execution → ray.get → numpy columns
+   2. epochs      cut where the block's ``epoch`` changes (or the rank's planned rows are in)
+   3. rebatch     exactly batch_size rows; zero-copy when a block is one batch
+                  (or a seeded local shuffle buffer: PipelineConfig.shuffle_buffer)
+   4. gate        batch k only when every rank will have one (raypipe.loader.ledger)
+   5. queue       <= prefetch batches, then an end-of-epoch marker ──────► Feeder.epoch(e)
+```
+
+In flight at once: the executor's blocks in the object store (epoch e+1 while the trainer
+is still on epoch e), one block and one partial batch here, ``prefetch`` batches in the
+queue. Time is accounted per epoch to the stage that held the thread, so ``stalls(e)``
+says whether this rank's data was waiting on Ray (actors, read, object store), on other
+ranks, on its own conversion, or on the trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+from raypipe.data.follow import Demand
+from raypipe.data.rankplan import RankPlan
+from raypipe.loader.blocks import block_columns
+from raypipe.loader.ledger import Gate
+from raypipe.loader.rebatch import concat_column, rebatch
+
+__all__ = ["Feeder", "shuffled"]
+assert __all__ == sorted(__all__)
+
+Columns = dict[str, np.ndarray]
+_END, _BATCH, _FAIL = "end", "batch", "fail"
+_POLL_S = 0.05  # how often a blocked put checks for close()
+STAGES = ("ray_s", "peers_s", "iterator_s", "trainer_s")
+
+
+def shuffled(blocks, batch_size: int, buffer: int, rng: np.random.Generator):
+    """Step 3 with a local shuffle: batches of rows drawn at random from ``buffer`` +
+    ``batch_size`` held rows (seeded, so the same blocks give the same batches)."""
+    held: Columns | None = None
+    for block in blocks:
+        held = block if held is None else {k: concat_column([held[k], v]) for k, v in block.items()}
+        while len(held["key"]) >= buffer + batch_size:
+            yield from _draw(held, batch_size, rng, out := [])
+            held = out[0]
+    while held is not None and len(held["key"]) >= batch_size:
+        yield from _draw(held, batch_size, rng, out := [])
+        held = out[0]
+
+
+def _draw(held: Columns, n: int, rng: np.random.Generator, rest: list):
+    order = rng.permutation(len(held["key"]))
+    take, keep = order[:n], order[n:]
+    rest.append({k: v[keep] for k, v in held.items()})
+    yield {k: v[take] for k, v in held.items()}
+
+
+def _unwrapped(error: BaseException) -> BaseException:
+    """raypipe's own errors from the actors as raised there (one line naming the sample),
+    not inside Ray's task-error wrapper with its remote traceback."""
+    from raypipe.data.budget import SkipBudgetError
+    from raypipe.data.skips import SampleError
+    from raypipe.data.usermap import TransformOutputError
+
+    cause = getattr(error, "cause", None)
+    ours = (SampleError, SkipBudgetError, TransformOutputError)
+    return cause if isinstance(error, ours) and isinstance(cause, ours) else error
+
+
+class _Closed(Exception):
+    """The consumer closed the feeder: its thread ends quietly."""
+
+
+class Feeder:
+    """Owns the feeder thread of one rank; ``epoch(e)`` yields that epoch's host batches.
+
+    Args:
+        start: called on the feeder thread, returns ``(RefBundle iterator, stop)`` of the
+            rank's execution (``stop()`` shuts it down); None when the rank has no data.
+        plan: the rank's `RankPlan` (planned rows per rank and epoch).
+        gate: the rank's `raypipe.loader.ledger.Gate`.
+        epochs: the epochs the bundles hold, in order.
+        batch_size, prefetch: rows per batch; batches queued ahead of the consumer.
+        shuffle_buffer, seed: a seeded local shuffle of that many rows (0: off).
+        demand: the `raypipe.data.follow.Demand` this feeder adds its consumer's waits and its
+            own held-back time to.
+    """
+
+    def __init__(self, start, plan: RankPlan, gate: Gate, epochs: range, *, batch_size: int,
+                 prefetch: int, shuffle_buffer: int = 0, seed: int = 0, demand=None):  # fmt: skip
+        self._start, self._plan, self._gate, self._epochs = start, plan, gate, epochs
+        self._stop = None
+        self._batch_size, self._buffer, self._seed = batch_size, shuffle_buffer, seed
+        self._queue: queue.Queue = queue.Queue(maxsize=max(prefetch, 1))
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="raypipe-feeder", daemon=True)
+        self._stalls: dict[int, dict[str, float]] = {}
+        self._counts: dict[int, dict[str, int]] = {}
+        self._next = epochs.start
+        self._open: Iterator[Columns] | None = None  # the epoch being read, not yet ended
+        self._current = dict.fromkeys(STAGES, 0.0)
+        self.demand = demand if demand is not None else Demand()  # for raypipe.data.follow
+        self._thread.start()
+
+    # -- consumer side --------------------------------------------------------------
+
+    def epoch(self, epoch: int) -> Iterator[Columns]:
+        """This rank's batches of ``epoch``; epochs are read in order, each at most once."""
+        if epoch != self._next:
+            raise ValueError(f"epoch {epoch} asked for, but the next one is {self._next}")
+        self.finish(epoch - 1)
+        self._next += 1
+        self._open = self._read(epoch)
+        return self._open
+
+    def finish(self, epoch: int) -> None:
+        """Read ``epoch`` to its end, if the consumer did not (its batches are dropped)."""
+        if self._next == epoch:  # never asked for
+            self.epoch(epoch)
+        if self._open is not None:
+            for _ in self._open:
+                pass
+
+    def _read(self, epoch: int) -> Iterator[Columns]:
+        demand = self.demand
+        demand.epoch, demand.epoch_rows = epoch, 0
+        while True:
+            t0 = time.perf_counter()
+            kind, at, item = self._queue.get()
+            demand.waited_s += time.perf_counter() - t0
+            if kind == _FAIL:
+                self._open = None
+                raise item
+            assert at == epoch, (at, epoch)
+            if kind == _END:
+                self._open = None
+                return
+            rows = len(item["key"])
+            demand.rows, demand.epoch_rows = demand.rows + rows, demand.epoch_rows + rows
+            yield item
+
+    def stalls(self, epoch: int) -> dict[str, float]:
+        """Seconds the feeder spent in each stage while producing ``epoch``."""
+        return dict(self._stalls.get(epoch, dict.fromkeys(STAGES, 0.0)))
+
+    def counts(self, epoch: int) -> dict[str, int]:
+        """``planned`` samples, ``good`` rows received, ``batches``, ``dropped`` rows."""
+        return dict(self._counts.get(epoch, {}))
+
+    def close(self) -> None:
+        """Stop the thread and the rank's execution (its actors go with it)."""
+        self._closed.set()
+        stop = self._stop
+        if stop is not None:
+            stop()
+        self._thread.join(timeout=10)
+        if stop is None and self._stop is not None:  # the thread started it meanwhile
+            self._stop()
+
+    # -- the thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            t0 = time.perf_counter()
+            bundles, self._stop = self._start() if self._start is not None else ((), None)
+            startup = time.perf_counter() - t0  # the execution starts: counted to Ray
+            blocks = self._timed(block_columns(bundles), "ray_s")
+            ahead = None
+            for e in self._epochs:
+                ahead = self._epoch(e, blocks, ahead, startup if e == self._epochs.start else 0)
+        except _Closed:
+            return
+        except BaseException as e:  # reaches the consumer, unless it is gone
+            with contextlib.suppress(_Closed):
+                self._put((_FAIL, -1, _unwrapped(e)))
+
+    def _epoch(self, e: int, blocks, ahead, startup: float):
+        """Feed epoch ``e``; returns the first block of the next epoch if it was read."""
+        B, sizes = self._batch_size, self._plan.sizes(e)
+        planned = sizes[self._plan.rank]
+        stall = self._stalls[e] = dict.fromkeys(STAGES, 0.0)
+        stall["ray_s"] = startup
+        self._current = stall
+        self._gate.start(e, min(sizes))
+        got, state = 0, {"ahead": ahead}
+
+        def mine() -> Iterator[Columns]:
+            nonlocal got
+            while got < planned:
+                block = state["ahead"] if state["ahead"] is not None else next(blocks, None)
+                state["ahead"] = None
+                if block is None:
+                    break
+                at = int(block["epoch"][0])
+                if at != e:
+                    assert at > e, f"a block of epoch {at} after epoch {e}"
+                    state["ahead"] = block
+                    break
+                got += len(block["key"])
+                self._gate.add(len(block["key"]), done=got >= planned)
+                yield {k: v for k, v in block.items() if k != "epoch"}
+            self._gate.add(0, done=True)
+
+        source = mine()
+        if self._buffer:
+            rng = np.random.default_rng([self._seed, e, self._plan.rank, 0xB0F])
+            batches = shuffled(source, B, self._buffer, rng)
+        else:
+            batches = rebatch(source, B, drop_last=True)
+        k = 0
+        t0, ray0 = time.perf_counter(), stall["ray_s"]
+        for batch in batches:  # iterator_s: this thread's own work, Ray's waits left out
+            stall["iterator_s"] += time.perf_counter() - t0 - (stall["ray_s"] - ray0)
+            waited = self._gate.waited_s
+            allowed = self._gate.allows(k)
+            stall["peers_s"] += self._gate.waited_s - waited
+            if not allowed:
+                break
+            self._put((_BATCH, e, batch), stall)
+            k += 1
+            t0, ray0 = time.perf_counter(), stall["ray_s"]
+        for _ in source:  # the rest of the epoch's rows, if the gate ended it early
+            pass
+        self._counts[e] = {"planned": planned, "good": got, "batches": k, "dropped": got - k * B}
+        self._put((_END, e, None), stall)
+        return state["ahead"]
+
+    def _timed(self, it: Iterator[Columns], stage: str) -> Iterator[Columns]:
+        while True:
+            t0 = time.perf_counter()
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            finally:
+                self._current[stage] += time.perf_counter() - t0
+            yield item
+
+    def _put(self, item, stall: dict[str, float] | None = None) -> None:
+        """Queue ``item`` for the consumer; raises `_Closed` once `close` was called."""
+        t0 = time.perf_counter()
+        try:
+            while not self._closed.is_set():
+                try:
+                    self._queue.put(item, timeout=_POLL_S)
+                    return
+                except queue.Full:
+                    continue
+            raise _Closed
+        finally:
+            self.demand.held_s += time.perf_counter() - t0
+            if stall is not None:
+                stall["trainer_s"] += time.perf_counter() - t0

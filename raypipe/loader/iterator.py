@@ -1,0 +1,293 @@
+"""The per-rank iterator: Ray blocks in, equal exact-size torch batches out.
+
+A straight line of iterator-to-iterator stages, each testable alone::
+
+    1. host_batches   a Dataset's blocks read directly (raypipe.loader.blocks), or Ray's
+                      iter_batches for a split's iterator or a local shuffle buffer
+    2. rebatch        exactly ``batch_size`` rows per batch, whatever Ray yields
+    3. to_tensors     zero-copy numpy → torch on the host
+    4. to_device      pinned ring slot → copy on a side CUDA stream (``raypipe.loader.h2d``);
+                      nothing on a CPU device: the batch is already where it is read
+    5. normalize      uint8 → float32, (x - mean) / std, on the device
+
+In flight at once: ``prefetch_batches`` Ray batches in step 1's threads, one partial
+batch in step 2, up to ``prefetch_batches`` device batches queued by step 4's thread
+(which runs steps 1-4), one batch in the consumer's hands.
+
+Step 2 is what keeps DDP from hanging: ``streaming_split(equal=True)`` gives every rank
+the same number of rows but not the same blocks, and Ray's own batcher can cut short
+batches mid-stream (Ray issue 66085), so batch *counts* would differ between ranks.
+Re-batching here makes the count ``rows // batch_size`` on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from raypipe.loader.blocks import dataset_columns
+from raypipe.loader.h2d import HostToDevice
+from raypipe.loader.rebatch import rebatch
+from raypipe.loader.stats import Delivered, IterStats
+
+Batch = dict[str, Any]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def iter_torch_batches(
+    source,
+    *,
+    batch_size: int,
+    device: str = "auto",
+    pin_memory: bool = True,
+    prefetch_batches: int = 2,
+    drop_last: bool = True,
+    normalize: bool = True,
+    mean: tuple[float, float, float] = IMAGENET_MEAN,
+    std: tuple[float, float, float] = IMAGENET_STD,
+    shuffle_buffer: int = 0,
+    shuffle_seed: int | None = None,
+    channels_last: bool = False,
+    skips=None,
+    watch=None,
+    collate=None,
+) -> TorchBatches:
+    """Iterate ``source`` (a ``ray.data.DataIterator`` or ``Dataset``) as torch batches.
+
+    Yields dicts: ``image`` (float32 N×C×H×W normalized, or uint8 with
+    ``normalize=False``) on ``device``, ``label`` and ``key`` (int64); ``channels_last``
+    lays images out as ``torch.channels_last``. ``collate`` turns each exact-size numpy batch
+    into the batch (its tensors then move to ``device``); default: zero-copy tensors. Each
+    pass over the
+    returned object is one epoch of ``source``; ``.stats()`` and ``.state_dict()`` describe
+    the current pass. ``stats()["skipped"]`` counts the dataset's skipped samples per
+    reason (all ranks together) from ``skips``, a `raypipe.SkipLog`; a Dataset made by
+    `build_dataset` brings its own, a split of one needs ``skips=SkipLog.of(ds)``.
+    ``stats()["pool"]`` is the summary of ``watch``, a started `raypipe.PoolWatch`.
+    """
+    if not hasattr(source, "iter_batches"):
+        raise TypeError(
+            f"source must be a ray.data.DataIterator or Dataset, got {type(source).__name__}"
+        )
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"{batch_size=} must be an integer >= 1")
+    if not isinstance(prefetch_batches, int) or prefetch_batches < 0:
+        raise ValueError(f"{prefetch_batches=} must be an integer >= 0")
+    if not isinstance(shuffle_buffer, int) or shuffle_buffer < 0:
+        raise ValueError(f"{shuffle_buffer=} must be an integer >= 0")
+    shuffle = (shuffle_buffer, shuffle_seed)
+    device = resolve_device(device)
+    skips = skips if skips is not None else getattr(source, "_raypipe_skips", None)
+    config = getattr(source, "_raypipe_config", None)  # a Dataset from build_dataset
+    device_map = None
+    if config is not None and config.decode == "gpu":
+        from raypipe.data.gpudecode import collate_encoded, device_map_for
+
+        collate, device_map = collate_encoded, device_map_for(config, device, skips)
+    return TorchBatches(
+        functools.partial(_ray_host, source, batch_size, prefetch_batches, shuffle, drop_last),
+        device=device,
+        pin_memory=pin_memory,
+        prefetch_batches=prefetch_batches,
+        normalize=(mean, std) if normalize else None,
+        channels_last=channels_last,
+        skips=skips,
+        watch=watch,
+        collate=collate,
+        device_map=device_map,
+    )
+
+
+def _ray_host(source, batch_size, prefetch, shuffle, drop_last) -> Iterator[dict[str, np.ndarray]]:
+    """Steps 1-2 over a Ray source, re-cut to exactly ``batch_size`` rows: a Dataset's
+    blocks read directly (`raypipe.loader.blocks`), else Ray's batches (a split's iterator, or
+    Ray's local shuffle buffer)."""
+    import ray.data
+
+    if isinstance(source, ray.data.Dataset) and not shuffle[0]:
+        host = dataset_columns(source)
+    else:
+        host = host_batches(source, batch_size, prefetch, *shuffle)
+    return rebatch(host, batch_size, drop_last=drop_last)
+
+
+class TorchBatches:
+    """Iterable returned by `iter_torch_batches`; owns the running pass and its stats.
+
+    ``host()`` starts steps 1-2 of a pass: exact-size numpy batches on the host.
+    ``more_stats(stats)``, when given, adds its entries to `stats`.
+    """
+
+    def __init__(self, host, *, device, pin_memory, prefetch_batches, normalize,
+                 channels_last=False, skips=None, watch=None, more_stats=None,
+                 first_pass=0, collate=None, device_map=None, h2d=None):  # fmt: skip
+        self._host = host
+        self._collate = collate or to_tensors
+        self._device_map = device_map  # on the device after the copy (decode="gpu")
+        self._device = device
+        self._normalize = normalize
+        # ``h2d``: an earlier pass's ring, slots and copy stream, reused (allocations made
+        # for one stream's pool are not reused by another's: a new stream per epoch costs new
+        # device segments every epoch)
+        self.h2d = h2d or HostToDevice(device, pin_memory=pin_memory, channels_last=channels_last,
+                                       prefetch=max(prefetch_batches, 1))  # fmt: skip
+        self._stays = getattr(device, "type", str(device)) == "cpu" and not channels_last
+        self._stats = IterStats()
+        self._delivered = Delivered()  # keys handed to the consumer this pass
+        self._epoch = first_pass - 1  # the epoch number of the next pass, minus one
+        self._running: Iterator[Batch] | None = None
+        self._more_stats = more_stats
+        self.skips = skips  # the source's raypipe.SkipLog, or None
+        self.watch = watch  # a raypipe.PoolWatch (its owner closes it), or None
+
+    @property
+    def device(self):
+        return self._device
+
+    def __iter__(self) -> Iterator[Batch]:
+        self.close()
+        self._epoch += 1
+        self._stats = IterStats()
+        self._delivered = Delivered()
+        self._running = self._pass()
+        return self._running
+
+    def _pass(self) -> Iterator[Batch]:
+        # 1 → 5: the straight line described in the module docstring.
+        exact = self._delivered.track(self._host())
+        tensors = (self._collate(b) for b in exact)
+        if self._stays:
+            device_map = self._device_map
+            on_device = _Stay(tensors if device_map is None else (device_map(b) for b in tensors))
+        else:
+            on_device = self.h2d(tensors, finish=self._device_map)
+        out = (normalize(b, *self._normalize) for b in on_device) if self._normalize else on_device
+        stats = self._stats
+        stats.start()
+        with on_device:  # step 4's thread ends with the pass, however it ends
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    batch = next(out)
+                except StopIteration:
+                    return
+                stats.waited(time.perf_counter() - t0, len(batch["key"]))
+                self._delivered.pop()
+                yield batch
+
+    def stats(self) -> dict[str, Any]:
+        skipped = self.skips.counts() if self.skips is not None else {}
+        pool = {"pool": self.watch.summary()} if self.watch is not None else {}
+        base = {"epoch": max(self._epoch, 0), **self._stats.as_dict(), "skipped": skipped, **pool}
+        return {**base, **self._more_stats(base)} if self._more_stats is not None else base
+
+    def state_dict(self) -> dict[str, Any]:
+        """The pass so far; ``keys`` (int64) are those delivered, for `raypipe.train.state`."""
+        return {
+            "epoch": max(self._epoch, 0),
+            "batches": self._stats.batches,
+            "samples": self._stats.samples,
+            "keys": self._delivered.keys(),
+        }
+
+    def close(self) -> None:
+        """Stop the running pass (Ray's prefetch threads end with it)."""
+        if self._running is not None:
+            self._running.close()
+            self._running = None
+
+    def __enter__(self) -> TorchBatches:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def host_batches(
+    source, batch_size: int, prefetch: int, shuffle_buffer: int = 0, seed: int | None = None
+) -> Iterator[dict[str, np.ndarray]]:
+    """Step 1: numpy batches from Ray, sizes only approximately ``batch_size``."""
+    return source.iter_batches(
+        batch_size=batch_size,
+        batch_format="numpy",
+        prefetch_batches=prefetch,
+        drop_last=False,
+        local_shuffle_buffer_size=shuffle_buffer or None,
+        local_shuffle_seed=seed if shuffle_buffer else None,
+    )
+
+
+def to_tensors(batch: dict[str, np.ndarray]) -> Batch:
+    """Step 3: numpy → torch without copying (Ray's arrays may be read-only views)."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        return {k: torch.from_numpy(np.asarray(v)) for k, v in batch.items()}
+
+
+class _Stay:
+    """Step 4 when the device is the host CPU: no ring, no copy; closes upstream on exit.
+
+    With ``normalize=False`` the images may view the object store's read-only memory.
+    """
+
+    def __init__(self, batches: Iterator[Batch]):
+        self._batches = batches
+
+    def __iter__(self) -> _Stay:
+        return self
+
+    def __next__(self) -> Batch:
+        return next(self._batches)
+
+    def __enter__(self) -> _Stay:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._batches.close()
+
+
+def normalize(batch: Batch, mean: tuple[float, ...], std: tuple[float, ...]) -> Batch:
+    """Step 5: uint8 image → float32 ``(x/255 - mean) / std``, where the image lives."""
+    import torch
+
+    image = batch.get("image")
+    if not hasattr(image, "dtype") or image.dtype != torch.uint8 or image.dim() != 4:
+        return batch  # a user transform's output: normalized by its own rules, if at all
+    scale, shift = _affine(tuple(mean), tuple(std), image.device)
+    out = image.to(torch.float32).mul_(scale).sub_(shift)  # keeps channels_last
+    return {**batch, "image": out}
+
+
+@functools.lru_cache(maxsize=16)
+def _affine(mean: tuple[float, ...], std: tuple[float, ...], device) -> tuple:
+    """Scale and shift made once per device: no host-to-device copy on the consumer's stream."""
+    import torch
+
+    scale = torch.tensor([1 / (255 * s) for s in std], device=device).view(1, -1, 1, 1)
+    shift = torch.tensor([m / s for m, s in zip(mean, std, strict=True)], device=device)
+    return scale, shift.view(1, -1, 1, 1)
+
+
+def resolve_device(device):
+    """``"auto"``: Ray Train's device inside a Train worker, CPU anywhere else."""
+    import torch
+
+    if device != "auto":
+        return torch.device(device)
+    import ray.train
+    import ray.train.torch
+
+    try:
+        ray.train.get_context()
+    except RuntimeError:  # not inside a Train worker
+        return torch.device("cpu")
+    return ray.train.torch.get_device()

@@ -1,0 +1,139 @@
+"""Equal batch counts per epoch when bad samples make the ranks' row counts differ.
+
+Each rank reads its own planned keys (`raypipe.data.rankplan`); a rank's good rows in an epoch are
+known only once its last task has run. DDP needs every rank to take the same number of
+steps, ``n = min over ranks of good_rows // batch_size``. A rank yields its batch ``k``
+only once that is certain::
+
+    rank r ── report(epoch, rows so far, done?) ──► EpochLedger (one tiny actor per run)
+           ◄── (min rows any rank is sure to have, min final rows of the finished ranks)
+
+    batch k of epoch e:  (k+1)·B <= min sure rows   → yield it
+                         (k+1)·B >  min planned, or
+                         (k+1)·B >  a finished rank's final rows → the epoch ends here
+                         otherwise                  → ask again (a rank is still reading)
+
+Which rows a rank delivers is then a function of its planned keys and the bad samples
+only: the first ``n·B`` good rows of its slice, in the plan's order. Reports are sent
+without waiting; a rank blocks only when its cached answer does not settle batch ``k``.
+With no bad samples the answer settles every batch before it is asked for, and
+``min planned // B`` batches come out of every rank.
+"""
+
+from __future__ import annotations
+
+import time
+
+__all__ = ["EpochLedger", "Gate", "create_ledger"]
+assert __all__ == sorted(__all__)
+
+_INF = float("inf")
+
+
+class EpochLedger:
+    """The counts behind `Gate` (a Ray actor with no CPUs; plain Python, testable alone)."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._rows: dict[tuple[str, int], list[int]] = {}
+        self._final: dict[tuple[str, int], list[float]] = {}
+
+    def report(self, run: str, epoch: int, rank: int, rows: int, done: bool):
+        """Record rank's rows of ``epoch``; returns ``(min sure rows, min final rows)``."""
+        key = (run, epoch)
+        if key not in self._rows:
+            self._rows[key] = [0] * self.world_size
+            self._final[key] = [_INF] * self.world_size
+            for old in [k for k in self._rows if k[0] == run and k[1] < epoch - 2]:
+                del self._rows[old], self._final[old]
+        rows_now = self._rows[key]
+        rows_now[rank] = max(rows_now[rank], rows)
+        if done:
+            self._final[key][rank] = rows
+        return min(rows_now), min(self._final[key])
+
+
+class Gate:
+    """One rank's side of the ledger: may batch ``k`` of an epoch be yielded?
+
+    Args:
+        ledger: an `EpochLedger` actor handle (None when ``world_size`` is 1).
+        run: names this group of ranks in the ledger (a restarted group gets a new one).
+        rank: this rank.
+        batch_size: rows per batch.
+    """
+
+    POLL_S = (0.001, 0.02)  # first and longest pause between two asks
+
+    def __init__(self, ledger, run: str, rank: int, batch_size: int):
+        self.ledger, self.run, self.rank, self.batch_size = ledger, run, rank, batch_size
+        self.waited_s = 0.0  # time spent waiting for other ranks
+        self._epoch, self._rows, self._done = -1, 0, False
+        self._answer: tuple[float, float] = (0, _INF)
+        self._pending = None  # the last report's answer, not yet read
+
+    def start(self, epoch: int, planned_min: int) -> None:
+        """A new epoch; ``planned_min`` is the fewest samples any rank was given."""
+        self._epoch, self._rows, self._done = epoch, 0, False
+        self._planned_min = planned_min
+        self._answer, self._pending = (0, _INF), None
+
+    def add(self, rows: int, *, done: bool = False) -> None:
+        """This rank now holds ``rows`` more good rows of the epoch (``done``: all of them)."""
+        self._rows += rows
+        self._done = self._done or done
+        if self.ledger is not None:
+            self._send()
+
+    def allows(self, k: int) -> bool:
+        """True when every rank will yield batch ``k``; False when none will."""
+        need = (k + 1) * self.batch_size
+        if need > self._planned_min:
+            return False
+        if self.ledger is None:  # one rank: the batch exists, so its rows are there
+            return True
+        sure, final = self._answer
+        if need <= sure:  # settled by an earlier answer: no round trip
+            return True
+        pause, t0 = self.POLL_S[0], time.perf_counter()
+        try:
+            while True:
+                sure, final = self._read()
+                if need <= sure:
+                    return True
+                if need > final:
+                    return False
+                time.sleep(pause)
+                pause = min(pause * 2, self.POLL_S[1])
+                self._send()
+        finally:
+            self.waited_s += time.perf_counter() - t0
+
+    def _send(self) -> None:
+        self._pending = self.ledger.report.remote(
+            self.run, self._epoch, self.rank, self._rows, self._done
+        )
+
+    def _read(self) -> tuple[float, float]:
+        import ray
+
+        if self._pending is not None:
+            self._answer, self._pending = ray.get(self._pending), None
+        return self._answer
+
+
+def create_ledger(world_size: int):
+    """A new `EpochLedger` actor on this node (no CPUs); it lives while its handle does."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    return (
+        ray.remote(EpochLedger)
+        .options(
+            num_cpus=0,
+            max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        )  # fmt: skip
+        .remote(world_size)
+    )

@@ -1,0 +1,188 @@
+"""`Pipeline`: every epoch of a run, for one rank, from one warm preprocessing pool.
+
+```
+ Pipeline(config, epochs=E, rank=r, world_size=W)
+   plan      RankPlan: rank r's keys of every epoch, fixed by (listing, seed, epoch, W)
+   dataset   one Ray Data execution over all E epochs (raypipe.data.warm), started once
+   feeder    one thread: blocks → epochs → exact batches → equal counts over ranks
+   epochs()  yields (epoch, batches); batches are the loader's steps 3-5 (tensors,
+             device copy, normalize) over the feeder's batches of that epoch
+```
+
+The same object serves a single process (``world_size=1``) and each Ray Train worker of
+`raypipe.train_ddp`. With ``world_size > 1`` the ranks share an `raypipe.loader.ledger` actor
+(``Pipeline.ledger(world_size)``) that keeps their batch counts equal when bad samples
+are skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+from raypipe.config import PipelineConfig
+from raypipe.data.blocksize import sized_blocks
+from raypipe.data.follow import Demand, follower_for
+from raypipe.data.gpudecode import device_map_for
+from raypipe.data.rankplan import RankPlan
+from raypipe.data.shards import Listing, list_shards
+from raypipe.data.skips import SkipLog
+from raypipe.data.warm import rank_dataset
+from raypipe.loader.blocks import execute
+from raypipe.loader.collate import collate_for
+from raypipe.loader.feeder import Feeder
+from raypipe.loader.iterator import TorchBatches, resolve_device
+from raypipe.loader.ledger import Gate, create_ledger
+from raypipe.loader.progress import Progress
+from raypipe.loader.stats import bound
+
+__all__ = ["Pipeline"]
+assert __all__ == sorted(__all__)
+PROGRESS_S = 30.0  # rank 0's live progress line, by default
+
+
+class Pipeline:
+    """One rank's batches for a whole run; the preprocessing actors start once.
+
+    Args:
+        config: the dataset's `PipelineConfig` (batch size, seed, actors, shuffle buffer).
+        epochs: the run's number of epochs.
+        rank, world_size: this rank and the number of ranks (1: a single process).
+        ledger: with ``world_size > 1``, the ranks' shared `Pipeline.ledger` handle.
+        group: names this group of ranks in the ledger (every rank passes the same).
+        device: ``"auto"`` (Ray Train's device in a worker, else CPU) or a torch device.
+        pin_memory, prefetch_batches, channels_last: as in `raypipe.iter_torch_batches`.
+        normalize: ``(x/255 - config.mean) / config.std`` on the device; else uint8.
+        listing: the source's listing (listed once by the caller), or None to list it.
+        skips: the run's `SkipLog` (one log per epoch under it), shared by all its ranks
+            (`train_ddp` does so); None: a log of this rank's own. The skip budget
+            (``config.max_skipped``) counts the samples of the ranks that share the log.
+        start: a `raypipe.train.state.PipelineState` to resume from: its epoch leaves out
+            the keys it marks consumed, and the run starts there.
+        progress_s: seconds between live progress lines on stderr (`raypipe.loader.progress`);
+            None: every 30 s on rank 0 and none on the others; 0: none.
+
+    Each rank's pool is its share of ``config.actors`` (the run's total), at least one
+    actor: ``(max(1, min // W), max(that, ceil(max / W)))``.
+    """
+
+    def __init__(self, config: PipelineConfig, *, epochs: int, rank: int = 0,
+                 world_size: int = 1, ledger=None, group: str = "", device: Any = "auto",
+                 pin_memory: bool = True, prefetch_batches: int = 2, normalize: bool = True,
+                 channels_last: bool = False, listing: Listing | None = None,
+                 skips: SkipLog | None = None, start=None,
+                 progress_s: float | None = None):  # fmt: skip
+        if not isinstance(config, PipelineConfig):
+            raise TypeError(f"config must be a PipelineConfig, got {type(config).__name__}")
+        for name, value, low in (("epochs", epochs, 1), ("world_size", world_size, 1),
+                                 ("prefetch_batches", prefetch_batches, 1)):  # fmt: skip
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"{rank=} must be an integer in 0..{world_size - 1}")
+        if world_size > 1 and ledger is None:
+            raise ValueError(f"{world_size=} needs ledger=Pipeline.ledger({world_size})")
+        if progress_s is not None and not (
+            isinstance(progress_s, (int, float)) and progress_s >= 0
+        ):
+            raise ValueError(f"{progress_s=} must be seconds >= 0 (0: no progress lines)")
+        if start is not None and not 0 <= start.epoch < epochs:
+            raise ValueError(
+                f"the resume state is at epoch {start.epoch}: {epochs=} leaves nothing"
+            )
+        self.config, self.num_epochs, self.rank, self.world_size = config, epochs, rank, world_size
+        self.listing = listing or list_shards(config)
+        self._shared_skips = skips is not None and world_size > 1
+        self.skips = skips or SkipLog.create()  # starts Ray if it is not up yet
+        self.config = config = sized_blocks(config)
+        self.first_epoch = start.epoch if start is not None else 0
+        self.plan = RankPlan.of(
+            self.listing, seed=config.seed, shuffle=config.shuffle_files, rank=rank,
+            world_size=world_size,
+            per_task=config.files_per_task if self.listing.format == "imagefolder" else 1,
+            resume_epoch=self.first_epoch if start is not None else -1,
+            consumed=start.consumed if start is not None else None,
+        )  # fmt: skip
+        self._loader = {
+            "device": resolve_device(device), "pin_memory": pin_memory,
+            "collate": collate_for(config),
+            "prefetch_batches": prefetch_batches, "channels_last": channels_last,
+            "normalize": (config.mean, config.std) if normalize else None,
+        }  # fmt: skip
+        self._gate = Gate(ledger if world_size > 1 else None, group, rank, config.batch_size)
+        self._feeder: Feeder | None = None
+        self.follower = (
+            None  # a raypipe.data.follow.Follower once epochs() runs, if the pool follows
+        )
+        if progress_s is None:
+            progress_s = PROGRESS_S if rank == 0 else 0
+        self._progress_s, self._progress = progress_s, None
+
+    @staticmethod
+    def ledger(world_size: int):
+        """The shared handle ``world_size`` ranks of one run pass as ``ledger=``."""
+        return create_ledger(world_size)
+
+    def epochs(self) -> Iterator[tuple[int, TorchBatches]]:
+        """Yield ``(epoch, batches)`` from the first epoch to the last, once.
+
+        ``batches`` is iterated once; what the consumer leaves of an epoch is dropped when
+        the next one is asked for. Every rank gets the same number of batches per epoch.
+        """
+        if self._feeder is not None:
+            raise RuntimeError("Pipeline.epochs() runs once; make a new Pipeline for a new run")
+        epochs = range(self.first_epoch, self.num_epochs)
+        ds = rank_dataset(self.config, self.listing, self.plan, epochs, self.skips,
+                          world_size=self.world_size, shared_skips=self._shared_skips)  # fmt: skip
+        demand = Demand()
+        self.follower = follower_for(self.config, self.world_size, demand)
+        self._feeder = feeder = Feeder(
+            _starter(ds, self.follower), self.plan, self._gate, epochs,
+            batch_size=self.config.batch_size, prefetch=self._loader["prefetch_batches"],
+            shuffle_buffer=self.config.shuffle_buffer, seed=self.config.seed, demand=demand,
+        )  # fmt: skip
+        if self._progress_s:
+            self._progress = Progress(self._progress_s, rank=self.rank, demand=demand,
+                                      planned=lambda e: self.plan.sizes(e)[self.rank],
+                                      follower=self.follower)  # fmt: skip
+        h2d = None  # one ring and copy stream for the run: no new allocations after epoch 0
+        try:
+            for e in epochs:
+                skips = self.skips.epoch(e)
+                batches = TorchBatches(
+                    lambda e=e: feeder.epoch(e), skips=skips, first_pass=e,
+                    more_stats=functools.partial(self._epoch_stats, e),
+                    device_map=device_map_for(self.config, self._loader["device"], skips),
+                    h2d=h2d, **self._loader,
+                )  # fmt: skip
+                h2d = batches.h2d
+                yield e, batches
+                batches.close()
+                feeder.finish(e)
+        finally:
+            self.close()
+
+    def _epoch_stats(self, epoch: int, base: dict[str, Any]) -> dict[str, Any]:
+        stalls = {k: round(v, 6) for k, v in self._feeder.stalls(epoch).items()}
+        pool = {"pool": self.follower.summary()} if self.follower is not None else {}
+        return {**self._feeder.counts(epoch), "stalls": stalls,
+                "bound": bound(base["wait_fraction"], stalls), **pool}  # fmt: skip
+
+    def close(self) -> None:
+        """Stop the feeder thread and the execution (the pool's actors end with it)."""
+        if self._progress is not None:
+            self._progress.close()
+        if self._feeder is not None:
+            self._feeder.close()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _starter(ds, follower):
+    """Start ``ds``'s execution on the feeder thread; None when the rank has no task."""
+    return None if ds is None else functools.partial(execute, ds, follower)

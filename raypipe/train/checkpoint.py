@@ -1,0 +1,194 @@
+"""Pipeline checkpoints in a Ray Train run: saved with each checkpoint, found, resumed.
+
+```
+ every rank: EpochBatches hands out the batches, counts steps; every ``checkpoint_every``
+   steps (and at the epoch's end) → Progress.save: one all_reduce ORs the ranks'
+   delivered keys (N/8 bytes on gloo) → rank 0 writes raypipe_state.bin (+ state.pt) into the
+   Ray Train checkpoint
+ driver: load_checkpoint(resume_from) → PipelineState; every rank (when the worker
+   group starts or restarts) builds its Pipeline from it: the interrupted epoch leaves
+   out its consumed keys before they are split, read or decoded
+```
+
+Which position a run resumes from: the latest checkpoint of the run itself (Ray Train's
+``get_checkpoint()`` after a worker-group restart, or a rerun with the same ``name`` and
+``storage_path``), else the one ``resume_from`` names, else the start.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from raypipe.train.state import STATE_FILE, PipelineState, merge_states
+
+__all__ = ["EpochBatches", "Progress", "load_checkpoint"]
+assert __all__ == sorted(__all__)
+
+USER_STATE = "state.pt"
+
+
+def load_checkpoint(path: str | os.PathLike) -> tuple[PipelineState, str]:
+    """The pipeline state to resume from and its checkpoint folder: ``path`` itself when
+    it holds one, else the latest checkpoint of the Ray Train run folder ``path``."""
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, STATE_FILE)):
+        return PipelineState.load(path), path
+    found = _latest_in_run(path)
+    if found is None:
+        raise ValueError(f"{path!r} is neither a raypipe checkpoint nor a run folder with one")
+    return found
+
+
+def _latest_in_run(run_dir: str) -> tuple[PipelineState, str] | None:
+    """The state in the latest checkpoint Ray Train registered in ``run_dir`` (a local
+    path or a storage URI), with that checkpoint's path; None when there is none."""
+    import ray.train
+    from ray.train.v2._internal.exceptions import CheckpointManagerInitializationError
+
+    try:
+        checkpoint = ray.train.Result.from_path(run_dir).checkpoint
+    except (RuntimeError, OSError):  # no run folder, or nothing registered in it yet
+        return None
+    except CheckpointManagerInitializationError:  # read while Ray Train rewrites its state
+        return None
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as d:
+        if not os.path.isfile(os.path.join(d, STATE_FILE)):
+            return None
+        return PipelineState.load(d), checkpoint.path
+
+
+class Progress:
+    """One rank's place in the run: its epoch, the batches of it, and what came before.
+
+    Args:
+        seed, num_samples, fingerprint: the header of every state it saves.
+        start: the state ``train_ddp`` resumed from (``resume_from``), or None.
+        start_dir: the checkpoint folder of ``start`` (its ``state.pt`` for `restored`).
+    """
+
+    def __init__(self, *, seed: int, num_samples: int, fingerprint: str,
+                 start: PipelineState | None = None, start_dir: str | None = None):  # fmt: skip
+        self.seed, self.num_samples, self.fingerprint = seed, num_samples, fingerprint
+        self.start, self.start_dir = start, start_dir
+        self._where: tuple[int, Any, np.ndarray | None] | None = None
+
+    def _resumed(self) -> PipelineState | None:
+        """This run's latest checkpoint (after a restart) beats ``start``: the last one
+        that Ray Train registered."""
+        import ray.train
+
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is not None:
+            with checkpoint.as_directory() as d:
+                if os.path.isfile(os.path.join(d, STATE_FILE)):
+                    return PipelineState.load(d)
+        return self.start
+
+    def first_epoch(self) -> int:
+        """The epoch to start at; later reports count from the state resumed."""
+        state = self.start = self._resumed()
+        self._where = (state.epoch, None, state.consumed) if state else (0, None, None)
+        return self._where[0]
+
+    def begin(self, epoch: int, batches) -> None:
+        base = self.start.consumed if self.start and self.start.epoch == epoch else None
+        self._where = (epoch, batches, base)
+
+    def end(self, epoch: int) -> None:
+        self._where = (epoch + 1, None, None)
+
+    def state(self) -> PipelineState:
+        """The run's position over all ranks (a collective: every rank calls it together)."""
+        if self._where is None:  # a report before the first epoch
+            self.first_epoch()
+        epoch, batches, base = self._where
+        keys = batches.state_dict()["keys"] if batches is not None else []
+        mine = merge_states([{"keys": keys}], self.num_samples, base)
+        return PipelineState(epoch, self.seed, self.num_samples, self.fingerprint, _or(mine))
+
+    def save(self, metrics: dict[str, Any], user_state: dict[str, Any] | None) -> None:
+        """``ray.train.report`` on every rank; rank 0 adds the checkpoint when ``user_state``."""
+        import ray.train
+        import torch
+
+        state = self.state()
+        if user_state is None or ray.train.get_context().get_world_rank() != 0:
+            ray.train.report(metrics)
+            return
+        with tempfile.TemporaryDirectory() as tmp:
+            state.save(os.path.join(tmp, STATE_FILE))
+            torch.save(user_state, os.path.join(tmp, USER_STATE))
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+    def restored(self) -> dict[str, Any] | None:
+        """The ``state`` saved with the checkpoint this run resumed from, or None."""
+        import ray.train
+        import torch
+
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None and self.start_dir:
+            checkpoint = ray.train.Checkpoint(self.start_dir)
+        if checkpoint is None:
+            return None
+        with checkpoint.as_directory() as d:
+            path = os.path.join(d, USER_STATE)
+            return torch.load(path, weights_only=False) if os.path.isfile(path) else None
+
+
+def _or(consumed: np.ndarray) -> np.ndarray:
+    """OR of every rank's mask in one all_reduce: BOR of the packed bits (N/8 bytes) on
+    gloo; NCCL has no bitwise ops, so MAX of one byte per key there, on the device."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return consumed
+    if dist.get_backend() == "nccl":
+        import ray.train.torch
+
+        flags = torch.from_numpy(consumed.view(np.uint8)).to(ray.train.torch.get_device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return flags.cpu().numpy().astype(bool)
+    bits = torch.from_numpy(np.packbits(consumed))
+    dist.all_reduce(bits, op=dist.ReduceOp.BOR)
+    return np.unpackbits(bits.numpy(), count=len(consumed)).astype(bool)
+
+
+class EpochBatches:
+    """One epoch's batches as `TrainContext.epochs` yields them: a `TorchBatches` that
+    checkpoints every ``every`` steps and at the epoch's end (``every`` > 0).
+
+    A checkpoint is taken when the consumer asks for the next batch, so the steps on the
+    batches before it are done. ``stats()`` and ``state_dict()`` are the batches' own.
+    """
+
+    def __init__(self, batches, epoch: int, progress: Progress, every: int,
+                 user_state: Callable[[], dict[str, Any]] | None):  # fmt: skip
+        self._batches, self._epoch, self._progress = batches, epoch, progress
+        self._every, self._user_state = every, user_state
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        steps = 0
+        self._progress.begin(self._epoch, self._batches)
+        for batch in self._batches:
+            yield batch
+            steps += 1
+            if self._every and steps % self._every == 0:
+                self._checkpoint(steps)
+        self._progress.end(self._epoch)
+        if self._every:
+            self._checkpoint(steps)
+
+    def _checkpoint(self, steps: int) -> None:
+        user = self._user_state() if self._user_state else {}
+        self._progress.save({"raypipe_epoch": self._epoch, "raypipe_step": steps}, user)
+
+    def __getattr__(self, name: str):
+        return getattr(self._batches, name)

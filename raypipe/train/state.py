@@ -1,0 +1,131 @@
+"""Pipeline checkpoints: which keys of the current epoch the trainers already consumed.
+
+A checkpoint is one bit per sample (the keys delivered to a train step this epoch) and
+a small header (epoch, seed, sample count, dataset fingerprint). Keys are dense
+``0..N-1`` (`raypipe.data.shards`), so it does not depend on the world size or the actor
+pool: any number of ranks can resume from it.
+
+```
+ rank r: Delivered  ── keys of each batch handed to the consumer (not the prefetched ones)
+   ▼ state_dict()["keys"]
+ merge_states(states, num_samples, base)  ── OR over ranks (+ the keys consumed before a resume)
+   ▼ PipelineState.save(path)             ── header + packbits: N/8 bytes
+ resume: build_dataset(config, epoch=e, consumed=state.consumed)
+   ── fully consumed shards are not listed, consumed members of the others are not read
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+
+import numpy as np
+
+from raypipe.data.shards import Listing
+
+__all__ = [
+    "PipelineState",
+    "fingerprint",
+    "merge_states",
+]
+assert __all__ == sorted(__all__)
+
+STATE_FILE = "raypipe_state.bin"
+_MAGIC = b"RAYPIPE1"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PipelineState:
+    """Where an interrupted run stands: in ``epoch``, the keys marked in ``consumed``.
+
+    Attributes:
+        epoch: the epoch to resume; an epoch-end checkpoint names the next one.
+        seed: ``PipelineConfig.seed`` of the run (per-epoch order and augmentation).
+        num_samples: keys in the dataset, ``len(consumed)``.
+        fingerprint: `fingerprint` of the shard listing the keys refer to.
+        consumed: bool per key, True when a train step already got that sample.
+    """
+
+    epoch: int
+    seed: int
+    num_samples: int
+    fingerprint: str
+    consumed: np.ndarray
+
+    def __post_init__(self) -> None:
+        if self.consumed.dtype != np.bool_ or self.consumed.shape != (self.num_samples,):
+            raise ValueError(
+                f"consumed must be a bool array of shape ({self.num_samples},), "
+                f"got {self.consumed.dtype} {self.consumed.shape}"
+            )
+
+    def save(self, path: str | os.PathLike) -> int:
+        """Write the state atomically (temp file + rename); returns the bytes written."""
+        header = json.dumps(
+            {k: getattr(self, k) for k in ("epoch", "seed", "num_samples", "fingerprint")}
+        ).encode()
+        data = b"".join(
+            (_MAGIC, len(header).to_bytes(4, "little"), header, np.packbits(self.consumed))
+        )
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        return len(data)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> PipelineState:
+        """Read a state file, or the one inside a checkpoint directory."""
+        if os.path.isdir(path):
+            path = os.path.join(path, STATE_FILE)
+        with open(path, "rb") as f:
+            data = f.read()
+        if not data.startswith(_MAGIC):
+            raise ValueError(f"{str(path)!r} is not a raypipe pipeline checkpoint")
+        size = int.from_bytes(data[8:12], "little")
+        header = json.loads(data[12 : 12 + size])
+        bits = np.frombuffer(data, dtype=np.uint8, offset=12 + size)
+        consumed = np.unpackbits(bits, count=header["num_samples"]).astype(bool)
+        return cls(consumed=consumed, **header)
+
+    def check(self, listing: Listing, seed: int) -> None:
+        """Refuse to resume on other data or another seed (the keys would mean other samples)."""
+        if self.num_samples != listing.num_samples:
+            raise ValueError(
+                f"the checkpoint has num_samples={self.num_samples}, "
+                f"the source lists {listing.num_samples}"
+            )
+        if self.fingerprint != fingerprint(listing):
+            raise ValueError(
+                f"the checkpoint's dataset fingerprint {self.fingerprint!r} is not the "
+                f"source's {fingerprint(listing)!r}: its shards changed"
+            )
+        if self.seed != seed:
+            raise ValueError(f"the checkpoint has seed={self.seed}, the config {seed=}")
+
+
+def fingerprint(listing: Listing) -> str:
+    """A hash of the shards (paths relative to their common folder, sample counts)."""
+    paths = [s.path for s in listing.shards]
+    root = os.path.commonpath(paths) if len(paths) > 1 else os.path.dirname(paths[0])
+    h = hashlib.sha256(listing.format.encode())
+    for s in listing.shards:
+        h.update(f"\0{os.path.relpath(s.path, root)}\0{s.num_samples}".encode())
+    return h.hexdigest()[:32]
+
+
+def merge_states(
+    states: Iterable[dict], num_samples: int, base: np.ndarray | None = None
+) -> np.ndarray:
+    """The consumed-key mask of all ranks: OR of their ``state_dict()["keys"]`` and ``base``."""
+    consumed = np.zeros(num_samples, dtype=bool) if base is None else base.copy()
+    for state in states:
+        keys = np.asarray(state["keys"], dtype=np.int64)
+        if len(keys) and (keys.min() < 0 or keys.max() >= num_samples):
+            raise ValueError(f"a key outside 0..{num_samples - 1} in a rank state: {keys!r}")
+        consumed[keys] = True
+    return consumed
