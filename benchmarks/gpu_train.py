@@ -39,7 +39,8 @@ from nodecpu import CpuMeter
 from torch import nn
 
 import raypipe
-from raypipe.loader.iterator import IMAGENET_MEAN, IMAGENET_STD, normalize
+from raypipe.config import IMAGENET_MEAN, IMAGENET_STD
+from raypipe.loader.iterator import normalize
 
 WARM_STEPS = 3  # steps per epoch left out of the step-time median (the epoch's start)
 

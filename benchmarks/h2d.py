@@ -31,8 +31,9 @@ import time
 import torch
 from torch import nn
 
+from raypipe.config import IMAGENET_MEAN, IMAGENET_STD
 from raypipe.loader.h2d import HostToDevice
-from raypipe.loader.iterator import IMAGENET_MEAN, IMAGENET_STD, normalize
+from raypipe.loader.iterator import normalize
 
 SIZE = 224
 

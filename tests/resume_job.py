@@ -1,4 +1,4 @@
-"""A training job for tests/test_resume.py: logs every delivered key; may kill its driver.
+"""A training job for tests/train/test_resume.py: logs every delivered key; may kill its driver.
 
 Run as ``python -m tests.resume_job SPEC_JSON`` (or call `run`). The spec names the Ray
 address, the dataset, the workers, the run folder, what to resume from, and where the

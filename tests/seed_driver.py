@@ -1,4 +1,4 @@
-"""Driver for tests/test_seeds.py, run in a subprocess: a Ray of its own whose workers
+"""Driver for tests/data/test_seeds.py, run in a subprocess: a Ray of its own whose workers
 sleep a random time before every decode, so that blocks finish in a different order on
 every run.
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from raypipe.cli import jobspec
+from raypipe.config import FORMATS
 
 BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "ingest.py"
 
@@ -69,24 +70,25 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _preprocess(args: argparse.Namespace) -> int:
+def _convert(args: argparse.Namespace) -> int:
     import ray
 
-    from raypipe.cli.convert import ShardsConfig, plan, preprocess
+    from raypipe.cli.convert import ShardsConfig, convert, plan
 
-    _expect_kind(args.config, "preprocess")
-    cfg = ShardsConfig.from_dict(jobspec.resolve_paths(args.config, args.data_root)["preprocess"])
+    _expect_kind(args.config, "convert")
+    raw = jobspec.resolve_paths(args.config, args.data_root)
+    cfg = ShardsConfig.from_dict(raw[jobspec.convert_section(raw)])
     plan(cfg)  # fail on a bad folder before starting Ray
     started = not ray.is_initialized()
     if started:
         ray.init(address=_ray_address(args.address), log_to_driver=True, configure_logging=False)
     try:
-        s = preprocess(cfg)
+        s = convert(cfg)
     finally:
         if started:
             ray.shutdown()
     _summary(
-        "preprocess",
+        "convert",
         [
             ("shards", f"{s.shards} in {s.out} ({s.written} written, {s.reused} already done)"),
             ("samples", str(s.samples)),
@@ -164,7 +166,7 @@ def _ray_address(address: str | None) -> str:
 def _expect_kind(config: str, kind: str) -> None:
     found = jobspec.check(config)
     if found != kind:
-        use = "raypipe preprocess" if found == "preprocess" else "raypipe run"
+        use = "raypipe convert" if found == "convert" else "raypipe run"
         raise ValueError(f"{config} is a {found} config: use {use}")
 
 
@@ -220,17 +222,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the current one; raypipe submit passes yours)")  # fmt: skip
     p.set_defaults(func=_run)
 
-    p = sub.add_parser("preprocess", help="turn an image folder into WebDataset or Parquet shards",
-                       description="Write the image folder of a preprocess config as shards "
+    p = sub.add_parser("convert", aliases=["preprocess"],
+                       help="turn an image folder into WebDataset or Parquet shards",
+                       description="Write the image folder of a convert config as shards "
                        "named like train-00003-of-00016.tar (or .parquet) with Ray tasks, plus "
                        "index.json with per-shard sample counts. Shards already finished by an "
                        "earlier run are kept; each new shard is read back and checked.")  # fmt: skip
-    p.add_argument("config", help="preprocess config YAML, e.g. jobs/configs/digits-shards.yaml")
+    p.add_argument("config", help="convert config YAML, e.g. jobs/configs/digits-shards.yaml "
+                   "(`raypipe preprocess`, its 0.1 name, still works)")  # fmt: skip
     _add_ray_address(p)
     p.add_argument("--data-root", default=".",
                    help="resolve relative paths in the config against this folder "
                    "(default: the current one)")  # fmt: skip
-    p.set_defaults(func=_preprocess)
+    p.set_defaults(func=_convert)
 
     p = sub.add_parser("inspect", help="show what raypipe reads from a source",
                        description="List a source as a run would (format, shards, samples, "
@@ -238,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "its shards as the actors would, without Ray: their sizes, labels and "
                        "why any would be skipped. Exit code 1 when every one would be.")  # fmt: skip
     p.add_argument("source", help="folder, glob, file or URI (s3://bucket/prefix/, gs://...)")
-    p.add_argument("--format", default=None, choices=["imagefolder", "webdataset", "parquet"],
+    p.add_argument("--format", default=None, choices=FORMATS,
                    help="the source's format (default: inferred from file names)")  # fmt: skip
     p.add_argument(
         "--samples", type=int, default=32, help="samples to decode (default: %(default)s)"
@@ -255,11 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_inspect)
 
-    p = sub.add_parser("submit", help="submit a run or preprocess config as a Ray job",
+    p = sub.add_parser("submit", help="submit a run or convert config as a Ray job",
                        description="Submit a config to a Ray head as a Ray job: the working dir "
                        "is shipped with it, the job's log is streamed here, and the exit code "
                        "is the job's outcome (0 when it SUCCEEDED).")  # fmt: skip
-    p.add_argument("config", help="run or preprocess config YAML inside the working dir")
+    p.add_argument("config", help="run or convert config YAML inside the working dir")
     p.add_argument("--address", default=None,
                    help="the head's job API (dashboard) URL (default: RAY_ADDRESS, "
                    "else http://127.0.0.1:8265)")  # fmt: skip

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from raypipe.cli.jobspec import convert_section
 from raypipe.config import PipelineConfig, check_keys, load_yaml
 from raypipe.data.shards import list_shards
 from raypipe.formats.writer import EXTENSIONS, Sample, Written, count_samples, write_shard
@@ -33,7 +34,7 @@ INDEX = "index.json"
 
 @dataclasses.dataclass(frozen=True)
 class ShardsConfig:
-    """What ``raypipe preprocess`` does (the ``preprocess`` section of a YAML config).
+    """What ``raypipe convert`` does (the ``convert`` section of a YAML config).
 
     Args:
         source: the image folder (class sub-folders).
@@ -55,7 +56,7 @@ class ShardsConfig:
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
-            return ValueError(f"preprocess.{field}={getattr(self, field)!r}: {why}")
+            return ValueError(f"convert.{field}={getattr(self, field)!r}: {why}")
 
         for name in ("source", "out", "prefix"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
@@ -76,28 +77,29 @@ class ShardsConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ShardsConfig:
         if not isinstance(data, Mapping):
-            raise ValueError(f"preprocess config must be a mapping, got {type(data).__name__}")
-        check_keys(data, [f.name for f in dataclasses.fields(cls)], where="preprocess")
+            raise ValueError(f"convert config must be a mapping, got {type(data).__name__}")
+        check_keys(data, [f.name for f in dataclasses.fields(cls)], where="convert")
         missing = [k for k in ("source", "out") if k not in data]
         if missing:
-            raise ValueError(f"preprocess: missing required key(s) {', '.join(missing)}")
+            raise ValueError(f"convert: missing required key(s) {', '.join(missing)}")
         return cls(**data)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ShardsConfig:
         raw = load_yaml(path)
-        check_keys(raw, ["preprocess"], where=str(path))
-        if "preprocess" not in raw:
-            raise ValueError(f"{path}: a preprocess config needs a 'preprocess' section")
+        section = convert_section(raw)
+        check_keys(raw, [section or "convert"], where=str(path))
+        if section is None:
+            raise ValueError(f"{path}: a convert config needs a 'convert' section")
         try:
-            return cls.from_dict(raw["preprocess"])
+            return cls.from_dict(raw[section])
         except TypeError as e:
-            raise ValueError(f"{path}: preprocess: {e}") from None
+            raise ValueError(f"{path}: {section}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
 class Summary:
-    """The outcome of one preprocess run."""
+    """The outcome of one convert run."""
 
     out: str
     shards: int
@@ -127,12 +129,12 @@ def plan(config: ShardsConfig) -> tuple[list[list[Sample]], tuple[str, ...]]:
     n = len(samples)
     total = config.shards or -(-n // config.samples_per_shard)
     if total > n:
-        raise ValueError(f"preprocess.shards={total} is more than the {n} samples in the folder")
+        raise ValueError(f"convert.shards={total} is more than the {n} samples in the folder")
     cuts = [i * n // total for i in range(total + 1)]
     return [samples[cuts[i] : cuts[i + 1]] for i in range(total)], listing.classes
 
 
-def preprocess(config: ShardsConfig, *, log: TextIO | None = None) -> Summary:
+def convert(config: ShardsConfig, *, log: TextIO | None = None) -> Summary:
     """Write the shards of ``config`` with Ray tasks on the connected (or a local) Ray.
 
     Progress goes to ``log`` (default: stderr), one line per finished shard.
@@ -164,7 +166,7 @@ def preprocess(config: ShardsConfig, *, log: TextIO | None = None) -> Summary:
         "shards": entries,
     }
     _save_index(out, index)
-    print(f"preprocess: {total} shards into {out} ({reused} already finished)", file=log)
+    print(f"convert: {total} shards into {out} ({reused} already finished)", file=log)
 
     task = ray.remote(num_cpus=config.cpus_per_task)(write_shard)
     pending = {task.remote(parts[i], out, names[i], fmt): i for i in todo}
@@ -183,7 +185,7 @@ def preprocess(config: ShardsConfig, *, log: TextIO | None = None) -> Summary:
     index["complete"] = True
     _save_index(out, index)
     for path, reason in skipped:
-        print(f"preprocess: skipped {path}: {reason}", file=log)
+        print(f"convert: skipped {path}: {reason}", file=log)
     return Summary(
         out,
         total,
@@ -262,3 +264,6 @@ def _save_index(out: str, index: dict[str, Any]) -> None:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+preprocess = convert  # its name in raypipe 0.1

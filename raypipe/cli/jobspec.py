@@ -1,8 +1,8 @@
 """Job configs: which job a YAML file describes, checked, with its paths made absolute.
 
 Two kinds of YAML config drive raypipe jobs: a run config (``data``, ``eval``,
-``trainer`` sections; `raypipe run`) and a preprocess config (a ``preprocess``
-section; `raypipe preprocess`). Relative data paths in either are relative to the
+``trainer`` sections; `raypipe run`) and a convert config (a ``convert`` section, or
+``preprocess`` as raypipe 0.1 named it; `raypipe convert`). Relative data paths in either are relative to the
 directory the user works in, which is not where a submitted job runs (Ray unpacks
 the working dir elsewhere), so jobs resolve them against an explicit root.
 """
@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from raypipe.config import check_keys, load_yaml
 
-Kind = Literal["train", "preprocess"]
+Kind = Literal["train", "convert"]
 
 RUN_SECTIONS = ("data", "eval", "trainer")
 # Path-valued keys per section: these are resolved against the data root.
@@ -24,20 +24,27 @@ PATH_KEYS = {
     "data": ("source",),
     "eval": ("source",),
     "trainer": ("storage_path",),
+    "convert": ("source", "out"),
     "preprocess": ("source", "out"),
 }
+CONVERT_SECTIONS = ("convert", "preprocess")  # the second: its name in raypipe 0.1
+
+
+def convert_section(raw: dict[str, Any]) -> str | None:
+    """The key of a config's convert section (``convert``, or the older ``preprocess``)."""
+    return next((k for k in CONVERT_SECTIONS if k in raw), None)
 
 
 def kind_of(path: str | Path) -> Kind:
-    """``"preprocess"`` for a config with a ``preprocess`` section, else ``"train"``."""
+    """``"convert"`` for a config with a ``convert`` section, else ``"train"``."""
     raw = load_yaml(path)
-    if "preprocess" in raw:
-        return "preprocess"
-    check_keys(raw, [*RUN_SECTIONS, "preprocess"], where=str(path))
+    if convert_section(raw):
+        return "convert"
+    check_keys(raw, [*RUN_SECTIONS, "convert"], where=str(path))
     if "data" not in raw:
         raise ValueError(
             f"{path}: neither a run config (needs a 'data' section) "
-            "nor a preprocess config (needs a 'preprocess' section)"
+            "nor a convert config (needs a 'convert' section)"
         )
     return "train"
 
@@ -49,7 +56,7 @@ def check(path: str | Path) -> Kind:
 
     kind = kind_of(path)
     try:
-        (ShardsConfig if kind == "preprocess" else RunConfig).from_yaml(path)
+        (ShardsConfig if kind == "convert" else RunConfig).from_yaml(path)
     except TypeError as e:
         raise ValueError(f"{path}: {e}") from None
     return kind

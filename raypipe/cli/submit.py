@@ -1,9 +1,9 @@
-"""`raypipe submit`: send a run or preprocess config to a Ray head as a Ray job.
+"""`raypipe submit`: send a run or convert config to a Ray head as a Ray job.
 
 ```
  here:    check the config → pack the working dir (minus .venv, data, .git) →
           POST the job to the head's job API (JobSubmissionClient)
- head:    python -m raypipe {run|preprocess} CONFIG --data-root <where you submitted from>
+ head:    python -m raypipe {run|convert} CONFIG --data-root <where you submitted from>
  here:    stream the job's log until it ends → exit 0 if SUCCEEDED, else 1
 ```
 
@@ -37,7 +37,7 @@ EXCLUDES = [
     ".ruff_cache/",
     "benchmarks/out/",
 ]
-ENTRY = {"train": "run", "preprocess": "preprocess"}
+ENTRY = {"train": "run", "convert": "convert"}
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 

@@ -30,10 +30,18 @@ from raypipe.data.budget import check_budget
 from raypipe.data.decode import decode_crop
 from raypipe.data.gpudecode import Encoded, EncodedBlocks
 from raypipe.data.shards import Listing, Reader, epoch_order, list_shards, pending_rows, unpack_done
-from raypipe.data.skips import BadSample, SampleError, SkipLog, SkipRecord, detail_of, reason_of
+from raypipe.data.skips import (
+    BadSample,
+    SampleError,
+    SkipLog,
+    SkipRecord,
+    detail_of,
+    reason_of,
+    remember,
+)
 from raypipe.data.usermap import SampleMap
 from raypipe.data.userrows import RowBuilder, Schema
-from raypipe.formats.webdataset import RawSample
+from raypipe.formats.sample import RawSample
 
 __all__ = ["Preprocessor", "SampleError", "build_dataset"]
 assert __all__ == sorted(__all__)
@@ -57,9 +65,12 @@ def build_dataset(
     ``listing`` lets a caller list the shards once and build many epochs from it.
     ``consumed`` (bool per key, e.g. ``PipelineState.consumed``) resumes an interrupted
     epoch: those keys are left out before their shards are read or decoded.
-    Skipped samples go to ``skips`` (a new `SkipLog` when None); ``SkipLog.of(ds)``
-    returns it, and ``iter_torch_batches(ds)`` reports its counts in ``stats()``.
+    Skipped samples go to ``skips``, a `SkipLog` (``SkipLog.create()``); pass the same log
+    to ``iter_torch_batches(ds, config, skips=skips)`` for its counts in ``stats()``. Without
+    one the dataset makes its own, for the skip budget (``SkipLog.of(ds)`` finds it, for
+    one more release).
     """
+    import ray
     import ray.data
 
     if not isinstance(config, PipelineConfig):
@@ -72,10 +83,14 @@ def build_dataset(
     shards = epoch_order(
         listing.shards, seed=config.seed, epoch=epoch, shuffle=config.shuffle_files
     )
-    per_task = config.files_per_task if listing.format == "imagefolder" else 1
+    per_task = listing.shards_per_task(config)
     rows = pending_rows(shards, None if consumed is None else np.asarray(consumed, bool))
     lo, hi = config.actors
-    skips = skips or SkipLog.create()  # after listing: a bad source fails before Ray starts
+    made_here = skips is None  # after listing: a bad source fails before Ray starts
+    if made_here:
+        if not ray.is_initialized():
+            ray.init()  # as Ray Data would on the first operation
+        skips = SkipLog.create()
     config = sized_blocks(config)
     ds = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // per_task)))
     kwargs = {"config": config, "reader": listing.reader, "epoch": epoch, "skips": skips,
@@ -92,8 +107,8 @@ def build_dataset(
             compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi),
             num_cpus=config.actor_cpus,
         )
-    ds._raypipe_skips = skips  # read by SkipLog.of and iter_torch_batches
-    ds._raypipe_config = config  # iter_torch_batches: decode="gpu" needs its device step
+    if made_here:
+        remember(ds, skips)
     return ds
 
 
@@ -112,7 +127,6 @@ class Preprocessor:
 
     def __init__(self, config: PipelineConfig, reader: Reader | str, epoch: int,
                  skips: SkipLog | None = None, samples: int | None = None):  # fmt: skip
-        from PIL import Image
 
         self.config = config
         self.usermap = SampleMap.of(config)
@@ -122,9 +136,6 @@ class Preprocessor:
         self.epoch = epoch
         self.skips = skips
         self.skipped = 0
-        # `_plan` checks config.max_image_pixels for every image, from its header; Pillow's
-        # process-wide limit would refuse some images before that check runs.
-        Image.MAX_IMAGE_PIXELS = None
 
     def __call__(self, shards: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         yield from self._blocks(shards, self.epoch, self.skips)

@@ -24,7 +24,6 @@ On a CPU device (tests, machines without CUDA) the same step runs with libjpeg-t
 
 from __future__ import annotations
 
-import io
 import math
 from typing import Any, NamedTuple
 
@@ -231,11 +230,9 @@ def decode_rgb(data: bytes) -> np.ndarray:
     try:
         return simplejpeg.decode_jpeg(data, colorspace="RGB")
     except ValueError:
-        from PIL import Image
+        from raypipe.data.pillow import open_image, to_rgb
 
-        from raypipe.data.pillow import to_rgb
-
-        with Image.open(io.BytesIO(data)) as img:
+        with open_image(data) as img:
             return np.asarray(to_rgb(img))
 
 

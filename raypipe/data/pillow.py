@@ -13,7 +13,7 @@ import numpy as np
 
 from raypipe.data.augment import Box
 
-__all__ = ["pillow_decode_crop", "to_rgb"]
+__all__ = ["open_image", "pillow_decode_crop", "to_rgb"]
 assert __all__ == sorted(__all__)
 
 
@@ -28,7 +28,7 @@ def pillow_decode_crop(data: bytes, size: int, choose) -> np.ndarray:
     """
     from PIL import Image, ImageOps
 
-    with Image.open(io.BytesIO(data)) as img:
+    with open_image(data) as img:
         orientation = _orientation(img)
         width, height = img.size
         if orientation in _SWAPS_SIDES:
@@ -55,6 +55,39 @@ def pillow_decode_crop(data: bytes, size: int, choose) -> np.ndarray:
     if p.flip:
         arr = arr[:, ::-1]
     return np.ascontiguousarray(arr.transpose(2, 0, 1))
+
+
+def open_image(data: bytes):
+    """``Image.open`` of ``data``, where raypipe's ``max_image_pixels`` decides, not Pillow.
+
+    Pillow refuses images over twice its process-wide ``Image.MAX_IMAGE_PIXELS`` as it
+    opens them; raypipe leaves that setting alone (it belongs to the process) and checks
+    its own limit per image from the header before decoding. An image only Pillow's
+    limit refused is opened again without that check.
+    """
+    from PIL import Image
+
+    try:
+        return Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError:
+        return _open_unchecked(data)
+
+
+def _open_unchecked(data: bytes):
+    """``Image.open`` less its pixel-count check: the first format plugin that accepts it."""
+    import struct
+
+    from PIL import Image
+
+    Image.init()
+    for fmt in Image.ID:
+        factory, accept = Image.OPEN[fmt]
+        if accept is None or accept(data[:16]):
+            try:
+                return factory(io.BytesIO(data), None)
+            except (SyntaxError, IndexError, TypeError, struct.error):
+                continue
+    raise Image.UnidentifiedImageError("cannot identify image file")
 
 
 def to_rgb(img):

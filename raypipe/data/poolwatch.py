@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Any
 
+from raypipe.data.dataset import Preprocessor
+
 __all__ = ["PoolSample", "PoolWatch"]
 assert __all__ == sorted(__all__)
 
@@ -48,8 +50,9 @@ class PoolWatch:
 
     Args:
         interval_s: seconds between samples.
-        match: counted actors have this in their name (Ray Data names a `build_dataset`
-            pool's actors ``MapWorker(MapBatches(Preprocessor))``).
+        match: counted actors have this in their class name; None: raypipe's
+            preprocessing actors (Ray Data names them ``MapWorker(MapBatches(Preprocessor))``,
+            ``...(RankPreprocessor)`` for a `raypipe.Pipeline`'s pool).
         max_samples: samples kept (the oldest go first).
         new_only: count only actors that were not alive at ``start()`` (leave out the pools
             of datasets already running, e.g. one an earlier consumer abandoned).
@@ -59,7 +62,7 @@ class PoolWatch:
         self,
         *,
         interval_s: float = 0.5,
-        match: str = "Preprocessor",
+        match: str | None = None,
         max_samples: int = 4096,
         new_only: bool = False,
     ):
@@ -67,7 +70,8 @@ class PoolWatch:
             raise ValueError(f"{interval_s=} must be a number > 0")
         if not isinstance(max_samples, int) or max_samples < 1:
             raise ValueError(f"{max_samples=} must be an integer >= 1")
-        self.interval_s, self.match = float(interval_s), match
+        self.interval_s = float(interval_s)
+        self.match = match if match is not None else Preprocessor.__name__
         self._samples: collections.deque[PoolSample] = collections.deque(maxlen=max_samples)
         self._lock = threading.Lock()
         self._stop = threading.Event()

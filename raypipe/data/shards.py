@@ -1,20 +1,16 @@
-"""Shards: list them with dense, stable keys; order them per epoch; read raw samples.
+"""Shards: list them with dense, stable keys, order them per epoch, cut them into the
+rows the actors read.
 
 A shard is one file, local or in object storage (`raypipe.formats.storage`). An image-folder
 shard holds one sample; a WebDataset tar or a Parquet file holds many. Keys are dense:
 shards are sorted by path and sample ``i`` of a shard whose first key is ``k`` gets key
 ``k + i``, so a key names the same sample in every epoch and run as long as the files do
-not change.
-
-Bad data never raises here: a sample that cannot be read is yielded with a ``reason``
-(one of ``raypipe.data.skips.REASONS``) for the policy to act on. Tar shards are counted and
-read by `raypipe.formats.webdataset`, Parquet shards by `raypipe.formats.parquet`.
+not change. Counting and reading are the format's (`raypipe.formats`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -22,12 +18,9 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from raypipe.config import PipelineConfig
-from raypipe.formats.parquet import count_parquet_rows, parquet_labels, read_parquet
+from raypipe.formats import Reader, get_format, imagefolder, infer_format
 from raypipe.formats.storage import Storage
-from raypipe.formats.webdataset import RawSample, count_tar_samples, os_error, read_tar
 
-IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
-_SHARD_EXT = {"webdataset": ".tar", "parquet": ".parquet"}
 PROGRESS_S = 5.0  # a listing longer than this says how far it is, every PROGRESS_S
 
 
@@ -37,52 +30,6 @@ class Shard:
     first_key: int
     num_samples: int
     label: int = -1  # image folders only: the class index from the parent directory
-
-
-@dataclasses.dataclass(frozen=True)
-class Reader:
-    """How the actors read one source's shards (pickled into each of them).
-
-    ``classes`` maps string labels (Parquet) to their index; the column and member
-    settings are `PipelineConfig`'s.
-    """
-
-    format: str
-    storage: Storage = dataclasses.field(default_factory=Storage)
-    image_column: str = "image"
-    label_column: str = "label"
-    label_member: str | None = None
-    label_key: str = "label"
-    classes: tuple[str, ...] = ()
-    extras: bool = False  # samples carry their other members / columns (user transforms)
-
-    def count(self, path: str) -> int:
-        if self.format == "webdataset":
-            return count_tar_samples(self.storage, path)
-        return count_parquet_rows(self.storage, path)
-
-    def read(self, path: str, first_key: int, label: int,
-             done: np.ndarray | None = None) -> Iterator[RawSample]:  # fmt: skip
-        """The raw samples of one shard in key order; members marked in ``done`` (a bool
-        per member, for a resumed epoch) are passed over without reading their bytes."""
-        if self.format == "imagefolder":
-            try:
-                data = self.storage.read_bytes(path)
-            except OSError as e:
-                yield RawSample(first_key, label, None, path, os_error(e), "unreadable")
-                return
-            yield RawSample(first_key, label, data, path)
-        elif self.format == "webdataset":
-            yield from read_tar(self.storage, path, first_key, done,
-                                label_member=self.label_member, label_key=self.label_key,
-                                extras=self.extras)  # fmt: skip
-        elif self.format == "parquet":
-            yield from read_parquet(self.storage, path, first_key, done,
-                                    image_column=self.image_column,
-                                    label_column=self.label_column, classes=self.classes,
-                                    extras=self.extras)  # fmt: skip
-        else:
-            raise ValueError(f"unknown format {self.format!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +48,10 @@ class Listing:
     def num_samples(self) -> int:
         return sum(s.num_samples for s in self.shards)
 
+    def shards_per_task(self, config: PipelineConfig) -> int:
+        """Shards one actor call reads: ``files_per_task`` image files, or one shard file."""
+        return config.files_per_task if get_format(self.format).one_per_file else 1
+
 
 def list_shards(config: PipelineConfig) -> Listing:
     """Resolve ``config.source`` into sorted shards with dense keys (on the driver: a
@@ -110,11 +61,12 @@ def list_shards(config: PipelineConfig) -> Listing:
     fmt = config.format or infer_format(paths, storage)
     reader = Reader(fmt, storage, config.image_column, config.label_column,
                     config.label_member, config.label_key, extras=config.transform is not None)  # fmt: skip
-    if fmt == "imagefolder":
+    suffix = get_format(fmt).suffix
+    if get_format(fmt).one_per_file:
         return _list_imagefolder(paths, reader)
-    files = sorted(set(_files_with(paths, _SHARD_EXT[fmt], storage)))
+    files = sorted(set(_files_with(paths, suffix, storage)))
     if not files:
-        raise ValueError(f"no {_SHARD_EXT[fmt]} shards found in source {config.source!r}")
+        raise ValueError(f"no {suffix} shards found in source {config.source!r}")
     shards, key, shown = [], 0, time.monotonic()
     for i, f in enumerate(files):
         if time.monotonic() - shown > PROGRESS_S:  # a remote listing reads every header
@@ -126,22 +78,9 @@ def list_shards(config: PipelineConfig) -> Listing:
         key += n
     if key == 0:
         raise ValueError(f"the {fmt} shards in {config.source!r} hold no samples")
-    if fmt == "parquet":
-        classes, labels = parquet_labels(storage, files, config.label_column)
-        reader = dataclasses.replace(reader, classes=classes)
-    else:
-        member = config.label_member
-        labels = f".{member} member" if member else "the first of .cls, .json, .txt members"
-        labels += f" (key {config.label_key!r} of .json)" if member in (None, "json") else ""
-        classes = ()
+    classes, labels = get_format(fmt).labels(reader, files)
+    reader = dataclasses.replace(reader, classes=classes)
     return Listing(fmt, tuple(shards), classes, reader, labels)
-
-
-def read_shard(path: str, fmt: str | Reader, first_key: int, label: int,
-               done: np.ndarray | None = None) -> Iterator[RawSample]:  # fmt: skip
-    """`Reader.read` with a format name meaning that format's defaults on local files."""
-    reader = fmt if isinstance(fmt, Reader) else Reader(fmt)
-    return reader.read(path, first_key, label, done)
 
 
 def epoch_order(shards: tuple[Shard, ...], *, seed: int, epoch: int, shuffle: bool) -> list[Shard]:
@@ -150,28 +89,6 @@ def epoch_order(shards: tuple[Shard, ...], *, seed: int, epoch: int, shuffle: bo
         return list(shards)
     perm = np.random.default_rng([seed, epoch, 0x5EED]).permutation(len(shards))
     return [shards[i] for i in perm]
-
-
-def infer_format(paths: list[str], storage: Storage | None = None) -> str:
-    storage = storage or Storage()
-    files: list[str] = []
-    dirs = [p for p in paths if storage.kind(p) == "dir"]
-    for p in paths:
-        if p in dirs:
-            for i, f in enumerate(storage.walk(p)):
-                files.append(f)
-                if i > 64:
-                    break
-        else:
-            files.append(p)
-    exts = {os.path.splitext(f)[1].lower() for f in files}
-    if ".tar" in exts:
-        return "webdataset"
-    if ".parquet" in exts:
-        return "parquet"
-    if exts & set(IMAGE_EXTS) or dirs:
-        return "imagefolder"
-    raise ValueError(f"cannot infer the format of {paths!r}: set PipelineConfig.format")
 
 
 def _files_with(paths: list[str], ext: str, storage: Storage) -> Iterator[str]:
@@ -184,22 +101,7 @@ def _files_with(paths: list[str], ext: str, storage: Storage) -> Iterator[str]:
 
 def _list_imagefolder(paths: list[str], reader: Reader) -> Listing:
     """Class sub-folders become labels, by sorted class name; one shard per image."""
-    storage = reader.storage
-    if len(paths) != 1 or storage.kind(paths[0]) != "dir":
-        raise ValueError(f"an image folder source is one directory, got {paths!r}")
-    root = paths[0]
-    classes = storage.dirs(root)
-    if not classes:
-        raise ValueError(f"image folder {root!r} has no class sub-folders")
-    files: list[tuple[str, int]] = []
-    for label, name in enumerate(classes):
-        files.extend(
-            (f, label)
-            for f in storage.walk(storage.join(root, name))
-            if f.lower().endswith(IMAGE_EXTS)
-        )
-    if not files:
-        raise ValueError(f"no images ({', '.join(IMAGE_EXTS)}) found under {root!r}")
+    files, classes = imagefolder.list_images(paths, reader.storage)
     shards = tuple(Shard(p, key, 1, label) for key, (p, label) in enumerate(files))
     return Listing("imagefolder", shards, tuple(classes), reader, "class sub-folders")
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import uuid
+import warnings
+import weakref
 from typing import Any
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "SkipStore",
     "detail_of",
     "reason_of",
+    "remember",
     "write_reports",
 ]
 assert __all__ == sorted(__all__)
@@ -156,9 +159,6 @@ class SkipStore:
             "records_left_out": entry.total - len(entry.records),
         }
 
-    def drop(self, run: str) -> None:
-        self._runs.pop(run, None)
-
 
 class _Run:
     """Skips of one dataset: exact counts, a bitmap of keys seen, the first records."""
@@ -204,6 +204,15 @@ def write_reports(logs: dict[str, SkipLog], directory: str, filesystem=None) -> 
     return path, sum(r["skipped"] for r in reports.values())
 
 
+# the logs build_dataset made for datasets given none (for the deprecated SkipLog.of)
+_MADE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def remember(dataset, log: SkipLog) -> None:
+    """Keep the log `build_dataset` made for ``dataset``, for as long as the dataset lives."""
+    _MADE[dataset] = log
+
+
 _STORES: dict[tuple[str, str], Any] = {}  # (node id, job id) -> the store actor's handle
 
 
@@ -247,15 +256,18 @@ class SkipLog:
         if not isinstance(max_records, int) or max_records < 0:
             raise ValueError(f"{max_records=} must be an integer >= 0")
         if not ray.is_initialized():
-            ray.init()
+            raise RuntimeError("SkipLog.create() needs a running Ray: call ray.init() first")
         return cls(_driver_store(), uuid.uuid4().hex, max_records)
 
     @staticmethod
     def of(dataset) -> SkipLog:
-        """The log of a dataset made by `build_dataset` (take it before splitting)."""
-        log = getattr(dataset, "_raypipe_skips", None)
+        """Deprecated: the log `build_dataset` made for ``dataset`` when it was given none.
+        Make the log yourself and pass it: ``build_dataset(config, skips=SkipLog.create())``."""
+        warnings.warn("SkipLog.of(ds) goes in the next release: pass skips=SkipLog.create() "
+                      "to build_dataset and keep it", DeprecationWarning, stacklevel=2)  # fmt: skip
+        log = _MADE.get(dataset)
         if log is None:
-            raise ValueError("this dataset was not made by raypipe.build_dataset")
+            raise ValueError("this dataset was not made by raypipe.build_dataset without skips=")
         return log
 
     def epoch(self, epoch: int) -> SkipLog:
@@ -281,7 +293,3 @@ class SkipLog:
         import ray
 
         return ray.get(self._handle.report.remote(self.run))
-
-    def close(self) -> None:
-        """Forget this dataset's skips in the store."""
-        self._handle.drop.remote(self.run)

@@ -19,24 +19,23 @@ naming the field, the key and the file.
 
 from __future__ import annotations
 
-import importlib
 import io
 import json
-import pickle
 import random
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from raypipe.config import resolve_callable
 from raypipe.data.augment import sample_rng
-from raypipe.data.pillow import to_rgb
+from raypipe.data.pillow import open_image, to_rgb
+from raypipe.formats.imagefolder import IMAGE_EXTS
 
 __all__ = ["SampleMap", "TransformOutputError", "resolve_callable", "seed_globals"]
 assert __all__ == sorted(__all__)
 
-INPUTS = ("numpy", "pil", "torch")
-_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif")
+_IMAGE_EXTS = tuple(e.lstrip(".") for e in IMAGE_EXTS)  # member names of image bytes
 
 
 class TransformOutputError(ValueError):
@@ -47,39 +46,6 @@ class TransformOutputError(ValueError):
 
     def __str__(self) -> str:  # one line, without what Ray Data appends on the way
         return str(self.args[0]).split("\n", 1)[0] if self.args else ""
-
-
-def resolve_callable(value: Any, field: str) -> Callable | None:
-    """``value`` as a callable: itself, or the object a ``"module:attribute"`` path names.
-
-    A callable must pickle by reference (a module-level function, a ``functools.partial``
-    of one, an instance of an importable class such as a torchvision ``Compose``): lambdas
-    and local functions cannot be re-imported where the actors run, so they are refused here,
-    before any work.
-    """
-    if value is None:
-        return None
-    if isinstance(value, str):
-        module, sep, name = value.partition(":")
-        if not sep or not module or not name:
-            raise ValueError(f"PipelineConfig.{field}={value!r}: expected 'module:attribute'")
-        try:
-            obj: Any = importlib.import_module(module)
-            for part in name.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"PipelineConfig.{field}={value!r}: cannot import it: {e}") from None
-        value = obj
-    if not callable(value):
-        raise ValueError(f"PipelineConfig.{field}={value!r}: not callable")
-    try:
-        pickle.dumps(value)
-    except Exception as e:
-        raise ValueError(
-            f"PipelineConfig.{field}={value!r}: cannot be pickled by reference ({e}); define it "
-            "at module level in an importable module, or give 'module:function'"
-        ) from None
-    return value
 
 
 def seed_globals(seed: int, epoch: int, key: int) -> int:
@@ -161,9 +127,9 @@ class SampleMap:
         return [_as_row(row, raw) for row, raw in zip(rows, raws, strict=True)]
 
     def _image(self, data: bytes):
-        from PIL import Image, ImageOps
+        from PIL import ImageOps
 
-        with Image.open(io.BytesIO(data)) as img:
+        with open_image(data) as img:
             if self.max_pixels is not None and img.width * img.height > self.max_pixels:
                 from raypipe.data.skips import BadSample
 

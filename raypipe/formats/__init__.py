@@ -1,5 +1,115 @@
-"""Formats: where samples live and how they are listed, read and written.
+"""Formats: where samples live and how each kind of shard is listed, read and written.
 
-The bottom of the data path: `raypipe.formats.storage` (local disk or object storage)
-and one module per format: `imagefolder`, `webdataset` (tar shards), `parquet`.
+The bottom of the data path: `raypipe.formats.storage` (local disk or object storage),
+and one module per format, `imagefolder`, `webdataset` (tar shards) and `parquet`, each
+registered once in `FORMATS`. A `Reader` holds one source's read settings and is what
+the preprocessing actors get; everything else looks a format up by name.
+
+Bad data never raises in a reader: a sample that cannot be read is yielded with a
+``reason`` (one of ``raypipe.data.skips.REASONS``) for the skip policy to act on.
 """
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from raypipe.config import FORMATS as FORMAT_NAMES
+from raypipe.formats import imagefolder, parquet, webdataset
+from raypipe.formats.sample import RawSample
+from raypipe.formats.storage import Storage
+
+__all__ = ["FORMATS", "Format", "Reader", "get_format", "infer_format"]
+assert __all__ == sorted(__all__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """One format: its shard files' suffix and how they are counted, read and written.
+
+    ``count(reader, path)`` is None when a file is one sample (image folders);
+    ``labels(reader, files)`` gives the class names and how labels are read, in words;
+    ``write(path, samples)`` is None when raypipe does not write the format.
+    """
+
+    name: str
+    suffix: str  # of a shard file; "" when every image file is a shard
+    read: Callable[..., Iterator[RawSample]]
+    count: Callable[[Reader, str], int] | None = None
+    labels: Callable[[Reader, list[str]], tuple[tuple[str, ...], str]] | None = None
+    write: Callable[[str, list], None] | None = None
+
+    @property
+    def one_per_file(self) -> bool:
+        return self.count is None
+
+
+FORMATS: dict[str, Format] = {
+    "imagefolder": Format("imagefolder", "", imagefolder.read),
+    "webdataset": Format(
+        "webdataset", ".tar", webdataset.read, webdataset.count, webdataset.labels, webdataset.write
+    ),  # fmt: skip
+    "parquet": Format(
+        "parquet", ".parquet", parquet.read, parquet.count, parquet.labels, parquet.write
+    ),  # fmt: skip
+}
+assert tuple(FORMATS) == FORMAT_NAMES
+
+
+def get_format(name: str) -> Format:
+    if name not in FORMATS:
+        raise ValueError(f"format={name!r} must be one of {tuple(FORMATS)}")
+    return FORMATS[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reader:
+    """How the actors read one source's shards (pickled into each of them).
+
+    ``classes`` maps string labels (Parquet) to their index; the column and member
+    settings are `raypipe.PipelineConfig`'s.
+    """
+
+    format: str
+    storage: Storage = dataclasses.field(default_factory=Storage)
+    image_column: str = "image"
+    label_column: str = "label"
+    label_member: str | None = None
+    label_key: str = "label"
+    classes: tuple[str, ...] = ()
+    extras: bool = False  # samples carry their other members / columns (user transforms)
+
+    def count(self, path: str) -> int:
+        count = get_format(self.format).count
+        return 1 if count is None else count(self, path)
+
+    def read(self, path: str, first_key: int, label: int,
+             done: np.ndarray | None = None) -> Iterator[RawSample]:  # fmt: skip
+        """The raw samples of one shard in key order; members marked in ``done`` (a bool
+        per member, for a resumed epoch) are passed over without reading their bytes."""
+        return get_format(self.format).read(self, path, first_key, label, done)
+
+
+def infer_format(paths: list[str], storage: Storage | None = None) -> str:
+    """The format of ``paths`` from the files' suffixes (a folder of images: imagefolder)."""
+    storage = storage or Storage()
+    files: list[str] = []
+    dirs = [p for p in paths if storage.kind(p) == "dir"]
+    for p in paths:
+        if p in dirs:
+            for i, f in enumerate(storage.walk(p)):
+                files.append(f)
+                if i > 64:
+                    break
+        else:
+            files.append(p)
+    exts = {os.path.splitext(f)[1].lower() for f in files}
+    for fmt in FORMATS.values():
+        if fmt.suffix and fmt.suffix in exts:
+            return fmt.name
+    if exts & set(imagefolder.IMAGE_EXTS) or dirs:
+        return "imagefolder"
+    raise ValueError(f"cannot infer the format of {paths!r}: set PipelineConfig.format")

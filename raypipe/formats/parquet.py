@@ -19,10 +19,18 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from raypipe.formats.sample import RawSample
 from raypipe.formats.storage import Storage
-from raypipe.formats.webdataset import RawSample
 
-__all__ = ["count_parquet_rows", "parquet_labels", "read_parquet"]
+__all__ = [
+    "count",
+    "count_parquet_rows",
+    "labels",
+    "parquet_labels",
+    "read",
+    "read_parquet",
+    "write",
+]
 assert __all__ == sorted(__all__)
 
 ROWS_PER_READ = 256
@@ -177,3 +185,41 @@ def _class_label_names(schema, column: str) -> tuple[str, ...]:
         return ()
     names = feature.get("names") if isinstance(feature, dict) else None
     return tuple(str(n) for n in names) if isinstance(names, list) else ()
+
+
+def labels(reader, paths: list[str]) -> tuple[tuple[str, ...], str]:
+    """`parquet_labels` of ``reader``'s label column: (class names, how labels are read)."""
+    return parquet_labels(reader.storage, paths, reader.label_column)
+
+
+def count(reader, path: str) -> int:
+    """`count_parquet_rows` with ``reader``'s storage (a `raypipe.formats.Reader`)."""
+    return count_parquet_rows(reader.storage, path)
+
+
+def read(reader, path: str, first_key: int, label: int,
+         done: np.ndarray | None = None) -> Iterator[RawSample]:  # fmt: skip
+    """`read_parquet` with ``reader``'s columns and classes; ``label`` is unused."""
+    return read_parquet(reader.storage, path, first_key, done, image_column=reader.image_column,
+                        label_column=reader.label_column, classes=reader.classes,
+                        extras=reader.extras)  # fmt: skip
+
+
+def write(path: str, kept: list) -> None:
+    """A Parquet file of ``kept``: ``image``, ``label``, ``key``, ``name`` columns."""
+    import os
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table(
+        {
+            "image": pa.array([d for _, d, _ in kept], pa.binary()),
+            "label": pa.array([s.label for s, _, _ in kept], pa.int64()),
+            "key": pa.array([s.key for s, _, _ in kept], pa.int64()),
+            "name": pa.array([s.name for s, _, _ in kept], pa.string()),
+        }
+    )
+    pq.write_table(table, path, row_group_size=256)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())

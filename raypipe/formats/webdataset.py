@@ -8,7 +8,7 @@ count and the reader always agree on the number of keys.
 
 from __future__ import annotations
 
-import dataclasses
+import io
 import json
 import os
 import tarfile
@@ -16,23 +16,11 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from raypipe.formats.sample import RawSample, os_error
 from raypipe.formats.storage import Storage
 
 WDS_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 LABEL_MEMBERS = ("cls", "json", "txt")  # where a sample's label is looked for, in order
-
-
-@dataclasses.dataclass(frozen=True)
-class RawSample:
-    """Undecoded bytes of one sample and where they came from (for error reports)."""
-
-    key: int
-    label: int
-    data: bytes | None
-    where: str
-    error: str | None = None  # set when the sample could not even be read: the detail
-    reason: str | None = None  # and the reason, one of raypipe.data.skips.REASONS
-    extras: dict | None = None  # with a user transform: the sample's other members/columns
 
 
 def _wds_groups(members: list[tarfile.TarInfo]) -> list[tuple[str, dict[str, tarfile.TarInfo]]]:
@@ -84,12 +72,6 @@ def count_tar_samples(storage: Storage, path: str) -> int:
     except (tarfile.TarError, OSError):
         return 1  # the reader yields one unreadable_shard sample for it
     return len(groups) + (cut is not None)
-
-
-def tar_label_members(storage: Storage, path: str) -> dict[str, int]:
-    """How many samples of the first readable tar hold each label member (for ``inspect``)."""
-    groups, _ = _tar_index(storage, path)
-    return {m: sum(m in parts for _, parts in groups) for m in LABEL_MEMBERS}
 
 
 def read_tar(storage: Storage, path: str, first_key: int, done: np.ndarray | None, *,
@@ -157,5 +139,39 @@ def _label_of(text: str, member: str, label_key: str) -> tuple[int, str | None, 
         return -1, "bad_label", f".{member} label is {str(value)[:40]!r}, not an integer"
 
 
-def os_error(e: BaseException) -> str:
-    return f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}"
+def labels(reader, paths: list[str]) -> tuple[tuple[str, ...], str]:
+    """No class names (labels are integers in the members) and where they are read from."""
+    member = reader.label_member
+    text = f".{member} member" if member else "the first of .cls, .json, .txt members"
+    text += f" (key {reader.label_key!r} of .json)" if member in (None, "json") else ""
+    return (), text
+
+
+def count(reader, path: str) -> int:
+    """`count_tar_samples` with ``reader``'s storage (a `raypipe.formats.Reader`)."""
+    return count_tar_samples(reader.storage, path)
+
+
+def read(reader, path: str, first_key: int, label: int,
+         done: np.ndarray | None = None) -> Iterator[RawSample]:  # fmt: skip
+    """`read_tar` with ``reader``'s settings; ``label`` is unused (labels are members)."""
+    return read_tar(reader.storage, path, first_key, done, label_member=reader.label_member,
+                    label_key=reader.label_key, extras=reader.extras)  # fmt: skip
+
+
+def write(path: str, kept: list) -> None:
+    """A tar of ``kept`` ``(sample, image bytes, extension)``: image, ``.cls``, ``.txt``."""
+    with open(path, "wb") as f, tarfile.open(fileobj=f, mode="w") as tar:
+        for sample, data, ext in kept:
+            stem = f"{sample.key:010d}"
+            for member, payload in (
+                (f"{stem}.{ext}", data),
+                (f"{stem}.cls", str(sample.label).encode()),
+                (f"{stem}.txt", sample.name.encode()),
+            ):
+                info = tarfile.TarInfo(member)
+                info.size, info.mode = len(payload), 0o644
+                tar.addfile(info, io.BytesIO(payload))
+        tar.close()
+        f.flush()
+        os.fsync(f.fileno())

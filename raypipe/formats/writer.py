@@ -11,14 +11,14 @@ import dataclasses
 import hashlib
 import io
 import os
-import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from raypipe.data.shards import read_shard
+from raypipe.formats import FORMATS, Reader, get_format
 from raypipe.formats.webdataset import WDS_IMAGE_EXTS
 
-EXTENSIONS = {"webdataset": ".tar", "parquet": ".parquet"}
+# the formats raypipe writes, and the suffix of their shard files
+EXTENSIONS = {name: f.suffix for name, f in FORMATS.items() if f.write is not None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +46,7 @@ def write_shard(samples: list[Sample], out: str, name: str, fmt: str) -> Written
     """Write ``samples`` in order into ``out/name``; unreadable images are skipped."""
     if fmt not in EXTENSIONS:
         raise ValueError(f"{fmt=} must be one of {sorted(EXTENSIONS)}")
+    write = get_format(fmt).write
     kept, skipped = [], []
     for sample, data, ext in _load(samples):
         if data is None:
@@ -55,7 +56,7 @@ def write_shard(samples: list[Sample], out: str, name: str, fmt: str) -> Written
     final = os.path.join(out, name)
     tmp = os.path.join(out, f".{name}.{os.getpid()}.tmp")
     try:
-        (_write_tar if fmt == "webdataset" else _write_parquet)(tmp, kept)
+        write(tmp, kept)
         _verify(tmp, fmt, kept)
         os.replace(tmp, final)
     finally:
@@ -67,7 +68,7 @@ def write_shard(samples: list[Sample], out: str, name: str, fmt: str) -> Written
 
 def count_samples(path: str, fmt: str) -> int:
     """Samples in a finished shard, read the way the pipeline reads it."""
-    return sum(1 for _ in read_shard(path, fmt, 0, -1))
+    return sum(1 for _ in Reader(fmt).read(path, 0, -1))
 
 
 def _load(samples: list[Sample]) -> Iterator[tuple[Sample, bytes | None, str]]:
@@ -93,45 +94,11 @@ def _to_png(data: bytes) -> bytes:
     return buf.getvalue()
 
 
-def _write_tar(path: str, kept: list[tuple[Sample, bytes, str]]) -> None:
-    with open(path, "wb") as f, tarfile.open(fileobj=f, mode="w") as tar:
-        for sample, data, ext in kept:
-            stem = f"{sample.key:010d}"
-            for member, payload in (
-                (f"{stem}.{ext}", data),
-                (f"{stem}.cls", str(sample.label).encode()),
-                (f"{stem}.txt", sample.name.encode()),
-            ):
-                info = tarfile.TarInfo(member)
-                info.size, info.mode = len(payload), 0o644
-                tar.addfile(info, io.BytesIO(payload))
-        tar.close()
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_parquet(path: str, kept: list[tuple[Sample, bytes, str]]) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    table = pa.table(
-        {
-            "image": pa.array([d for _, d, _ in kept], pa.binary()),
-            "label": pa.array([s.label for s, _, _ in kept], pa.int64()),
-            "key": pa.array([s.key for s, _, _ in kept], pa.int64()),
-            "name": pa.array([s.name for s, _, _ in kept], pa.string()),
-        }
-    )
-    pq.write_table(table, path, row_group_size=256)
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
 def _verify(path: str, fmt: str, kept: list[tuple[Sample, bytes, str]]) -> None:
     """Read the shard back as the pipeline will and compare labels and image bytes."""
     want = [(s.label, hashlib.sha1(d).digest()) for s, d, _ in kept]
     got = [
-        (raw.label, hashlib.sha1(raw.data or b"").digest()) for raw in read_shard(path, fmt, 0, -1)
+        (raw.label, hashlib.sha1(raw.data or b"").digest()) for raw in Reader(fmt).read(path, 0, -1)
     ]
     if got != want:
         first = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)

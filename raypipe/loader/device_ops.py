@@ -15,10 +15,9 @@ assert __all__ == sorted(__all__)
 
 
 class Event(Protocol):
-    """The three calls the ring makes on a CUDA event (or a stand-in)."""
+    """The two calls the ring makes on a CUDA event (or a stand-in)."""
 
     def record(self) -> None: ...
-    def query(self) -> bool: ...
     def synchronize(self) -> None: ...
 
 
@@ -50,9 +49,6 @@ class _Complete:
 
     def record(self) -> None:
         pass
-
-    def query(self) -> bool:
-        return True
 
     def synchronize(self) -> None:
         pass

@@ -256,6 +256,7 @@ class Feeder:
                     continue
             raise _Closed
         finally:
-            self.demand.held_s += time.perf_counter() - t0
+            held = time.perf_counter() - t0  # the data waited on the trainer: one reading
+            self.demand.held_s += held  # for the follower
             if stall is not None:
-                stall["trainer_s"] += time.perf_counter() - t0
+                stall["trainer_s"] += held  # for the epoch's stall view

@@ -56,7 +56,6 @@ class PinnedRing:
         self.slots = slots
         self.channels_last = channels_last
         self.allocations = 0  # host buffers allocated so far; flat after warm-up
-        self.allocated_bytes = 0
         self._rings: dict[tuple, list[_Slot]] = {}
         self._next: dict[tuple, int] = {}
 
@@ -94,7 +93,6 @@ class PinnedRing:
 
     def _alloc(self, like):
         self.allocations += 1
-        self.allocated_bytes += like.numel() * like.element_size()
         return self.ops.alloc(tuple(like.shape), like.dtype)
 
     def _laid_out(self, t):

@@ -22,6 +22,7 @@ Re-batching here makes the count ``rows // batch_size`` on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 import warnings
@@ -30,79 +31,92 @@ from typing import Any
 
 import numpy as np
 
+from raypipe.config import LoaderConfig, PipelineConfig
 from raypipe.loader.blocks import dataset_columns
+from raypipe.loader.collate import collate_for
 from raypipe.loader.h2d import HostToDevice
 from raypipe.loader.rebatch import rebatch
 from raypipe.loader.stats import Delivered, IterStats
 
 Batch = dict[str, Any]
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
 
 def iter_torch_batches(
     source,
+    config: PipelineConfig | LoaderConfig | None = None,
     *,
-    batch_size: int,
-    device: str = "auto",
-    pin_memory: bool = True,
-    prefetch_batches: int = 2,
-    drop_last: bool = True,
-    normalize: bool = True,
-    mean: tuple[float, float, float] = IMAGENET_MEAN,
-    std: tuple[float, float, float] = IMAGENET_STD,
-    shuffle_buffer: int = 0,
-    shuffle_seed: int | None = None,
-    channels_last: bool = False,
     skips=None,
     watch=None,
     collate=None,
+    **settings: Any,
 ) -> TorchBatches:
     """Iterate ``source`` (a ``ray.data.DataIterator`` or ``Dataset``) as torch batches.
 
+    ``config``: a `raypipe.PipelineConfig` (its ``loader`` settings, its ``collate``, and
+    the device step of ``decode="gpu"``) or a `raypipe.config.LoaderConfig`. Keyword
+    ``settings`` override it, by `LoaderConfig` field: ``batch_size`` (required without a
+    config), ``device``, ``pin_memory``, ``prefetch_batches``, ``drop_last``, ``normalize``,
+    ``mean``, ``std``, ``shuffle_buffer``, ``shuffle_seed``, ``channels_last``.
+
     Yields dicts: ``image`` (float32 N×C×H×W normalized, or uint8 with
-    ``normalize=False``) on ``device``, ``label`` and ``key`` (int64); ``channels_last``
-    lays images out as ``torch.channels_last``. ``collate`` turns each exact-size numpy batch
-    into the batch (its tensors then move to ``device``); default: zero-copy tensors. Each
-    pass over the
-    returned object is one epoch of ``source``; ``.stats()`` and ``.state_dict()`` describe
-    the current pass. ``stats()["skipped"]`` counts the dataset's skipped samples per
-    reason (all ranks together) from ``skips``, a `raypipe.SkipLog`; a Dataset made by
-    `build_dataset` brings its own, a split of one needs ``skips=SkipLog.of(ds)``.
+    ``normalize=False``) on the device, ``label`` and ``key`` (int64). ``collate`` turns each
+    exact-size numpy batch into the batch (its tensors then move to the device). Each pass
+    over the returned object is one epoch of ``source``; ``.stats()`` and ``.state_dict()``
+    describe the current pass. ``stats()["skipped"]`` counts skipped samples per reason
+    from ``skips``, the `raypipe.SkipLog` the dataset was built with;
     ``stats()["pool"]`` is the summary of ``watch``, a started `raypipe.PoolWatch`.
     """
     if not hasattr(source, "iter_batches"):
         raise TypeError(
             f"source must be a ray.data.DataIterator or Dataset, got {type(source).__name__}"
         )
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"{batch_size=} must be an integer >= 1")
-    if not isinstance(prefetch_batches, int) or prefetch_batches < 0:
-        raise ValueError(f"{prefetch_batches=} must be an integer >= 0")
-    if not isinstance(shuffle_buffer, int) or shuffle_buffer < 0:
-        raise ValueError(f"{shuffle_buffer=} must be an integer >= 0")
-    shuffle = (shuffle_buffer, shuffle_seed)
-    device = resolve_device(device)
-    skips = skips if skips is not None else getattr(source, "_raypipe_skips", None)
-    config = getattr(source, "_raypipe_config", None)  # a Dataset from build_dataset
-    device_map = None
-    if config is not None and config.decode == "gpu":
+    loader = loader_config(config, settings)
+    pipeline = config if isinstance(config, PipelineConfig) else None
+    device, device_map = resolve_device(loader.device), None
+    if pipeline is not None and pipeline.decode == "gpu":
         from raypipe.data.gpudecode import collate_encoded, device_map_for
 
-        collate, device_map = collate_encoded, device_map_for(config, device, skips)
+        collate, device_map = collate_encoded, device_map_for(pipeline, device, skips)
+    elif collate is None and pipeline is not None:
+        collate = collate_for(pipeline)
+    shuffle = (loader.shuffle_buffer, loader.shuffle_seed)
+    host = (source, loader.batch_size, loader.prefetch_batches, shuffle, loader.drop_last)
     return TorchBatches(
-        functools.partial(_ray_host, source, batch_size, prefetch_batches, shuffle, drop_last),
+        functools.partial(_ray_host, *host),
         device=device,
-        pin_memory=pin_memory,
-        prefetch_batches=prefetch_batches,
-        normalize=(mean, std) if normalize else None,
-        channels_last=channels_last,
+        pin_memory=loader.pin_memory,
+        prefetch_batches=loader.prefetch_batches,
+        normalize=(loader.mean, loader.std) if loader.normalize else None,
+        channels_last=loader.channels_last,
         skips=skips,
         watch=watch,
         collate=collate,
         device_map=device_map,
     )
+
+
+def loader_config(config, settings: dict[str, Any]) -> LoaderConfig:
+    """``config``'s loader settings (a PipelineConfig's, a LoaderConfig, or the defaults
+    with ``batch_size`` required), with ``settings`` over them."""
+    known = {f.name for f in dataclasses.fields(LoaderConfig)}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise TypeError(
+            f"iter_torch_batches() got unknown settings {unknown}; known: {sorted(known)}"
+        )
+    if isinstance(config, PipelineConfig):
+        base = config.loader
+    elif isinstance(config, LoaderConfig):
+        base = config
+    elif config is None:
+        if settings.get("batch_size") is None:
+            raise TypeError("iter_torch_batches() needs batch_size= or a config")
+        base = LoaderConfig(batch_size=settings["batch_size"])
+    else:
+        raise TypeError(
+            f"config must be a PipelineConfig or LoaderConfig, got {type(config).__name__}"
+        )
+    return base.replace(**{k: v for k, v in settings.items() if v is not None})
 
 
 def _ray_host(source, batch_size, prefetch, shuffle, drop_last) -> Iterator[dict[str, np.ndarray]]:

@@ -52,8 +52,8 @@ class Pipeline:
         ledger: with ``world_size > 1``, the ranks' shared `Pipeline.ledger` handle.
         group: names this group of ranks in the ledger (every rank passes the same).
         device: ``"auto"`` (Ray Train's device in a worker, else CPU) or a torch device.
-        pin_memory, prefetch_batches, channels_last: as in `raypipe.iter_torch_batches`.
-        normalize: ``(x/255 - config.mean) / config.std`` on the device; else uint8.
+        pin_memory, prefetch_batches, normalize, channels_last: override ``config.loader``
+            (`raypipe.config.LoaderConfig`); None keeps the config's.
         listing: the source's listing (listed once by the caller), or None to list it.
         skips: the run's `SkipLog` (one log per epoch under it), shared by all its ranks
             (`train_ddp` does so); None: a log of this rank's own. The skip budget
@@ -69,46 +69,45 @@ class Pipeline:
 
     def __init__(self, config: PipelineConfig, *, epochs: int, rank: int = 0,
                  world_size: int = 1, ledger=None, group: str = "", device: Any = "auto",
-                 pin_memory: bool = True, prefetch_batches: int = 2, normalize: bool = True,
-                 channels_last: bool = False, listing: Listing | None = None,
+                 pin_memory: bool | None = None, prefetch_batches: int | None = None,
+                 normalize: bool | None = None, channels_last: bool | None = None,
+                 listing: Listing | None = None,
                  skips: SkipLog | None = None, start=None,
                  progress_s: float | None = None):  # fmt: skip
         if not isinstance(config, PipelineConfig):
             raise TypeError(f"config must be a PipelineConfig, got {type(config).__name__}")
-        for name, value, low in (("epochs", epochs, 1), ("world_size", world_size, 1),
-                                 ("prefetch_batches", prefetch_batches, 1)):  # fmt: skip
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name}={value!r} must be an integer >= {low}")
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"{rank=} must be an integer in 0..{world_size - 1}")
-        if world_size > 1 and ledger is None:
-            raise ValueError(f"{world_size=} needs ledger=Pipeline.ledger({world_size})")
-        if progress_s is not None and not (
-            isinstance(progress_s, (int, float)) and progress_s >= 0
-        ):
-            raise ValueError(f"{progress_s=} must be seconds >= 0 (0: no progress lines)")
-        if start is not None and not 0 <= start.epoch < epochs:
-            raise ValueError(
-                f"the resume state is at epoch {start.epoch}: {epochs=} leaves nothing"
-            )
+        overrides = {"pin_memory": pin_memory, "prefetch_batches": prefetch_batches,
+                     "normalize": normalize, "channels_last": channels_last}  # fmt: skip
+        loader = config.loader.replace(
+            device=device, **{k: v for k, v in overrides.items() if v is not None}
+        )
+        _check_args(epochs=epochs, rank=rank, world_size=world_size, ledger=ledger,
+                    prefetch_batches=loader.prefetch_batches, progress_s=progress_s,
+                    start=start)  # fmt: skip
         self.config, self.num_epochs, self.rank, self.world_size = config, epochs, rank, world_size
         self.listing = listing or list_shards(config)
         self._shared_skips = skips is not None and world_size > 1
-        self.skips = skips or SkipLog.create()  # starts Ray if it is not up yet
+        if skips is None:
+            import ray
+
+            if not ray.is_initialized():
+                ray.init()  # as Ray Data would on its first operation
+            skips = SkipLog.create()
+        self.skips = skips
         self.config = config = sized_blocks(config)
         self.first_epoch = start.epoch if start is not None else 0
         self.plan = RankPlan.of(
             self.listing, seed=config.seed, shuffle=config.shuffle_files, rank=rank,
             world_size=world_size,
-            per_task=config.files_per_task if self.listing.format == "imagefolder" else 1,
+            per_task=self.listing.shards_per_task(config),
             resume_epoch=self.first_epoch if start is not None else -1,
             consumed=start.consumed if start is not None else None,
         )  # fmt: skip
         self._loader = {
-            "device": resolve_device(device), "pin_memory": pin_memory,
+            "device": resolve_device(loader.device), "pin_memory": loader.pin_memory,
             "collate": collate_for(config),
-            "prefetch_batches": prefetch_batches, "channels_last": channels_last,
-            "normalize": (config.mean, config.std) if normalize else None,
+            "prefetch_batches": loader.prefetch_batches, "channels_last": loader.channels_last,
+            "normalize": (loader.mean, loader.std) if loader.normalize else None,
         }  # fmt: skip
         self._gate = Gate(ledger if world_size > 1 else None, group, rank, config.batch_size)
         self._feeder: Feeder | None = None
@@ -186,3 +185,19 @@ class Pipeline:
 def _starter(ds, follower):
     """Start ``ds``'s execution on the feeder thread; None when the rank has no task."""
     return None if ds is None else functools.partial(execute, ds, follower)
+
+
+def _check_args(*, epochs, rank, world_size, ledger, prefetch_batches, progress_s, start):
+    """`Pipeline`'s own arguments (the config checked itself); ValueError naming one."""
+    for name, value, low in (("epochs", epochs, 1), ("world_size", world_size, 1),
+                             ("prefetch_batches", prefetch_batches, 1)):  # fmt: skip
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"{rank=} must be an integer in 0..{world_size - 1}")
+    if world_size > 1 and ledger is None:
+        raise ValueError(f"{world_size=} needs ledger=Pipeline.ledger({world_size})")
+    if progress_s is not None and not (isinstance(progress_s, (int, float)) and progress_s >= 0):
+        raise ValueError(f"{progress_s=} must be seconds >= 0 (0: no progress lines)")
+    if start is not None and not 0 <= start.epoch < epochs:
+        raise ValueError(f"the resume state is at epoch {start.epoch}: {epochs=} leaves nothing")

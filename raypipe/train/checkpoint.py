@@ -17,6 +17,7 @@ Which position a run resumes from: the latest checkpoint of the run itself (Ray 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -36,12 +37,25 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[PipelineState, str]:
     """The pipeline state to resume from and its checkpoint folder: ``path`` itself when
     it holds one, else the latest checkpoint of the Ray Train run folder ``path``."""
     path = os.fspath(path)
-    if os.path.isfile(os.path.join(path, STATE_FILE)):
-        return PipelineState.load(path), path
+    state = _read(path, STATE_FILE, PipelineState.load)
+    if state is not None:
+        return state, path
     found = _latest_in_run(path)
     if found is None:
         raise ValueError(f"{path!r} is neither a raypipe checkpoint nor a run folder with one")
     return found
+
+
+def _read(checkpoint, name: str, load: Callable[[str], Any]):
+    """``load(path)`` of the file ``name`` in ``checkpoint`` (a Ray Train ``Checkpoint``
+    or a local folder); None when there is no checkpoint or it has no such file."""
+    if checkpoint is None:
+        return None
+    if isinstance(checkpoint, str):
+        path = os.path.join(checkpoint, name)
+        return load(path) if os.path.isfile(path) else None
+    with checkpoint.as_directory() as d:
+        return _read(d, name, load)
 
 
 def _latest_in_run(run_dir: str) -> tuple[PipelineState, str] | None:
@@ -56,12 +70,18 @@ def _latest_in_run(run_dir: str) -> tuple[PipelineState, str] | None:
         return None
     except CheckpointManagerInitializationError:  # read while Ray Train rewrites its state
         return None
-    if checkpoint is None:
-        return None
-    with checkpoint.as_directory() as d:
-        if not os.path.isfile(os.path.join(d, STATE_FILE)):
-            return None
-        return PipelineState.load(d), checkpoint.path
+    state = _read(checkpoint, STATE_FILE, PipelineState.load)
+    return None if state is None else (state, checkpoint.path)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Where:
+    """A rank's position: in ``epoch``, the batches handed out so far, and ``base``, the
+    keys consumed before this run resumed (None: nothing before)."""
+
+    epoch: int
+    batches: Any = None  # the epoch's batches (their state_dict() has the delivered keys)
+    base: np.ndarray | None = None
 
 
 class Progress:
@@ -77,41 +97,37 @@ class Progress:
                  start: PipelineState | None = None, start_dir: str | None = None):  # fmt: skip
         self.seed, self.num_samples, self.fingerprint = seed, num_samples, fingerprint
         self.start, self.start_dir = start, start_dir
-        self._where: tuple[int, Any, np.ndarray | None] | None = None
+        self._where: _Where | None = None
 
     def _resumed(self) -> PipelineState | None:
         """This run's latest checkpoint (after a restart) beats ``start``: the last one
         that Ray Train registered."""
         import ray.train
 
-        checkpoint = ray.train.get_checkpoint()
-        if checkpoint is not None:
-            with checkpoint.as_directory() as d:
-                if os.path.isfile(os.path.join(d, STATE_FILE)):
-                    return PipelineState.load(d)
-        return self.start
+        latest = _read(ray.train.get_checkpoint(), STATE_FILE, PipelineState.load)
+        return latest if latest is not None else self.start
 
     def first_epoch(self) -> int:
         """The epoch to start at; later reports count from the state resumed."""
         state = self.start = self._resumed()
-        self._where = (state.epoch, None, state.consumed) if state else (0, None, None)
-        return self._where[0]
+        self._where = _Where(state.epoch, base=state.consumed) if state else _Where(0)
+        return self._where.epoch
 
     def begin(self, epoch: int, batches) -> None:
         base = self.start.consumed if self.start and self.start.epoch == epoch else None
-        self._where = (epoch, batches, base)
+        self._where = _Where(epoch, batches, base)
 
     def end(self, epoch: int) -> None:
-        self._where = (epoch + 1, None, None)
+        self._where = _Where(epoch + 1)
 
     def state(self) -> PipelineState:
         """The run's position over all ranks (a collective: every rank calls it together)."""
         if self._where is None:  # a report before the first epoch
             self.first_epoch()
-        epoch, batches, base = self._where
-        keys = batches.state_dict()["keys"] if batches is not None else []
-        mine = merge_states([{"keys": keys}], self.num_samples, base)
-        return PipelineState(epoch, self.seed, self.num_samples, self.fingerprint, _or(mine))
+        where = self._where
+        keys = where.batches.state_dict()["keys"] if where.batches is not None else []
+        mine = merge_states([{"keys": keys}], self.num_samples, where.base)
+        return PipelineState(where.epoch, self.seed, self.num_samples, self.fingerprint, _or(mine))
 
     def save(self, metrics: dict[str, Any], user_state: dict[str, Any] | None) -> None:
         """``ray.train.report`` on every rank; rank 0 adds the checkpoint when ``user_state``."""
@@ -135,11 +151,7 @@ class Progress:
         checkpoint = ray.train.get_checkpoint()
         if checkpoint is None and self.start_dir:
             checkpoint = ray.train.Checkpoint(self.start_dir)
-        if checkpoint is None:
-            return None
-        with checkpoint.as_directory() as d:
-            path = os.path.join(d, USER_STATE)
-            return torch.load(path, weights_only=False) if os.path.isfile(path) else None
+        return _read(checkpoint, USER_STATE, lambda path: torch.load(path, weights_only=False))
 
 
 def _or(consumed: np.ndarray) -> np.ndarray:

@@ -27,7 +27,6 @@ from raypipe.data.dataset import build_dataset
 from raypipe.data.shards import Listing, list_shards
 from raypipe.data.skips import SkipLog, write_reports
 from raypipe.data.warm import rank_pool
-from raypipe.loader.collate import collate_for
 from raypipe.loader.iterator import TorchBatches, iter_torch_batches
 from raypipe.loader.ledger import create_ledger
 from raypipe.loader.pipeline import Pipeline
@@ -52,7 +51,6 @@ class TrainContext:
         eval_config: the held-out `PipelineConfig`, or None.
         loop_config: the user's own settings, passed through unchanged.
         num_epochs: epochs to run.
-        prefetch_batches: batches each rank's iterator holds ready.
         skip_logs: the `SkipLog` of each dataset, by dataset name; the batches'
             ``stats()["skipped"]`` reads them.
         checkpoint_every: steps between the checkpoints `epochs` saves (0: none).
@@ -66,13 +64,17 @@ class TrainContext:
     eval_config: PipelineConfig | None
     loop_config: dict[str, Any]
     num_epochs: int
-    prefetch_batches: int = 2
     skip_logs: dict[str, SkipLog] = dataclasses.field(default_factory=dict)
     checkpoint_every: int = 0
     progress: Progress | None = None
     listing: Listing | None = None
     skips: SkipLog | None = None
     ledger: Any = None
+
+    @property
+    def prefetch_batches(self) -> int:
+        """Batches each rank's iterator holds ready: ``config.prefetch_batches``."""
+        return self.config.prefetch_batches
 
     @property
     def rank(self) -> int:
@@ -112,8 +114,7 @@ class TrainContext:
             return
         pipeline = Pipeline(
             self.config, epochs=self.num_epochs, rank=self.rank, world_size=self.world_size,
-            ledger=self.ledger, group=_group_id(), prefetch_batches=self.prefetch_batches,
-            listing=self.listing, skips=self.skips, start=self.progress.start,
+            ledger=self.ledger, group=_group_id(), listing=self.listing, skips=self.skips, start=self.progress.start,
         )  # fmt: skip
         with pipeline:
             for epoch, batches in pipeline.epochs():
@@ -137,16 +138,7 @@ class TrainContext:
         self, shard, config: PipelineConfig, *, drop_last: bool, name: str
     ) -> TorchBatches:
         return iter_torch_batches(
-            shard,
-            batch_size=config.batch_size,
-            prefetch_batches=self.prefetch_batches,
-            drop_last=drop_last,
-            mean=config.mean,
-            std=config.std,
-            shuffle_buffer=config.shuffle_buffer,
-            shuffle_seed=config.seed,
-            skips=self.skip_logs.get(name),
-            collate=collate_for(config),
+            shard, config, drop_last=drop_last, skips=self.skip_logs.get(name)
         )
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
@@ -196,6 +188,39 @@ def _group_id() -> str:
     return ids[0]
 
 
+def _check_run(*, num_workers, epochs, cpus_per_worker, checkpoint_every) -> None:
+    for name, value, low in (("num_workers", num_workers, 1), ("epochs", epochs, 1),
+                             ("checkpoint_every", checkpoint_every, 0)):  # fmt: skip
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+    if not cpus_per_worker > 0:
+        raise ValueError(f"{cpus_per_worker=} must be > 0")
+
+
+def _list_for(config: PipelineConfig, num_workers: int) -> Listing:
+    """The source's listing, once on the driver; refuses a batch no rank could fill."""
+    listing = list_shards(config)
+    per_rank = listing.num_samples // num_workers
+    if per_rank < config.batch_size:
+        raise ValueError(
+            f"batch_size={config.batch_size} is larger than one rank's share "
+            f"({listing.num_samples} samples / {num_workers} workers = {per_rank}): "
+            "no rank would get a full batch"
+        )
+    return listing
+
+
+def _resume_point(resume_from, listing: Listing, seed: int, epochs: int):
+    """``(PipelineState, its folder)`` of ``resume_from``, checked against this run."""
+    if resume_from is None:
+        return None, None
+    start, start_dir = load_checkpoint(resume_from)
+    start.check(listing, seed)
+    if start.epoch >= epochs:
+        raise ValueError(f"{resume_from=} is at epoch {start.epoch}: {epochs=} leaves nothing")
+    return start, start_dir
+
+
 def train_ddp(
     config: PipelineConfig,
     train_loop: Callable[[TrainContext], None],
@@ -226,31 +251,17 @@ def train_ddp(
     The samples each dataset skipped (``on_error="skip"``) are written to
     ``skipped_samples.json`` in the run's folder (``result.path``).
     """
+    import ray
     import ray.train
     from ray.train.constants import DEFAULT_STORAGE_PATH
     from ray.train.torch import TorchTrainer
 
-    if not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"{num_workers=} must be an integer >= 1")
-    if not isinstance(epochs, int) or epochs < 1:
-        raise ValueError(f"{epochs=} must be an integer >= 1")
-    if cpus_per_worker <= 0:
-        raise ValueError(f"{cpus_per_worker=} must be > 0")
-    if not isinstance(checkpoint_every, int) or checkpoint_every < 0:
-        raise ValueError(f"{checkpoint_every=} must be an integer >= 0")
-    listing = list_shards(config)
-    per_rank = listing.num_samples // num_workers
-    if per_rank < config.batch_size:
-        raise ValueError(
-            f"batch_size={config.batch_size} is larger than one rank's share "
-            f"({listing.num_samples} samples / {num_workers} workers = {per_rank}): "
-            "no rank would get a full batch"
-        )
-    start, start_dir = load_checkpoint(resume_from) if resume_from is not None else (None, None)
-    if start is not None:
-        start.check(listing, config.seed)
-        if start.epoch >= epochs:
-            raise ValueError(f"{resume_from=} is at epoch {start.epoch}: {epochs=} leaves nothing")
+    _check_run(num_workers=num_workers, epochs=epochs, cpus_per_worker=cpus_per_worker,
+               checkpoint_every=checkpoint_every)  # fmt: skip
+    listing = _list_for(config, num_workers)
+    start, start_dir = _resume_point(resume_from, listing, config.seed, epochs)
+    if not ray.is_initialized():
+        ray.init()  # as Ray Train would: the skip logs live in an actor
     name = name or f"raypipe_{uuid.uuid4().hex[:12]}"
     storage = storage_path or DEFAULT_STORAGE_PATH
     storage = storage if "://" in storage else os.path.abspath(storage)
@@ -258,8 +269,8 @@ def train_ddp(
     skip_logs = {_train_name(e): skips.epoch(e) for e in range(epochs)}
     datasets = {}
     if eval_config is not None:
-        datasets[EVAL] = build_dataset(eval_config)
-        skip_logs[EVAL] = SkipLog.of(datasets[EVAL])
+        skip_logs[EVAL] = SkipLog.create()
+        datasets[EVAL] = build_dataset(eval_config, skips=skip_logs[EVAL])
     progress = Progress(seed=config.seed, num_samples=listing.num_samples,
                         fingerprint=fingerprint(listing), start=start, start_dir=start_dir)  # fmt: skip
     _warn_if_short_of_cpus(config, eval_config, num_workers, cpus_per_worker)

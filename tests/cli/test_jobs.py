@@ -197,7 +197,7 @@ def test_submit_preprocess_job(head, project):
         cwd=project, env=_env(),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "raypipe preprocess: done" in done.stdout
+    assert "raypipe convert: done" in done.stdout
     index = json.loads((project / "shards" / "index.json").read_text())
     assert index["complete"] and index["num_samples"] == 120
     assert [e["name"] for e in index["shards"]] == [
@@ -230,7 +230,7 @@ def test_no_wait_returns_at_once(head, project):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "ray job logs --follow" in done.stdout
-    job_id = done.stdout.split("submitted preprocess job ")[1].split()[0]
+    job_id = done.stdout.split("submitted convert job ")[1].split()[0]
     assert _wait_for_job(head.url, job_id) == "SUCCEEDED"
     assert (project / "later" / "index.json").is_file()
 
@@ -269,7 +269,7 @@ def test_token_auth_refuses_without_token_and_runs_with_it(auth_head, project, t
     shutil.rmtree(project / "shards", ignore_errors=True)
     done = _submit(*args, "--token-file", str(auth_head.token), cwd=project, env=_env())
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "raypipe preprocess: done" in done.stdout
+    assert "raypipe convert: done" in done.stdout
     # Ray's own client mechanism (RAY_AUTH_MODE=token and the token's path), and raypipe's
     # default with RAY_AUTH_MODE unset (the token Ray finds, as ray.init does): accepted.
     # Both jobs find every shard finished already, so they are short.
@@ -277,4 +277,4 @@ def test_token_auth_refuses_without_token_and_runs_with_it(auth_head, project, t
         env = _env(RAY_AUTH_TOKEN_PATH=str(auth_head.token), **mode)
         queued = _submit(*args, "--no-wait", cwd=project, env=env)
         assert queued.returncode == 0, queued.stderr
-        assert "submitted preprocess job" in queued.stdout
+        assert "submitted convert job" in queued.stdout

@@ -1,6 +1,6 @@
 """Ray job entry point: write an image folder as WebDataset or Parquet shards.
 
-ray job submit --working-dir . -- python jobs/preprocess.py jobs/configs/digits-shards.yaml
+ray job submit --working-dir . -- python jobs/convert.py jobs/configs/digits-shards.yaml
 """
 
 import sys
@@ -8,4 +8,4 @@ import sys
 from raypipe.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["preprocess", *sys.argv[1:]]))
+    sys.exit(main(["convert", *sys.argv[1:]]))

@@ -15,9 +15,10 @@ import pytest
 from raypipe import PipelineConfig
 from raypipe.data.autoscale import RAY_VERSION, check_ray
 from raypipe.data.follow import Demand, Follower
-from tests.test_elastic import slow_images
+from tests.data.test_elastic import slow_images
+from tests.properties import batches_of, check_exactly_once_and_equal
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Clock:
@@ -177,10 +178,10 @@ def drive(address: str, data: Path, out: Path, config: dict, world: int, slow_s:
 
 
 def exactly_once_and_equal(report: dict, n: int, batch_size: int, world: int) -> None:
-    keys = [k for rank in report["keys"] for k in rank]
-    assert len(keys) == len(set(keys)) and set(keys) <= set(range(n))
-    assert n - len(keys) < world * batch_size  # only the equal split's remainder is left
-    assert len(set(report["batches"])) == 1, report["batches"]
+    ranks = [batches_of(keys, batch_size) for keys in report["keys"]]
+    assert [len(r) for r in ranks] == report["batches"]
+    check_exactly_once_and_equal(ranks, batch_size=batch_size, good=range(n),
+                                 left_over=world * batch_size - 1)  # fmt: skip
 
 
 def first_drop(series, after: float):
@@ -238,7 +239,7 @@ def test_a_worker_node_goes_while_the_trainer_is_slow(tmp_path):
     node comes for it); the follower sheds the actors the trainer cannot use, worker
     nodes first, and the worker node goes once the blocks it made are read, while the pool
     is still reading: within the run, not at its end."""
-    from tests.test_elastic import AutoscalingHead, _pids_naming
+    from tests.data.test_elastic import AutoscalingHead, _pids_naming
 
     data = slow_images(tmp_path, N_NODES, side=1024)
     head = AutoscalingHead()

@@ -15,8 +15,8 @@ from raypipe.cli import jobspec
 from raypipe.cli.submit import entrypoint, job_address
 from tests.conftest import make_imagefolder
 
-ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ["demo-data", "run", "preprocess", "submit", "bench"]
+ROOT = Path(__file__).resolve().parents[2]
+COMMANDS = ["demo-data", "run", "convert", "preprocess", "submit", "bench"]
 
 
 def _raypipe(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -114,14 +114,14 @@ def test_bad_values_and_paths(capsys, tmp_path, folder):
     cfg = _write(tmp_path / "p.yaml", "preprocess:\n  source: missing\n  out: o\n")
     assert "does not exist" in _error_line(capsys, ["preprocess", str(cfg)])
     cfg = _write(tmp_path / "f.yaml", f"preprocess:\n  source: {folder}\n  out: o\n  format: zip\n")
-    assert "preprocess.format='zip'" in _error_line(capsys, ["preprocess", str(cfg)])
+    assert "convert.format='zip'" in _error_line(capsys, ["preprocess", str(cfg)])
     cfg = _write(tmp_path / "n.yaml", "nothing: 1\n")
     assert "unknown key(s) 'nothing'" in _error_line(capsys, ["run", str(cfg)])
 
 
 def test_wrong_kind_of_config(capsys, tmp_path, folder, run_config):
     pre = _write(tmp_path / "p.yaml", f"preprocess:\n  source: {folder}\n  out: o\n")
-    assert "use raypipe preprocess" in _error_line(capsys, ["run", str(pre)])
+    assert "use raypipe convert" in _error_line(capsys, ["run", str(pre)])
     assert "use raypipe run" in _error_line(capsys, ["preprocess", str(run_config)])
     empty = _write(tmp_path / "e.yaml", "eval:\n  source: x\n")
     assert "neither a run config" in _error_line(capsys, ["submit", str(empty)])

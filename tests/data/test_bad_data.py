@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -25,9 +27,8 @@ from raypipe.data.decode import decode_crop as fast_decode_crop
 from raypipe.data.pillow import pillow_decode_crop
 from raypipe.data.shards import list_shards
 from raypipe.data.skips import REASONS, SkipStore, reason_of
+from tests.conftest import image_bytes, make_imagefolder, make_parquet, make_webdataset
 from tests.ranks import in_threads
-
-from .conftest import image_bytes, make_imagefolder, make_parquet, make_webdataset
 
 # --- generated inputs ------------------------------------------------------------------
 
@@ -452,6 +453,10 @@ INVALID = {
     "follow_wait": [0, 1.0, -0.1, float("nan"), "5%"],
     "follow_shrink_s": [0, -1, float("inf"), "5s"],
     "follow_period_s": [0, 9.0, float("nan")],
+    "normalize": ["yes", 0],
+    "pin_memory": [1, None],
+    "prefetch_batches": [-1, 1.5, True],
+    "channels_last": ["no"],
 }
 
 
@@ -463,6 +468,31 @@ def test_every_config_field_has_a_checked_invalid_value():
             with pytest.raises(ValueError) as e:
                 PipelineConfig(**kwargs)
             assert f"PipelineConfig.{field}=" in str(e.value), (field, value)
+
+
+LOADER_INVALID = {
+    "batch_size": [0, True],
+    "pin_memory": [1],
+    "prefetch_batches": [-1],
+    "drop_last": ["no"],
+    "normalize": [None],
+    "mean": [(0.5,)],
+    "std": [(1, 0, 1)],
+    "shuffle_buffer": [-1, 2.0],
+    "shuffle_seed": [-1, "x"],
+    "channels_last": [1],
+}
+
+
+def test_every_loader_setting_is_checked():
+    from raypipe.config import LoaderConfig
+
+    checked = {f.name for f in dataclasses.fields(LoaderConfig)} - {"device"}  # torch checks it
+    assert set(LOADER_INVALID) == checked
+    for field, values in LOADER_INVALID.items():
+        for value in values:
+            with pytest.raises(ValueError, match=rf"LoaderConfig\.{field}="):
+                LoaderConfig(**{field: value})
 
 
 def bad_source(root: Path, case: str) -> str:
@@ -553,8 +583,8 @@ def test_mixed_epoch_skips_exactly_and_delivers_the_rest_once(ray_session, tmp_p
         max_skipped=None,
     )
     total = list_shards(config).num_samples
-    ds = build_dataset(config)
-    skips = SkipLog.of(ds)
+    skips = SkipLog.create()
+    ds = build_dataset(config, skips=skips)
     keys, sizes, stats, errors = run_ranks(ds, 2, 5, skips=skips)
     assert errors == [[], []]
     report = skips.report()
@@ -574,7 +604,9 @@ def test_mixed_epoch_skips_exactly_and_delivers_the_rest_once(ray_session, tmp_p
 def test_every_good_sample_once_and_stats_report_skips(ray_session, tmp_path):
     source, expected = mixed_source(tmp_path, "imagefolder")
     config = PipelineConfig(source=str(source), image_size=8, files_per_task=16, max_skipped=None)
-    batches = iter_torch_batches(build_dataset(config), batch_size=16, drop_last=False)
+    skips = SkipLog.create()
+    ds = build_dataset(config, skips=skips)
+    batches = iter_torch_batches(ds, config, batch_size=16, drop_last=False, skips=skips)
     keys = [k for b in batches for k in b["key"].tolist()]
     stats = batches.stats()
     assert stats["skipped"] == expected
@@ -673,3 +705,20 @@ def test_train_ddp_raise_reaches_the_trainer_naming_the_file(ray_session, tmp_pa
         error = e
     assert error is not None
     assert f"bad sample {bad} (key " in str(error) and "truncated_image" in str(error)
+
+
+def test_skiplog_of_a_dataset_still_works_with_a_warning(ray_session, tmp_path):
+    source, expected = mixed_source(tmp_path, "imagefolder")
+    config = PipelineConfig(source=str(source), image_size=8, files_per_task=16, max_skipped=None)
+    ds = build_dataset(config)  # no skips=: the dataset makes its own log
+    with pytest.warns(DeprecationWarning, match=r"SkipLog\.of"):
+        log = SkipLog.of(ds)
+    list(ds.iter_batches(batch_size=None))
+    assert log.counts() == expected
+
+
+def test_a_skip_log_needs_a_running_ray():
+    """SkipLog.create() starts nothing behind the caller's back."""
+    code = "from raypipe import SkipLog; SkipLog.create()"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "needs a running Ray" in proc.stderr, proc.stderr[-2000:]

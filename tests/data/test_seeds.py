@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import make_imagefolder
+from tests.data.test_bad_data import mixed_source
 from tests.seed_driver import EPOCHS, RUNS
-from tests.test_bad_data import mixed_source
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def drive(source: Path, out: Path) -> dict:

@@ -3,8 +3,7 @@ import pytest
 
 from raypipe.data.augment import center_box, plan, random_resized_box, sample_rng
 from raypipe.data.pillow import pillow_decode_crop as decode_crop
-
-from .conftest import image_bytes
+from tests.conftest import image_bytes
 
 
 @pytest.mark.parametrize("w, h", [(400, 300), (31, 97), (1, 1), (640, 20)])

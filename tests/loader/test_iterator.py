@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from raypipe import PipelineConfig, build_dataset, iter_torch_batches
+from tests.properties import check_exactly_once_and_equal
 from tests.ranks import in_threads
 
 FORMATS = ["imagefolder", "webdataset", "parquet"]
@@ -31,17 +32,10 @@ def consume_ranks(ds, world_size: int, batch_size: int, **kwargs) -> list[list[d
     return out
 
 
-def check_exactly_once_and_equal(ranks, *, batch_size: int, total: int) -> np.ndarray:
-    world_size = len(ranks)
-    counts = [len(r) for r in ranks]
-    assert len(set(counts)) == 1, f"ranks got different batch counts {counts}"
-    for r in ranks:
-        assert all(len(b["key"]) == batch_size for b in r)
-    keys = np.concatenate([b["key"] for r in ranks for b in r])
-    assert len(np.unique(keys)) == len(keys), "a key was delivered twice"
-    assert set(keys.tolist()) <= set(range(total))
-    assert total - len(keys) <= world_size * batch_size - 1
-    return keys
+def check_split(ranks, *, batch_size: int, total: int) -> np.ndarray:
+    """Exactly once over ``total`` keys, equal batches, at most drop_last's remainder left."""
+    return check_exactly_once_and_equal(ranks, batch_size=batch_size, good=range(total),
+                                        left_over=len(ranks) * batch_size - 1)  # fmt: skip
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -56,7 +50,7 @@ def test_exactly_once_equal_batches_two_ranks(ray_session, datasets, fmt, batch_
         rows_per_block=3,  # tiny odd blocks: Ray's batcher would cut short batches
     )
     ranks = consume_ranks(build_dataset(config), 2, batch_size)
-    check_exactly_once_and_equal(ranks, batch_size=batch_size, total=N)
+    check_split(ranks, batch_size=batch_size, total=N)
     batch = ranks[0][0]
     assert batch["image"].shape == (batch_size, 3, 16, 16)
     assert batch["image"].dtype == np.float32 and batch["label"].dtype == np.int64
@@ -67,7 +61,7 @@ def test_local_shuffle_buffer_keeps_batches_equal(ray_session, datasets):
         source=str(datasets["webdataset"]), image_size=8, rows_per_block=5, actors=(2, 2)
     )
     ranks = consume_ranks(build_dataset(config), 2, 6, shuffle_buffer=9, shuffle_seed=3)
-    check_exactly_once_and_equal(ranks, batch_size=6, total=N)
+    check_split(ranks, batch_size=6, total=N)
 
 
 def test_keep_partial_batch_delivers_everything_once(ray_session, datasets):
@@ -128,10 +122,43 @@ def test_task_compute_gives_the_actor_pools_rows(ray_session, datasets):
     for compute in ("actors", "tasks"):
         ds = build_dataset(config.replace(compute=compute), epoch=1)
         ranks = consume_ranks(ds, 2, 5, device="cpu", normalize=False)
-        keys = check_exactly_once_and_equal(ranks, batch_size=5, total=N)
+        keys = check_split(ranks, batch_size=5, total=N)
         batches = [b for r in ranks for b in r]
         images = np.concatenate([b["image"] for b in batches])
         rows[compute] = {int(k): img for k, img in zip(keys, images, strict=True)}
     shared = rows["actors"].keys() & rows["tasks"].keys()
     assert len(shared) >= N - 2 * 5 * 2
     assert all(np.array_equal(rows["actors"][k], rows["tasks"][k]) for k in shared)
+
+
+def test_the_config_reaches_the_iterator(ray_session, datasets):
+    """One loader config: iter_torch_batches(ds, config) takes the batch size, the
+    normalization, uint8 or float, and the layout from the PipelineConfig; keywords win."""
+    config = PipelineConfig(source=str(datasets["parquet"]), image_size=8, batch_size=5,
+                            normalize=False, channels_last=True, prefetch_batches=1)  # fmt: skip
+    ds = build_dataset(config)
+    batches = list(iter_torch_batches(ds, config, device="cpu"))
+    assert [len(b["key"]) for b in batches] == [5] * (N // 5)
+    image = batches[0]["image"]
+    assert str(image.dtype) == "torch.uint8" and image.is_contiguous(memory_format=channel_last())
+    floats = next(iter(iter_torch_batches(ds, config, normalize=True, batch_size=3)))
+    assert str(floats["image"].dtype) == "torch.float32" and len(floats["key"]) == 3
+    half = config.replace(normalize=True, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+    x = next(iter(iter_torch_batches(ds, half.loader)))["image"]
+    assert float(x.min()) >= -1.0 and float(x.max()) <= 1.0  # (x/255 - 0.5) / 0.5
+
+
+def channel_last():
+    import torch
+
+    return torch.channels_last
+
+
+def test_iterator_settings_are_checked(ray_session, datasets):
+    ds = build_dataset(PipelineConfig(source=str(datasets["parquet"]), image_size=8))
+    with pytest.raises(TypeError, match="batch_size"):
+        iter_torch_batches(ds)
+    with pytest.raises(TypeError, match="unknown settings"):
+        iter_torch_batches(ds, batch_size=4, batchsize=4)
+    with pytest.raises(ValueError, match=r"LoaderConfig\.batch_size=0"):
+        iter_torch_batches(ds, batch_size=0)

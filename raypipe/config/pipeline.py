@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from raypipe.config.checks import check_keys, is_int, is_num, is_pair, load_yaml, resolve_callable
+from raypipe.config.loader import IMAGENET_MEAN, IMAGENET_STD, LoaderConfig, check_loader
+
 FORMATS = ("imagefolder", "webdataset", "parquet")
 ON_ERROR = ("skip", "raise")
 COMPUTE = ("actors", "tasks")
+INPUTS = ("numpy", "pil", "torch")  # what a user transform's image is
+DECODE = ("cpu", "gpu")
 
 Format = Literal["imagefolder", "webdataset", "parquet"]
 
@@ -58,6 +62,10 @@ class PipelineConfig:
             Ray tasks on pooled workers, at most ``actors[1]`` at once, that stay warm
             from one epoch to the next (no pool start per epoch; no pool to watch).
         mean, std: per-channel normalization applied on the device (0..1 scale).
+        normalize: the trainer gets float32 ``(x/255 - mean) / std``; else uint8 images.
+        pin_memory: copy batches to a CUDA device through a ring of pinned host buffers.
+        prefetch_batches: batches each rank holds ready ahead of its trainer.
+        channels_last: images laid out as ``torch.channels_last``.
         transform: your own map, run in the actors after decode instead of the built-in crop:
             a callable or a ``"module:function"`` path, pickling by reference. It gets a
             dict: ``image`` (as ``transform_input`` says), ``label``, ``key`` and the sample's
@@ -111,8 +119,12 @@ class PipelineConfig:
     rows_per_block: int | None = None
     actor_cpus: float = 1.0
     compute: Literal["actors", "tasks"] = "actors"
-    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
-    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+    normalize: bool = True
+    pin_memory: bool = True
+    prefetch_batches: int = 2
+    channels_last: bool = False
     max_image_pixels: int | None = 89_478_485  # Pillow's default limit
     transform: Any = None
     transform_input: Literal["numpy", "pil", "torch"] = "numpy"
@@ -159,134 +171,113 @@ class PipelineConfig:
     def replace(self, **changes: Any) -> PipelineConfig:
         return dataclasses.replace(self, **changes)
 
-
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping, with errors that name the file."""
-    import yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        raise ValueError(f"{where}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping at the top, got {type(data).__name__}")
-    return data
-
-
-def check_keys(data: Mapping[str, Any], known: list[str], *, where: str) -> None:
-    """Raise ValueError naming unknown keys and the closest known key for each."""
-    unknown = [k for k in data if k not in known]
-    if not unknown:
-        return
-    hints = []
-    for key in unknown:
-        close = difflib.get_close_matches(str(key), known, n=1)
-        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    raise ValueError(f"{where}: unknown key(s) {', '.join(hints)}; known: {', '.join(known)}")
+    @property
+    def loader(self) -> LoaderConfig:
+        """The rank iterator's settings: this config's batch size, shuffle buffer (seeded by
+        ``seed``), normalization, pinning, prefetch and layout; the device is ``"auto"``."""
+        return LoaderConfig(
+            batch_size=self.batch_size, pin_memory=self.pin_memory,
+            prefetch_batches=self.prefetch_batches, normalize=self.normalize, mean=self.mean,
+            std=self.std, shuffle_buffer=self.shuffle_buffer, shuffle_seed=self.seed,
+            channels_last=self.channels_last,
+        )  # fmt: skip
 
 
 def _validate(c: PipelineConfig) -> None:
-    def bad(field: str, why: str) -> ValueError:
-        return ValueError(f"PipelineConfig.{field}={getattr(c, field)!r}: {why}")
+    """Every field's check, in groups; the first bad value raises ValueError naming it."""
+    for check in (_check_source, _check_choices, _check_counts, _check_flags, _check_pool,
+                  _check_follow, _check_augment, _check_user_code):  # fmt: skip
+        check(c, _Bad(c))
+    check_loader(c, "PipelineConfig")
 
+
+class _Bad:
+    """``bad(field, why)``: the ValueError for one field of one config, naming its value."""
+
+    def __init__(self, config: PipelineConfig):
+        self.config = config
+
+    def __call__(self, field: str, why: str) -> ValueError:
+        return ValueError(f"PipelineConfig.{field}={getattr(self.config, field)!r}: {why}")
+
+
+def _check_source(c: PipelineConfig, bad: _Bad) -> None:
     if isinstance(c.source, str):
         if not c.source:
             raise bad("source", "must be a non-empty path, glob or list")
-    elif (
-        not isinstance(c.source, tuple)
-        or not c.source
-        or not all(isinstance(s, str) and s for s in c.source)
-    ):
+    elif not (isinstance(c.source, tuple) and c.source
+              and all(isinstance(s, str) and s for s in c.source)):  # fmt: skip
         raise bad("source", "must be a non-empty path, glob or list of them")
     if c.storage_options is not None and not isinstance(c.storage_options, Mapping):
         raise bad("storage_options", "must be a mapping of settings, or None")
     for name in ("image_column", "label_column", "label_key"):
         if not isinstance(getattr(c, name), str) or not getattr(c, name):
             raise bad(name, "must be a non-empty string")
-    if c.label_member is not None and (
-        not isinstance(c.label_member, str) or not c.label_member or "/" in c.label_member
-    ):
+    member = c.label_member
+    if member is not None and (not isinstance(member, str) or not member or "/" in member):
         raise bad(
             "label_member", 'must be a member extension such as "cls", "txt", "json", or None'
         )
-    if c.max_skipped is not None and (not _is_num(c.max_skipped) or not 0 <= c.max_skipped <= 1):
-        raise bad("max_skipped", "must be a fraction 0 <= x <= 1, or None for no limit")
+
+
+def _check_choices(c: PipelineConfig, bad: _Bad) -> None:
     if c.format is not None and c.format not in FORMATS:
         raise bad("format", f"must be one of {FORMATS} or None")
-    if c.compute not in COMPUTE:
-        raise bad("compute", f"must be one of {COMPUTE}")
-    if c.on_error not in ON_ERROR:
-        raise bad("on_error", f"must be one of {ON_ERROR}")
-    if c.decode not in ("cpu", "gpu"):
-        raise bad("decode", "must be 'cpu' or 'gpu'")
+    for name, choices in (("compute", COMPUTE), ("on_error", ON_ERROR),
+                          ("decode", DECODE), ("transform_input", INPUTS)):  # fmt: skip
+        if getattr(c, name) not in choices:
+            raise bad(name, f"must be one of {choices}")
     if c.decode == "gpu" and (c.transform is not None or c.collate is not None):
         raise bad("decode", "ships JPEG bytes to the trainer; a transform or collate needs "
                   "pixels in the actors (use decode='cpu')")  # fmt: skip
-    for name in ("image_size", "batch_size", "files_per_task", "rows_per_block"):
-        value = getattr(c, name)
-        if name == "rows_per_block" and value is None:
-            continue
-        if not _is_int(value) or value < 1:
-            raise bad(name, "must be an integer >= 1" + (", or None" * (name == "rows_per_block")))
-    for name in ("seed", "shuffle_buffer"):
-        value = getattr(c, name)
-        if not _is_int(value) or value < 0:
-            raise bad(name, "must be an integer >= 0")
-    from raypipe.data.usermap import INPUTS, resolve_callable
 
-    resolve_callable(c.transform, "transform")
-    resolve_callable(c.collate, "collate")
-    if c.transform_input not in INPUTS:
-        raise bad("transform_input", f"must be one of {INPUTS}")
-    for name in ("train", "flip", "shuffle_files", "transform_batch", "follow"):
-        if not isinstance(getattr(c, name), bool):
-            raise bad(name, "must be true or false")
-    if (
-        not isinstance(c.actors, tuple)
-        or len(c.actors) != 2
-        or not all(_is_int(a) for a in c.actors)
-        or not 1 <= c.actors[0] <= c.actors[1]
-    ):
-        raise bad("actors", "must be (min, max) integers with 1 <= min <= max")
-    if not isinstance(c.actor_cpus, (int, float)) or isinstance(c.actor_cpus, bool):
-        raise bad("actor_cpus", "must be a number > 0")
-    if not c.actor_cpus > 0:  # NaN too
-        raise bad("actor_cpus", "must be a number > 0")
-    if not _is_num(c.follow_wait) or not 0 < c.follow_wait < 1:
-        raise bad("follow_wait", "must be a share of the trainer's time, 0 < wait < 1")
-    for name in ("follow_period_s", "follow_shrink_s"):
-        if not _is_num(getattr(c, name)) or not 0 < getattr(c, name) < 3600:
-            raise bad(name, "must be seconds, 0 < s < 3600")
-    if c.follow_period_s > c.follow_shrink_s:
-        raise bad("follow_period_s", f"must be <= follow_shrink_s={c.follow_shrink_s!r}")
-    if not _is_pair(c.scale) or not 0 < c.scale[0] <= c.scale[1] <= 1:
-        raise bad("scale", "must be (lo, hi) with 0 < lo <= hi <= 1")
-    if not _is_pair(c.ratio) or not 0 < c.ratio[0] <= c.ratio[1]:
-        raise bad("ratio", "must be (lo, hi) with 0 < lo <= hi")
-    for name in ("mean", "std"):
+
+def _check_counts(c: PipelineConfig, bad: _Bad) -> None:
+    for name in ("image_size", "files_per_task", "rows_per_block"):
         value = getattr(c, name)
-        if not (isinstance(value, tuple) and len(value) == 3 and all(_is_num(v) for v in value)):
-            raise bad(name, "must be three numbers, one per RGB channel")
-    if any(s <= 0 for s in c.std):
-        raise bad("std", "must be > 0 in every channel")
-    if c.max_image_pixels is not None and (
-        not _is_int(c.max_image_pixels) or c.max_image_pixels < 1
-    ):
+        if not (name == "rows_per_block" and value is None) and (not is_int(value) or value < 1):
+            raise bad(name, "must be an integer >= 1" + (", or None" * (name == "rows_per_block")))
+    if not is_int(c.seed) or c.seed < 0:
+        raise bad("seed", "must be an integer >= 0")
+    if c.max_skipped is not None and (not is_num(c.max_skipped) or not 0 <= c.max_skipped <= 1):
+        raise bad("max_skipped", "must be a fraction 0 <= x <= 1, or None for no limit")
+    limit = c.max_image_pixels
+    if limit is not None and (not is_int(limit) or limit < 1):
         raise bad("max_image_pixels", "must be an integer >= 1, or None for no limit")
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _check_flags(c: PipelineConfig, bad: _Bad) -> None:
+    for name in ("train", "flip", "shuffle_files", "transform_batch", "follow"):
+        if not isinstance(getattr(c, name), bool):
+            raise bad(name, "must be true or false")
 
 
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+def _check_pool(c: PipelineConfig, bad: _Bad) -> None:
+    lo_hi = c.actors
+    if not (isinstance(lo_hi, tuple) and len(lo_hi) == 2 and all(is_int(a) for a in lo_hi)
+            and 1 <= lo_hi[0] <= lo_hi[1]):  # fmt: skip
+        raise bad("actors", "must be (min, max) integers with 1 <= min <= max")
+    if not is_num(c.actor_cpus) or not c.actor_cpus > 0:  # NaN too
+        raise bad("actor_cpus", "must be a number > 0")
 
 
-def _is_pair(v: Any) -> bool:
-    return isinstance(v, tuple) and len(v) == 2 and all(_is_num(x) for x in v)
+def _check_follow(c: PipelineConfig, bad: _Bad) -> None:
+    if not is_num(c.follow_wait) or not 0 < c.follow_wait < 1:
+        raise bad("follow_wait", "must be a share of the trainer's time, 0 < wait < 1")
+    for name in ("follow_period_s", "follow_shrink_s"):
+        if not is_num(getattr(c, name)) or not 0 < getattr(c, name) < 3600:
+            raise bad(name, "must be seconds, 0 < s < 3600")
+    if c.follow_period_s > c.follow_shrink_s:
+        raise bad("follow_period_s", f"must be <= follow_shrink_s={c.follow_shrink_s!r}")
+
+
+def _check_augment(c: PipelineConfig, bad: _Bad) -> None:
+    if not is_pair(c.scale) or not 0 < c.scale[0] <= c.scale[1] <= 1:
+        raise bad("scale", "must be (lo, hi) with 0 < lo <= hi <= 1")
+    if not is_pair(c.ratio) or not 0 < c.ratio[0] <= c.ratio[1]:
+        raise bad("ratio", "must be (lo, hi) with 0 < lo <= hi")
+
+
+def _check_user_code(c: PipelineConfig, bad: _Bad) -> None:
+    resolve_callable(c.transform, "transform")
+    resolve_callable(c.collate, "collate")

@@ -7,8 +7,7 @@ from PIL import Image
 from raypipe.data import decode
 from raypipe.data.augment import Box, Plan, plan, sample_rng
 from raypipe.data.pillow import pillow_decode_crop
-
-from .conftest import image_bytes
+from tests.conftest import image_bytes
 
 
 def chooser(key: int, *, train: bool = True, seed: int = 0, epoch: int = 0):

@@ -31,7 +31,7 @@ from PIL import Image
 
 from raypipe import PipelineConfig, PoolWatch, build_dataset, iter_torch_batches
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 N_SLOW = 96  # samples of the slow-transform datasets
 

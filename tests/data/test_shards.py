@@ -1,9 +1,9 @@
 import pytest
 
 from raypipe import PipelineConfig
-from raypipe.data.shards import epoch_order, infer_format, list_shards, read_shard
-
-from .conftest import FORMAT_SIZES
+from raypipe.data.shards import epoch_order, list_shards
+from raypipe.formats import Reader, infer_format
+from tests.conftest import FORMAT_SIZES
 
 
 @pytest.mark.parametrize("fmt", ["imagefolder", "webdataset", "parquet"])
@@ -13,7 +13,7 @@ def test_listing_has_dense_stable_keys(datasets, fmt):
     assert a == b and a.format == fmt
     keys = []
     for shard in a.shards:
-        samples = list(read_shard(shard.path, fmt, shard.first_key, shard.label))
+        samples = list(Reader(fmt).read(shard.path, shard.first_key, shard.label))
         assert len(samples) == shard.num_samples
         assert all(s.error is None and s.data for s in samples)
         keys += [s.key for s in samples]

@@ -14,7 +14,7 @@ from PIL import Image
 
 from raypipe import Pipeline, PipelineConfig, build_dataset
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STORE_MIB = 128
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from raypipe import PipelineConfig, build_dataset
-from raypipe.cli.convert import INDEX, ShardsConfig, plan, preprocess, shard_name
+from raypipe.cli.convert import INDEX, ShardsConfig, convert, plan, preprocess, shard_name
 from raypipe.formats.writer import count_samples
 from tests.conftest import make_imagefolder
 
@@ -41,7 +41,7 @@ def folder_rows(ray_session, folder):
 @pytest.mark.parametrize("fmt", ["webdataset", "parquet"])
 def test_shards_read_back_as_the_folder(ray_session, folder, folder_rows, tmp_path, fmt):
     config = ShardsConfig(source=str(folder), out=str(tmp_path / "out"), format=fmt, shards=4)
-    summary = preprocess(config)
+    summary = convert(config)
     assert (summary.shards, summary.written, summary.reused) == (4, 4, 0)
     assert summary.samples == sum(COUNTS.values()) and not summary.skipped
 
@@ -63,27 +63,27 @@ def test_shards_read_back_as_the_folder(ray_session, folder, folder_rows, tmp_pa
 def test_rerun_skips_finished_shards(ray_session, folder, tmp_path, capsys):
     out = tmp_path / "out"
     config = ShardsConfig(source=str(folder), out=str(out), format="webdataset", shards=3)
-    preprocess(config)
+    convert(config)
     done = {n: os.stat(out / n).st_mtime_ns for n in os.listdir(out) if n.endswith(".tar")}
     damaged = shard_name("train", 1, 3, "webdataset")
     (out / damaged).unlink()
     (out / shard_name("train", 2, 3, "webdataset")).write_bytes(b"not a tar")
 
-    summary = preprocess(config)
+    summary = convert(config)
     assert (summary.written, summary.reused, summary.samples) == (2, 1, 27)
     first = shard_name("train", 0, 3, "webdataset")
     assert os.stat(out / first).st_mtime_ns == done[first]
     assert "1 already finished" in capsys.readouterr().err
     assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
-    again = preprocess(config)
+    again = convert(config)
     assert (again.written, again.reused) == (0, 3)
 
 
 def test_other_plan_in_the_same_folder_is_refused(ray_session, folder, tmp_path):
     out = str(tmp_path / "out")
-    preprocess(ShardsConfig(source=str(folder), out=out, shards=2))
+    convert(ShardsConfig(source=str(folder), out=out, shards=2))
     with pytest.raises(ValueError, match="another source or plan"):
-        preprocess(ShardsConfig(source=str(folder), out=out, shards=3))
+        convert(ShardsConfig(source=str(folder), out=out, shards=3))
 
 
 def test_unreadable_and_odd_formats(ray_session, tmp_path):
@@ -92,7 +92,7 @@ def test_unreadable_and_odd_formats(ray_session, tmp_path):
     root = make_imagefolder(tmp_path / "f", {"a": 4, "b": 3})
     Image.new("RGB", (9, 7), (10, 200, 30)).save(root / "b" / "0100.bmp")
     os.symlink(root / "missing.jpg", root / "a" / "0099.jpg")  # dangling: unreadable
-    summary = preprocess(ShardsConfig(source=str(root), out=str(tmp_path / "o"), shards=2))
+    summary = convert(ShardsConfig(source=str(root), out=str(tmp_path / "o"), shards=2))
     assert summary.samples == 8
     assert [os.path.basename(p) for p, _ in summary.skipped] == ["0099.jpg"]
     keys = _rows(tmp_path / "o", "webdataset")
@@ -110,7 +110,7 @@ def test_unreadable_and_odd_formats(ray_session, tmp_path):
     ],
 )
 def test_config_names_the_bad_value(changes, field):
-    with pytest.raises(ValueError, match=f"preprocess.{field}="):
+    with pytest.raises(ValueError, match=f"convert.{field}="):
         ShardsConfig(source="x", out="y", **changes)
 
 
@@ -125,3 +125,15 @@ def test_plan_is_contiguous_and_sorted(folder):
     assert len(parts) == 3 and keys == list(range(27)) and classes == tuple(sorted(COUNTS))
     with pytest.raises(ValueError, match="more than the 27 samples"):
         plan(ShardsConfig(source=str(folder), out="unused", shards=28))
+
+
+def test_the_old_names_still_work(tmp_path):
+    """raypipe 0.1 called converting ``preprocess``: the function, the CLI subcommand and
+    the YAML section keep that name for one release."""
+    from raypipe.cli import jobspec
+
+    assert preprocess is convert
+    cfg = tmp_path / "old.yaml"
+    cfg.write_text(f"preprocess:\n  source: {tmp_path}\n  out: o\n")
+    assert jobspec.kind_of(cfg) == "convert"
+    assert ShardsConfig.from_yaml(cfg).out == "o"

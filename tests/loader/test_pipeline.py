@@ -10,21 +10,16 @@ import pytest
 import torch
 
 from raypipe import Pipeline, PipelineConfig, PoolWatch, SkipLog
+from tests.data.test_bad_data import mixed_source
+from tests.properties import check_exactly_once_and_equal
 from tests.ranks import run_ranks
-from tests.test_bad_data import mixed_source
 
 FORMATS = ["imagefolder", "webdataset", "parquet"]
 
 
 def check_epoch(out, epoch: int, batch_size: int, good: set[int]) -> np.ndarray:
     """Exactly once and equal exact-size batches in ``epoch``; returns its keys."""
-    counts = [len(r[epoch]) for r in out]
-    assert len(set(counts)) == 1, f"epoch {epoch}: ranks got {counts} batches"
-    assert all(len(b["key"]) == batch_size for r in out for b in r[epoch])
-    keys = np.concatenate([b["key"] for r in out for b in r[epoch]])
-    assert len(np.unique(keys)) == len(keys), f"epoch {epoch}: a key twice"
-    assert set(keys.tolist()) <= good
-    return keys
+    return check_exactly_once_and_equal([r[epoch] for r in out], batch_size=batch_size, good=good)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -25,7 +25,7 @@ from raypipe.data.gpudecode import (
     decode_rgb,
 )
 from raypipe.data.skips import SampleError
-from raypipe.formats.webdataset import RawSample
+from raypipe.formats.sample import RawSample
 from tests.conftest import image_bytes, make_imagefolder
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,0 +1,88 @@
+"""Checks shared by the configs: YAML files, unknown keys, numbers, importable callables."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import pickle
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["check_keys", "is_int", "is_num", "is_pair", "load_yaml", "resolve_callable"]
+assert __all__ == sorted(__all__)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping, with errors that name the file."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ValueError(f"{where}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top, got {type(data).__name__}")
+    return data
+
+
+def check_keys(data: Mapping[str, Any], known: list[str], *, where: str) -> None:
+    """Raise ValueError naming unknown keys and the closest known key for each."""
+    unknown = [k for k in data if k not in known]
+    if not unknown:
+        return
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), known, n=1)
+        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise ValueError(f"{where}: unknown key(s) {', '.join(hints)}; known: {', '.join(known)}")
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def is_pair(v: Any) -> bool:
+    return isinstance(v, tuple) and len(v) == 2 and all(is_num(x) for x in v)
+
+
+def resolve_callable(value: Any, field: str) -> Callable | None:
+    """``value`` as a callable: itself, or the object a ``"module:attribute"`` path names.
+
+    A callable must pickle by reference (a module-level function, a ``functools.partial``
+    of one, an instance of an importable class such as a torchvision ``Compose``): lambdas
+    and local functions cannot be re-imported where the actors run, so they are refused here,
+    before any work.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        module, sep, name = value.partition(":")
+        if not sep or not module or not name:
+            raise ValueError(f"PipelineConfig.{field}={value!r}: expected 'module:attribute'")
+        try:
+            obj: Any = importlib.import_module(module)
+            for part in name.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"PipelineConfig.{field}={value!r}: cannot import it: {e}") from None
+        value = obj
+    if not callable(value):
+        raise ValueError(f"PipelineConfig.{field}={value!r}: not callable")
+    try:
+        pickle.dumps(value)
+    except Exception as e:
+        raise ValueError(
+            f"PipelineConfig.{field}={value!r}: cannot be pickled by reference ({e}); define it "
+            "at module level in an importable module, or give 'module:function'"
+        ) from None
+    return value

@@ -1,0 +1,1 @@
+"""The applications: the raypipe command, jobs, converting to shards."""

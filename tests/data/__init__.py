@@ -1,0 +1,1 @@
+"""The data layer: listing, decoding, the actors, skips, the pool."""

@@ -1,0 +1,1 @@
+"""Formats: storage and the readers of every format."""

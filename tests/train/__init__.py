@@ -1,0 +1,1 @@
+"""Ray Train: train_ddp, checkpoints and resuming."""
