@@ -10,7 +10,7 @@
    Ray Data's standing request for nodes is withdrawn
 ```
 Ray internals used, checked against the running Ray version by
-`check_ray` and pinned by ``tests/data/test_autoscale.py``: the executor's ``_actor_autoscaler``
+`check_ray` and pinned by ``tests/data/test_follow.py``: the executor's ``_actor_autoscaler``
 (an ``ActorAutoscaler``, with its ``_topology``), ``get_autoscaling_actor_pools()``; on
 the pool ``_config`` (``AutoscalingActorConfig``), ``select_actors``, ``scale``,
 ``current_size``, ``num_pending_actors``, ``_release_running_actor``, ``_running_actors``

@@ -16,7 +16,8 @@ from raypipe.cli.submit import entrypoint, job_address
 from tests.conftest import make_imagefolder
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMANDS = ["demo-data", "run", "convert", "preprocess", "submit", "bench"]
+COMMANDS = ["demo-data", "run", "convert", "preprocess", "inspect", "submit", "bench"]
+ALIASES = {"preprocess": "convert"}  # old name → the command it runs
 
 
 def _raypipe(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -50,7 +51,7 @@ def test_every_subcommand_has_help(command, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main([command, "--help"])
     assert e.value.code == 0
-    assert f"usage: raypipe {command}" in capsys.readouterr().out
+    assert f"usage: raypipe {ALIASES.get(command, command)}" in capsys.readouterr().out
 
 
 def test_python_dash_m_and_top_level_help():

@@ -1,0 +1,55 @@
+"""The docs say what the code does: every config field in the configuration table with
+its default, every page linked from the README, every relative link alive."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from raypipe import PipelineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+
+
+def table_defaults(text: str) -> dict[str, str]:
+    """``{field: default}`` of the rows ``| `field` | `default` | meaning |``."""
+    rows = re.findall(r"^\|\s*`([a-z_]+)`\s*\|\s*`([^`]*)`\s*\|", text, flags=re.MULTILINE)
+    return dict(rows)
+
+
+def test_the_configuration_table_matches_the_code():
+    table = table_defaults((ROOT / "docs" / "configuration.md").read_text())
+    fields = {f.name: f for f in dataclasses.fields(PipelineConfig)}
+    assert set(table) == set(fields), (
+        f"missing from the table: {sorted(set(fields) - set(table))}; "
+        f"not fields: {sorted(set(table) - set(fields))}"
+    )
+    for name, f in fields.items():
+        if f.default is not dataclasses.MISSING:
+            assert table[name] == repr(f.default), (name, table[name], repr(f.default))
+
+
+def test_the_table_reader_sees_a_wrong_default():
+    assert table_defaults("| `batch_size` | `32` | rows |\n") == {"batch_size": "32"}
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    assert DOCS, "no docs pages"
+    unlinked = [p.name for p in DOCS if f"docs/{p.name}" not in readme]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"
+
+
+@pytest.mark.parametrize("page", [ROOT / "README.md", *DOCS], ids=lambda p: p.name)
+def test_relative_links_resolve(page):
+    dead = []
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        if not (page.parent / target).exists():
+            dead.append(target)
+    assert not dead, f"{page.name} links to missing files: {dead}"
