@@ -5,13 +5,16 @@ Public contract:
 - `Pipeline(config, epochs=)`: the warm path for a whole run: ``epochs()`` yields
   ``(epoch, batches)``, every epoch from one preprocessing pool started once; each rank
   reads its own seeded slice of every epoch (``rank=``, ``world_size=``, ``ledger=``).
-- `PipelineConfig`: every setting of one dataset's pipeline (also from YAML).
-- `build_dataset(config, epoch=)`: a Ray Dataset of ``image`` (uint8 C×H×W),
+- `PipelineConfig`: every setting of one dataset's pipeline (also from YAML);
+  `LoaderConfig` (``config.loader``): the rank iterator's part of it.
+- `build_dataset(config, epoch=, skips=)`: a Ray Dataset of ``image`` (uint8 C×H×W),
   ``label`` and ``key`` (int64), preprocessed on an autoscaling actor pool.
-- `iter_torch_batches(source, batch_size=...)`: the per-rank iterator; equal,
-  exact-size, exactly-once batches of torch tensors, with ``.stats()``.
-- `SkipLog`: the bad samples a dataset skipped (``SkipLog.of(ds).report()``):
-  counts per reason and the records (key, file or shard member, reason).
+- `iter_torch_batches(source, config)` (or ``batch_size=`` and other loader
+  settings as keywords): the per-rank iterator; equal, exact-size, exactly-once
+  batches of torch tensors, with ``.stats()``.
+- `SkipLog`: the bad samples a pipeline skipped (``SkipLog.create()``, passed as
+  ``skips=``; ``.report()``): counts per reason and the records (key, file or
+  shard member, reason).
 - `PoolWatch()`: preprocessing actors and nodes alive over time (elastic runs);
   ``iter_torch_batches(..., watch=)`` reports it in ``stats()["pool"]``.
 - `train_ddp(config, train_loop, num_workers=...)`: DDP on Ray Train in one call;
@@ -21,7 +24,7 @@ Public contract:
 """
 
 from raypipe import _moved
-from raypipe.config import PipelineConfig
+from raypipe.config import LoaderConfig, PipelineConfig
 from raypipe.data.budget import SkipBudgetError
 from raypipe.data.dataset import build_dataset
 from raypipe.data.poolwatch import PoolWatch
@@ -32,6 +35,7 @@ from raypipe.loader.pipeline import Pipeline
 from raypipe.train.ddp import TrainContext, train_ddp
 
 __all__ = [
+    "LoaderConfig",
     "Pipeline",
     "PipelineConfig",
     "PoolWatch",

@@ -52,6 +52,7 @@ def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["RAY_USAGE_STATS_ENABLED"] = "0"
+    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"  # SIGTERM stops the head at once
     env.update(extra)
     return env
 
@@ -235,14 +236,15 @@ def test_no_wait_returns_at_once(head, project):
     assert (project / "later" / "index.json").is_file()
 
 
-def _wait_for_job(url: str, job_id: str, timeout: float = 300) -> str:
+def _wait_for_job(url: str, job_id: str, headers: dict | None = None, timeout: float = 300) -> str:
     deadline = time.monotonic() + timeout
+    request = urllib.request.Request(f"{url}/api/jobs/{job_id}", headers=headers or {})
     while time.monotonic() < deadline:
-        with urllib.request.urlopen(f"{url}/api/jobs/{job_id}", timeout=10) as r:
+        with urllib.request.urlopen(request, timeout=10) as r:
             status = json.loads(r.read())["status"]
         if status in ("SUCCEEDED", "FAILED", "STOPPED"):
             return status
-        time.sleep(2)
+        time.sleep(0.5)
     raise TimeoutError(f"job {job_id} still running after {timeout} s")
 
 
@@ -277,4 +279,5 @@ def test_token_auth_refuses_without_token_and_runs_with_it(auth_head, project, t
         env = _env(RAY_AUTH_TOKEN_PATH=str(auth_head.token), **mode)
         queued = _submit(*args, "--no-wait", cwd=project, env=env)
         assert queued.returncode == 0, queued.stderr
-        assert "submitted convert job" in queued.stdout
+        job_id = queued.stdout.split("submitted convert job ")[1].split()[0]
+        assert _wait_for_job(auth_head.url, job_id, auth_head.headers) == "SUCCEEDED"
