@@ -7,6 +7,8 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR ?= demo-data
 BIN := $(VENV)/bin
+# the local Rays of the demo, tests and benchmarks listen on 127.0.0.1 only
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint venv bench clean

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import io
+import os
 import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+
+# Every Ray the tests start, and the drivers and heads they spawn (they inherit this),
+# listens on 127.0.0.1 only: with this unset Ray 2.60 takes the machine's address as the
+# node's and binds its servers there. Set before anything imports ray.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 @pytest.fixture(scope="session")

@@ -306,7 +306,10 @@ def test_losing_worker_nodes_and_an_actor_loses_no_sample(tmp_path):
     try:
         proc = _driver(
             "node-loss", str(data), str(out), temp_dir, str(_free_ports(1)[0]),
-            ",".join(map(str, KILL_AFTER)), timeout=540, env=_env(),
+            ",".join(map(str, KILL_AFTER)), timeout=540,
+            # the GCS calls a node dead after 3 failed health checks 1 s apart (Ray's
+            # default: 5 checks 3 s apart): the lost node's objects are rebuilt sooner
+            env=_env(RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3"),
         )  # fmt: skip
     finally:
         for pid in _pids_naming(temp_dir):
