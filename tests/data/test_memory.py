@@ -16,6 +16,7 @@ from raypipe import Pipeline, PipelineConfig, build_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 STORE_MIB = 128
+N_MEMORY = 4608
 
 
 def small_jpegs(root: Path, n: int, *, seed: int = 0) -> Path:
@@ -40,10 +41,10 @@ def test_a_block_larger_than_the_object_store_is_refused_before_work(ray_session
 
 @pytest.mark.slow
 def test_ten_stores_of_data_stream_through_a_small_store(tmp_path):
-    """2 epochs of 9,000 images at 224² (1.26 GiB each, 10.1× a 128 MiB store), 2 ranks
-    that take 0.15 s per batch of 64 (slower than the pool): every epoch exactly once,
-    the store never over its capacity, nothing spilled, nothing killed."""
-    data = small_jpegs(tmp_path / "data", 9000)
+    """2 epochs of 4,608 images at 224² (662 MiB each, 10.3× a 128 MiB store over the
+    run), 2 ranks that take 0.15 s per batch of 64 (slower than the pool): every epoch
+    exactly once, the store never over its capacity, nothing spilled, nothing killed."""
+    data = small_jpegs(tmp_path / "data", N_MEMORY)
     out = tmp_path / "report.json"
     proc = subprocess.run(
         [sys.executable, "-m", "tests.memory_driver", str(data), str(out), str(STORE_MIB),
@@ -54,8 +55,8 @@ def test_ten_stores_of_data_stream_through_a_small_store(tmp_path):
     report = json.loads(out.read_text())
     for epoch in range(2):
         keys = [k for rank in report["keys"] for batch in rank[epoch] for k in batch]
-        assert len(keys) == len(set(keys)) == 9000 - 9000 % 128  # 2 ranks × 64
-        assert all(s[epoch]["batches"] == 70 for s in report["stats"])
+        assert len(keys) == len(set(keys)) == N_MEMORY  # 2 ranks × 36 batches of 64
+        assert all(s[epoch]["batches"] == 36 for s in report["stats"])
     peaks = report["peaks"]
     print(json.dumps(peaks))
     assert peaks["samples"] >= 20, f"the sampler should have run through the epochs: {peaks}"
