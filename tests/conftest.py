@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import signal
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -15,6 +18,21 @@ from PIL import Image
 # listens on 127.0.0.1 only: with this unset Ray 2.60 takes the machine's address as the
 # node's and binds its servers there. Set before anything imports ray.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """Stop a ``ray start --block`` started with ``start_new_session=True``, by its pid:
+    SIGTERM (it stops its node), SIGKILL after ``grace_s``, then SIGKILL to what is left
+    of its process group (its group id is its pid)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="session")

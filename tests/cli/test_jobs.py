@@ -7,12 +7,10 @@ in its own process group; the test stops it by that pid and group, never by name
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from raypipe.cli.demo import write_digits
+from tests.conftest import stop_group
 
 pytestmark = pytest.mark.slow
 
@@ -100,16 +99,7 @@ class Head:
 
     def stop(self) -> None:
         """SIGTERM the ``ray start --block`` we started (it stops its node), then its group."""
-        pgid = self.proc.pid  # start_new_session: the group id is our pid
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)  # stragglers of our own group only
+        stop_group(self.proc, grace_s=15)
         self.log.close()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 

@@ -30,6 +30,7 @@ import yaml
 from PIL import Image
 
 from raypipe import PipelineConfig, PoolWatch, build_dataset, iter_torch_batches
+from tests.conftest import stop_group
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -220,16 +221,7 @@ class AutoscalingHead:
         )
 
     def stop(self) -> None:
-        pgid = self.proc.pid  # start_new_session: the group id is our pid
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
+        stop_group(self.proc, grace_s=60)
         for pid in _pids_naming(self.temp_dir):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
