@@ -10,6 +10,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import types
 import warnings
 
 MOVED = {
@@ -53,6 +54,72 @@ MOVED = {
 }
 
 
+# Names that left the module they moved with: old path -> {name: "module:attribute"}.
+# (Left out on purpose: shardfiles.tar_label_members, dead code removed in the move.)
+ELSEWHERE = {
+    "raypipe.fastimage": {"transforms": "raypipe.data:augment"},
+    "raypipe.follow": {
+        n: f"raypipe.data.autoscale:{n}"
+        for n in ("FollowingAutoscaler", "FollowingCluster", "RAY_VERSION", "check_ray", "follow")
+    },
+    "raypipe.resume": {
+        "Delivered": "raypipe.loader.stats:Delivered",
+        "Shard": "raypipe.data.shards:Shard",
+        "pending_rows": "raypipe.data.shards:pending_rows",
+        "unpack_done": "raypipe.data.shards:unpack_done",
+    },
+    "raypipe.shard_writer": {"read_shard": "raypipe._moved:read_shard"},
+    "raypipe.sources": {
+        "IMAGE_EXTS": "raypipe.formats.imagefolder:IMAGE_EXTS",
+        "RawSample": "raypipe.formats.sample:RawSample",
+        "count_parquet_rows": "raypipe.formats.parquet:count_parquet_rows",
+        "count_tar_samples": "raypipe.formats.webdataset:count_tar_samples",
+        "os_error": "raypipe.formats.sample:os_error",
+        "parquet_labels": "raypipe.formats.parquet:parquet_labels",
+        "read_parquet": "raypipe.formats.parquet:read_parquet",
+        "read_shard": "raypipe._moved:read_shard",
+        "read_tar": "raypipe.formats.webdataset:read_tar",
+    },
+    "raypipe.transforms": {
+        "decode_crop": "raypipe.data.pillow:pillow_decode_crop",
+        "to_rgb": "raypipe.data.pillow:to_rgb",
+    },
+    "raypipe.usermap": {"INPUTS": "raypipe.config.pipeline:INPUTS"},
+}
+
+
+def read_shard(path, fmt, first_key, label, done=None):
+    """0.1's ``sources.read_shard``: `raypipe.formats.Reader` ``.read`` with a format name
+    meaning that format's defaults on local files."""
+    from raypipe.formats import Reader
+
+    reader = fmt if isinstance(fmt, Reader) else Reader(fmt)
+    return reader.read(path, first_key, label, done)
+
+
+def _resolve(target: str):
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _old_module(name: str, new) -> types.ModuleType:
+    """A module at the old path: its names from ``new``, and those that went elsewhere."""
+    elsewhere = ELSEWHERE[name]
+    module = types.ModuleType(name, new.__doc__)
+
+    def __getattr__(attr: str):
+        if attr in elsewhere:
+            return _resolve(elsewhere[attr])
+        try:
+            return getattr(new, attr)
+        except AttributeError:
+            raise AttributeError(f"module {name!r} has no attribute {attr!r}") from None
+
+    module.__getattr__ = __getattr__
+    module.__dir__ = lambda: sorted({*dir(new), *elsewhere})
+    return module
+
+
 class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Imports an old path as the module that now lives at the new one."""
 
@@ -68,7 +135,8 @@ class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             DeprecationWarning,
             stacklevel=2,
         )
-        return importlib.import_module(new)
+        module = importlib.import_module(new)
+        return _old_module(spec.name, module) if spec.name in ELSEWHERE else module
 
     def exec_module(self, module) -> None:
         pass
