@@ -62,11 +62,23 @@ def make_corpus(root: Path, n: int) -> Path:
     return folder / "photos"
 
 
+def one_thread(worker_id: int | None = None) -> None:
+    """OpenCV and torch on one thread per process, as raypipe's actors run them (torch's
+    DataLoader already sets torch's threads to one in its workers, not OpenCV's)."""
+    import cv2
+    import torch
+
+    cv2.setNumThreads(1)
+    torch.set_num_threads(1)
+
+
 def single_process(files: list[str], limit: int) -> dict:
     """(a) img/s of each transform in this process, and how far apart their pixels are."""
     out, sample = {}, files[:limit]
+    one_thread()
     for name, fn in TRANSFORMS.items():
-        fn(Path(sample[0]).read_bytes(), IMAGE, chooser(0, 0))  # import + warm
+        for key, f in enumerate(sample[:16]):  # imports (torch's resize too) + warm-up
+            fn(Path(f).read_bytes(), IMAGE, chooser(key, 0))
         t0, c0 = time.perf_counter(), time.process_time()
         for key, f in enumerate(sample):
             np.ascontiguousarray(fn(Path(f).read_bytes(), IMAGE, chooser(key, 0)))
@@ -153,7 +165,8 @@ def dataloader(shards, transform: str, epochs: int, settings: list[dict]) -> dic
         ds = FileDataset(shards, transform)
         loader = DataLoader(ds, batch_size=BATCH, shuffle=True, drop_last=True,
                             generator=torch.Generator().manual_seed(SEED),
-                            pin_memory=torch.cuda.is_available(), **s)  # fmt: skip
+                            pin_memory=torch.cuda.is_available(),
+                            worker_init_fn=one_thread, **s)  # fmt: skip
 
         def epoch_iter(epoch, ds=ds, loader=loader):
             ds.epoch = epoch  # persistent workers keep epoch 0's plan; the cost is the same

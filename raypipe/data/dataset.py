@@ -129,6 +129,7 @@ class Preprocessor:
                  skips: SkipLog | None = None, samples: int | None = None):  # fmt: skip
 
         self.config = config
+        _limit_threads(config.actor_cpus)
         self.usermap = SampleMap.of(config)
         self.schema = Schema()  # the user transform's fields, for every task of this actor
         self.samples = samples  # the epoch's samples to read, for the skip budget
@@ -248,6 +249,24 @@ class Preprocessor:
                 check_budget(total, epoch=epoch, samples=samples,
                              max_skipped=self.config.max_skipped, skips=skips)  # fmt: skip
         pending.clear()
+
+
+def _limit_threads(cpus: float) -> None:
+    """OpenCV's and torch's threads to the CPUs this worker reserved (at least one).
+
+    Both start a thread per core of the node for a resize; with one actor per reserved
+    CPU those threads only contend, and torch's spin between calls (CPU that decodes
+    nothing). torch's resize is imported here, as the worker starts, not in its first task.
+    """
+    import cv2
+    import torch
+    import torch.nn.functional  # noqa: F401
+
+    threads = max(1, int(cpus))
+    if cv2.getNumThreads() != threads:
+        cv2.setNumThreads(threads)
+    if torch.get_num_threads() > threads:
+        torch.set_num_threads(threads)
 
 
 class _BlockBuilder:
