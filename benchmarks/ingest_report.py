@@ -22,7 +22,7 @@ def rows(r: dict) -> list[tuple[str, float, float | None, str]]:
         out.append((f"raypipe {path}, first epoch", rp["first_epoch_img_s"], None,
                     f"first batch {rp['first_batch_s'][0]:.2f} s after Ray is up"))  # fmt: skip
         out.append((f"raypipe {path}, steady", rp["steady_img_s"], rp["img_per_cpu_s"],
-                    f"in-epoch flow {rp['flowing_img_s']:.0f} img/s; later epochs' first "
+                    f"later epochs as one {rp['steady_run_img_s']:.0f} img/s; in-epoch flow {rp['flowing_img_s']:.0f} img/s; later epochs' first "
                     f"batch max {max(rp['first_batch_s'][1:] or [0]):.3f} s"))  # fmt: skip
     return out
 
@@ -68,7 +68,8 @@ def stall_chart(r: dict, path: Path) -> None:
 
 def _knobs(best: dict) -> str:
     s = best["settings"]
-    return f"workers {s['num_workers']}, prefetch {s['prefetch_factor']}, persistent"
+    return (f"workers {s['num_workers']}, prefetch {s['prefetch_factor']}, persistent; "
+            f"later epochs as one {best['steady_run_img_s']:.0f} img/s")  # fmt: skip
 
 
 def print_table(r: dict) -> None:
@@ -76,9 +77,12 @@ def print_table(r: dict) -> None:
     for name, rate, per_cpu, note in rows(r):
         per = f"{per_cpu:9.0f}" if per_cpu else " " * 9
         print(f"{name:30s} {rate:7.0f} {per}  {note}")
-    print("\nratios to the DataLoader (steady epoch / first epoch / in-epoch flow / per CPU-s):")
+    print(
+        "\nratios to the DataLoader (steady epoch / later epochs as one / first epoch / "
+        "in-epoch flow / per CPU-s):"
+    )
     for name, v in r["ratios"].items():
-        print(f"  {name:34s} {v['epoch']:5.2f} / {v['first_epoch']:5.2f} / "
+        print(f"  {name:34s} {v['epoch']:5.2f} / {v['run']:5.2f} / {v['first_epoch']:5.2f} / "
               f"{v['in_epoch_flow']:5.2f} / {v['per_cpu_s']:5.2f}")  # fmt: skip
     for i, row in enumerate(r["raypipe"]["warm"]["stalls"]):
         parts = ", ".join(f"{k} {row[k]:.2f}" for k in ("wait_s", *(k for k, _, _ in STALLS)))

@@ -252,20 +252,21 @@ class Preprocessor:
 
 
 def _limit_threads(cpus: float) -> None:
-    """OpenCV's and torch's threads to the CPUs this worker reserved (at least one).
+    """OpenCV's threads (and torch's, where a user transform imported it) to the CPUs
+    this worker reserved, at least one.
 
-    Both start a thread per core of the node for a resize; with one actor per reserved
-    CPU those threads only contend, and torch's spin between calls (CPU that decodes
-    nothing). torch's resize is imported here, as the worker starts, not in its first task.
+    Both start a thread per core of the node for one resize; with one actor per reserved
+    CPU those threads only contend (on a 16-core node, 14 actors would run 16 each).
     """
+    import sys
+
     import cv2
-    import torch
-    import torch.nn.functional  # noqa: F401
 
     threads = max(1, int(cpus))
     if cv2.getNumThreads() != threads:
         cv2.setNumThreads(threads)
-    if torch.get_num_threads() > threads:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() > threads:
         torch.set_num_threads(threads)
 
 

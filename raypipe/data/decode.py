@@ -5,9 +5,8 @@ and flip a key gets come from the one ``plan`` call, so only the pixel arithmeti
 differs (a few grey levels). What makes it cheaper:
 
 - the DCT decodes at 1/2, 1/4 or 1/8 scale whenever the crop keeps ``size`` pixels;
-- only the crop box is resized, never the whole image: torch's SIMD antialiased
-  bilinear (Pillow's filter) when it shrinks, OpenCV's when it enlarges, or one affine
-  warp for a box with fractional edges;
+- only the crop box is resized (OpenCV's SIMD resize or one affine warp), never the
+  whole image;
 - the flip and the HWC → CHW change are views; the caller's copy into its block
   buffer does them for free.
 
@@ -64,8 +63,8 @@ def decode_crop(data: bytes, size: int, choose) -> np.ndarray:
 def crop_resize(rgb: np.ndarray, box: Box, size: int) -> np.ndarray:
     """Resize the pixels inside ``box`` of an H×W×3 image to size×size×3.
 
-    A whole-pixel box is cropped first (a view) and resized, low-passed on each axis it
-    shrinks as Pillow's bilinear filter is; a box with fractional edges (center crops, DCT-scaled boxes)
+    A whole-pixel box is cropped first (a view) and resized, with area averaging when
+    it shrinks both ways; a box with fractional edges (center crops, DCT-scaled boxes)
     is low-passed when it shrinks and sampled by one affine warp with Pillow's
     pixel-centre convention, so sub-pixel edges stay where Pillow puts them.
     """
@@ -74,9 +73,9 @@ def crop_resize(rgb: np.ndarray, box: Box, size: int) -> np.ndarray:
     if all(abs(v - round(v)) < 1e-6 for v in box):
         x0, y0 = round(box.left), round(box.top)
         crop = rgb[y0 : y0 + round(box.height), x0 : x0 + round(box.width)]
-        if crop.shape[0] > size or crop.shape[1] > size:
-            return _antialiased(crop, size)
-        return cv2.resize(crop, (size, size), interpolation=cv2.INTER_LINEAR)
+        shrink = crop.shape[0] > size and crop.shape[1] > size
+        mode = cv2.INTER_AREA if shrink else cv2.INTER_LINEAR
+        return cv2.resize(crop, (size, size), interpolation=mode)
     sx, sy = box.width / size, box.height / size
     h, w = rgb.shape[:2]
     x0, y0 = max(0, math.floor(box.left) - _MARGIN), max(0, math.floor(box.top) - _MARGIN)
@@ -96,25 +95,6 @@ def crop_resize(rgb: np.ndarray, box: Box, size: int) -> np.ndarray:
     return cv2.warpAffine(
         crop, to_source, (size, size), flags=flags, borderMode=cv2.BORDER_REPLICATE
     )
-
-
-def _antialiased(crop: np.ndarray, size: int) -> np.ndarray:
-    """Pillow's bilinear resize of an H×W×3 uint8 crop (a view) to size×size×3.
-
-    torch's uint8 antialiased bilinear kernel (the one torchvision's ``Resize`` uses)
-    computes Pillow's triangle filter per axis, widened by the shrink factor, with
-    SIMD: on photos 0.09 grey levels from Pillow's pixels on average (OpenCV's
-    ``INTER_AREA``, used before, 0.5), for less CPU; and per axis, so a crop that
-    shrinks one way and grows the other is not aliased.
-    """
-    import torch
-    from torch.nn import functional
-
-    image = torch.from_numpy(crop).permute(2, 0, 1).unsqueeze(0)  # a view: N×C×H×W, HWC strides
-    out = functional.interpolate(
-        image, size=(size, size), mode="bilinear", antialias=True, align_corners=False
-    )
-    return out[0].permute(1, 2, 0).numpy()
 
 
 def fast_decodable(data: bytes) -> bool:
