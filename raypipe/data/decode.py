@@ -5,8 +5,8 @@ and flip a key gets come from the one ``plan`` call, so only the pixel arithmeti
 differs (a few grey levels). What makes it cheaper:
 
 - the DCT decodes at 1/2, 1/4 or 1/8 scale whenever the crop keeps ``size`` pixels;
-- only the crop box is resized (OpenCV's SIMD resize or one affine warp), never the
-  whole image;
+- only the crop box is low-passed and resized (OpenCV's SIMD bilinear resize or one
+  affine warp), never the whole image;
 - the flip and the HWC → CHW change are views; the caller's copy into its block
   buffer does them for free.
 
@@ -63,31 +63,34 @@ def decode_crop(data: bytes, size: int, choose) -> np.ndarray:
 def crop_resize(rgb: np.ndarray, box: Box, size: int) -> np.ndarray:
     """Resize the pixels inside ``box`` of an H×W×3 image to size×size×3.
 
-    A whole-pixel box is cropped first (a view) and resized, with area averaging when
-    it shrinks both ways; a box with fractional edges (center crops, DCT-scaled boxes)
-    is low-passed when it shrinks and sampled by one affine warp with Pillow's
-    pixel-centre convention, so sub-pixel edges stay where Pillow puts them.
+    Along an axis that shrinks, the crop is first low-passed (a Gaussian close to Pillow's
+    triangle filter); then a whole-pixel box is cropped (a view) and resized bilinearly, and
+    a box with fractional edges (center crops, DCT-scaled boxes) is sampled by one affine
+    warp, both with Pillow's pixel-centre convention, so sub-pixel edges stay where Pillow
+    puts them. (Blur + bilinear costs about 0.25 ms on a 300-pixel crop; OpenCV's area
+    resize, for a fractional factor, 0.6 ms.)
     """
     import cv2
 
-    if all(abs(v - round(v)) < 1e-6 for v in box):
+    sx, sy = box.width / size, box.height / size
+    whole = all(abs(v - round(v)) < 1e-6 for v in box)
+    h, w = rgb.shape[:2]
+    if whole:
         x0, y0 = round(box.left), round(box.top)
         crop = rgb[y0 : y0 + round(box.height), x0 : x0 + round(box.width)]
-        shrink = crop.shape[0] > size and crop.shape[1] > size
-        mode = cv2.INTER_AREA if shrink else cv2.INTER_LINEAR
-        return cv2.resize(crop, (size, size), interpolation=mode)
-    sx, sy = box.width / size, box.height / size
-    h, w = rgb.shape[:2]
-    x0, y0 = max(0, math.floor(box.left) - _MARGIN), max(0, math.floor(box.top) - _MARGIN)
-    x1 = min(w, math.ceil(box.left + box.width) + _MARGIN)
-    y1 = min(h, math.ceil(box.top + box.height) + _MARGIN)
-    crop = rgb[y0:y1, x0:x1]
+    else:
+        x0, y0 = max(0, math.floor(box.left) - _MARGIN), max(0, math.floor(box.top) - _MARGIN)
+        x1 = min(w, math.ceil(box.left + box.width) + _MARGIN)
+        y1 = min(h, math.ceil(box.top + box.height) + _MARGIN)
+        crop = rgb[y0:y1, x0:x1]
     blur_x, blur_y = (_BLUR * math.sqrt(max(0.0, s * s - 1.0)) for s in (sx, sy))
     if max(blur_x, blur_y) > 0.05:  # shrinking: low-pass first, as Pillow's filter does
         crop = cv2.GaussianBlur(
             crop, (0, 0), sigmaX=max(blur_x, 1e-3), sigmaY=max(blur_y, 1e-3),
             borderType=cv2.BORDER_REPLICATE,
         )  # fmt: skip
+    if whole:
+        return cv2.resize(crop, (size, size), interpolation=cv2.INTER_LINEAR)
     to_source = np.array(
         [[sx, 0.0, box.left - x0 + 0.5 * sx - 0.5], [0.0, sy, box.top - y0 + 0.5 * sy - 0.5]]
     )
