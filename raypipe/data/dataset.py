@@ -27,7 +27,7 @@ from raypipe.config import PipelineConfig
 from raypipe.data.augment import Plan, plan, sample_rng
 from raypipe.data.blocksize import sized_blocks
 from raypipe.data.budget import check_budget
-from raypipe.data.decode import decode_crop
+from raypipe.data.decode import decode_crop, put_chw
 from raypipe.data.gpudecode import Encoded, EncodedBlocks
 from raypipe.data.shards import Listing, Reader, epoch_order, list_shards, pending_rows, unpack_done
 from raypipe.data.skips import (
@@ -289,7 +289,8 @@ class _BlockBuilder:
 
     def add(self, image: np.ndarray, raw: RawSample) -> bool:
         """Append one sample; True when the block is full."""
-        self.image[self.n], self.label[self.n], self.key[self.n] = image, raw.label, raw.key
+        put_chw(self.image[self.n], image)
+        self.label[self.n], self.key[self.n] = raw.label, raw.key
         self.n += 1
         return self.n == self.rows
 

@@ -7,8 +7,8 @@ differs (a few grey levels). What makes it cheaper:
 - the DCT decodes at 1/2, 1/4 or 1/8 scale whenever the crop keeps ``size`` pixels;
 - only the crop box is low-passed and resized (OpenCV's SIMD bilinear resize or one
   affine warp), never the whole image;
-- the flip and the HWC → CHW change are views; the caller's copy into its block
-  buffer does them for free.
+- the flip and the HWC → CHW change are views; ``put_chw`` writes them into a block's
+  planes with OpenCV's SIMD channel split, a few times faster than numpy's strided copy.
 
 JPEGs that are CMYK, carry an EXIF rotation, or that libjpeg-turbo rejects, and every
 other format, go through Pillow with the plan already drawn.
@@ -23,7 +23,7 @@ import numpy as np
 from raypipe.data.augment import Box
 from raypipe.data.pillow import pillow_decode_crop
 
-__all__ = ["decode_crop", "exif_orientation", "fast_decodable", "jpeg_size"]
+__all__ = ["decode_crop", "exif_orientation", "fast_decodable", "jpeg_size", "put_chw"]
 assert __all__ == sorted(__all__)
 
 _FAST_COLORSPACES = ("YCbCr", "Gray", "RGB")
@@ -98,6 +98,25 @@ def crop_resize(rgb: np.ndarray, box: Box, size: int) -> np.ndarray:
     return cv2.warpAffine(
         crop, to_source, (size, size), flags=flags, borderMode=cv2.BORDER_REPLICATE
     )
+
+
+def put_chw(dst: np.ndarray, image: np.ndarray) -> None:
+    """Copy the uint8 (3, H, W) ``image`` into the C-contiguous ``dst`` of the same shape.
+
+    An image that is the CHW view of a contiguous H×W×3 array, mirrored or not (what
+    `decode_crop` returns), is split into ``dst``'s three planes by OpenCV's SIMD
+    deinterleave; anything else is copied by numpy.
+    """
+    import cv2
+
+    hwc = image.transpose(1, 2, 0)
+    if image.dtype == dst.dtype == np.uint8 and image.shape == dst.shape and image.shape[0] == 3:
+        if not hwc.flags.c_contiguous and hwc[:, ::-1].flags.c_contiguous:
+            hwc = cv2.flip(hwc[:, ::-1], 1)  # the mirrored view: mirror the pixels
+        if hwc.flags.c_contiguous and dst.flags.c_contiguous:
+            cv2.split(hwc, [dst[0], dst[1], dst[2]])
+            return
+    np.copyto(dst, image)
 
 
 def fast_decodable(data: bytes) -> bool:

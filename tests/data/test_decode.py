@@ -154,3 +154,30 @@ def test_an_axis_that_shrinks_is_low_passed_when_the_other_grows(box):
     assert standard.std() < 25  # Pillow's output is close to uniform grey
     assert fast.std() < standard.std() + 18, (fast.std(), standard.std())
     assert abs(fast.mean() - standard.mean()) < 3
+
+
+@pytest.mark.parametrize("shape", [(224, 224), (31, 17), (1, 5)])
+def test_put_chw_writes_every_layout_as_its_chw_copy(shape):
+    """decode_crop's views (CHW of HWC, mirrored or not), contiguous CHW arrays and other
+    strides all land in the block's planes as numpy's own copy would put them."""
+    rng = np.random.default_rng(7)
+    h, w = shape
+    hwc = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+    chw = np.ascontiguousarray(hwc.transpose(2, 0, 1))
+    wide = rng.integers(0, 256, (3, h, 2 * w), dtype=np.uint8)
+    for image in (
+        hwc.transpose(2, 0, 1),
+        hwc[:, ::-1].transpose(2, 0, 1),
+        chw,
+        chw[:, ::-1],
+        wide[:, :, ::2],
+    ):
+        block = np.zeros((4, 3, h, w), dtype=np.uint8)
+        decode.put_chw(block[2], image)
+        assert np.array_equal(block[2], image)
+        assert not block[[0, 1, 3]].any()  # nothing written beside its row
+
+
+def test_put_chw_refuses_a_wrong_shape():
+    with pytest.raises(ValueError):
+        decode.put_chw(np.zeros((3, 8, 8), np.uint8), np.zeros((3, 8, 9), np.uint8))
