@@ -232,7 +232,8 @@ def test_the_pool_sheds_actors_for_a_slow_trainer_and_grows_back_when_it_speeds_
         assert 1 in targets and targets[-1] >= 1
 
 
-N_NODES = 560  # 35 s of a 16 img/s trainer; the worker node goes at about 20 s
+N_NODES = 800  # 50 s of a 16 img/s trainer; the worker node goes at about 20 s (35 s left it
+# too little room on a loaded machine: once in four full runs it was still there at the end)
 
 
 @pytest.mark.slow
