@@ -7,8 +7,9 @@ differs (a few grey levels). What makes it cheaper:
 - the DCT decodes at 1/2, 1/4 or 1/8 scale whenever the crop keeps ``size`` pixels;
 - only the crop box is low-passed and resized (OpenCV's SIMD bilinear resize or one
   affine warp), never the whole image;
-- the flip and the HWC → CHW change are views; ``put_chw`` writes them into a block's
-  planes with OpenCV's SIMD channel split (1.7–4× numpy's strided copy, mirrored or not).
+- a flip is one ``cv2.flip`` of the resized crop, the HWC → CHW change a view that
+  ``put_chw`` writes into a block's planes with OpenCV's SIMD channel split (about 4×
+  numpy's strided copy).
 
 JPEGs that are CMYK, carry an EXIF rotation, or that libjpeg-turbo rejects, and every
 other format, go through Pillow with the plan already drawn.
@@ -34,8 +35,10 @@ _BLUR = 0.5  # Gaussian sigma per sqrt(shrink² - 1): close to Pillow's triangle
 def decode_crop(data: bytes, size: int, choose) -> np.ndarray:
     """Decode ``data`` and apply ``choose(width, height)``'s plan: uint8 (3, size, size).
 
-    The result may be a non-contiguous view (flip, CHW); copy it where contiguity matters.
+    The result may be the CHW view of an H×W×3 array; copy it where contiguity matters
+    (`put_chw` does, fast).
     """
+    import cv2
     import simplejpeg
 
     head = jpeg_size(data)
@@ -56,7 +59,7 @@ def decode_crop(data: bytes, size: int, choose) -> np.ndarray:
         return pillow_decode_crop(data, size, lambda w, h: p)
     out = crop_resize(rgb, _scaled(p.box, rgb.shape[1] / width, rgb.shape[0] / height), size)
     if p.flip:
-        out = out[:, ::-1]
+        out = cv2.flip(out, 1)
     return out.transpose(2, 0, 1)
 
 
@@ -103,20 +106,18 @@ def crop_resize(rgb: np.ndarray, box: Box, size: int) -> np.ndarray:
 def put_chw(dst: np.ndarray, image: np.ndarray) -> None:
     """Copy the uint8 (3, H, W) ``image`` into the C-contiguous ``dst`` of the same shape.
 
-    An image that is the CHW view of a contiguous H×W×3 array, mirrored or not (what
-    `decode_crop` returns), is split into ``dst``'s three planes by OpenCV's SIMD
-    deinterleave; anything else is copied by numpy.
+    An image that is the CHW view of a contiguous H×W×3 array (what `decode_crop`
+    returns) is split into ``dst``'s three planes by OpenCV's SIMD deinterleave; anything
+    else is copied by numpy.
     """
     import cv2
 
     hwc = image.transpose(1, 2, 0)
-    if image.dtype == dst.dtype == np.uint8 and image.shape == dst.shape and image.shape[0] == 3:
-        if not hwc.flags.c_contiguous and hwc[:, ::-1].flags.c_contiguous:
-            hwc = cv2.flip(hwc[:, ::-1], 1)  # the mirrored view: mirror the pixels
-        if hwc.flags.c_contiguous and dst.flags.c_contiguous:
-            cv2.split(hwc, [dst[0], dst[1], dst[2]])
-            return
-    np.copyto(dst, image)
+    if (image.dtype == dst.dtype == np.uint8 and image.shape == dst.shape
+            and image.shape[0] == 3 and hwc.flags.c_contiguous and dst.flags.c_contiguous):  # fmt: skip
+        cv2.split(hwc, [dst[0], dst[1], dst[2]])
+    else:
+        np.copyto(dst, image)
 
 
 def fast_decodable(data: bytes) -> bool:
