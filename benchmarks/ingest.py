@@ -11,7 +11,9 @@ One run measures, on one generated corpus of ~400×300 photo JPEGs
       ``compute="tasks"``) and, for comparison, the previous shape: a ``build_dataset``
       per epoch (a new pool per epoch): first epoch with start-up, then the median of
       the later epochs; the stall view of every warm epoch; and the per-batch cost of
-      the rank iterator over blocks already in the object store.
+      the rank iterator over blocks already in the object store;
+  (d) the sweeps' winners (both DataLoaders, the warm Pipeline) again, interleaved over
+      --rounds rounds, each round's ratios taken within the round (``ingest_rounds``).
 
 Every path yields uint8 N×3×224×224 batches of 256 on the host (normalisation belongs
 on the device). Prints a table, writes ``ingest.json``, ``ingest.png`` and the warm
@@ -23,6 +25,7 @@ path's stall view ``stalls.png`` under --out.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -34,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 from ingest_report import chart, print_table, stall_chart
+from ingest_rounds import rounds
 from nodecpu import CpuMeter
 
 from raypipe.cli.demo import write_photos
@@ -193,15 +197,11 @@ PACE_S = 0.25
 def raypipe_run(corpus: Path, epochs: int, actors: int) -> dict:
     """(c) raypipe's paths in one Ray session, and the rank iterator's cost per batch."""
     import ray
-    import ray.data
 
     from raypipe import build_dataset
 
     t0 = time.perf_counter()
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False,
-             log_to_driver=False, object_store_memory=1 << 30,
-             configure_logging=False)  # fmt: skip
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    start_ray()
     out = {"ray_init_s": time.perf_counter() - t0}
     config = PipelineConfig(source=str(corpus), batch_size=BATCH, image_size=IMAGE,
                             seed=SEED, actors=(actors, actors))  # fmt: skip
@@ -227,6 +227,46 @@ def raypipe_run(corpus: Path, epochs: int, actors: int) -> dict:
     out["iterator_ms_per_batch"] = iterator_cost(ready)
     ray.shutdown()
     return out
+
+
+def start_ray() -> None:
+    import ray
+    import ray.data
+
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False,
+             log_to_driver=False, object_store_memory=1 << 30,
+             configure_logging=False)  # fmt: skip
+    ray.data.DataContext.get_current().enable_progress_bars = False
+
+
+def warm_alone(corpus: Path, listing, epochs: int, actors: int) -> dict:
+    """The warm Pipeline in a Ray session of its own, so no other path shares the node
+    with an idle Ray."""
+    import ray
+
+    start_ray()
+    try:
+        config = PipelineConfig(source=str(corpus), batch_size=BATCH, image_size=IMAGE,
+                                seed=SEED, actors=(actors, actors))  # fmt: skip
+        return warm_epochs(config, listing, epochs)
+    finally:
+        ray.shutdown()
+
+
+def head_to_head(result: dict, corpus: Path, listing, epochs: int, n: int) -> dict:
+    """(d) The sweeps' winners again, interleaved over ``n`` rounds (`ingest_rounds`)."""
+    best = {t: result["dataloader"][t]["best"]["settings"] for t in TRANSFORMS}
+    actors = result["raypipe"]["warm"]["actors"]
+    paths = {
+        f"dataloader_{t}": functools.partial(
+            lambda t: dataloader(listing.shards, t, epochs, [best[t]])["best"], t
+        )
+        for t in TRANSFORMS
+    }
+    paths["raypipe_warm"] = functools.partial(warm_alone, corpus, listing, epochs, actors)
+    versus = [("raypipe_warm", f"dataloader_{t}") for t in TRANSFORMS]
+    return {"settings": {**best, "raypipe_warm": {"actors": actors}},
+            **rounds(paths, n, versus)}  # fmt: skip
 
 
 def warm_epochs(config: PipelineConfig, listing, epochs: int, pause_s: float = 0.0) -> dict:
@@ -295,11 +335,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
     p.add_argument("--actors", type=int, default=os.cpu_count())
     p.add_argument("--epochs", type=int, help="epochs per path (default: the size's, 5)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="interleaved rounds of the winners after the sweeps (default 5; 0: none)",
+    )
     args = p.parse_args(argv)
     n, epochs = SIZES[args.size]
     epochs = args.epochs or epochs
     if epochs < 2:
         p.error(f"--epochs {epochs}: at least 2 (epoch 0 starts the pool; steady is the rest)")
+    if args.rounds < 0:
+        p.error(f"--rounds {args.rounds}: 0 or more")
     args.out.mkdir(parents=True, exist_ok=True)
     corpus = make_corpus(args.out, n)
     listing = list_shards(PipelineConfig(source=str(corpus)))
@@ -330,6 +378,9 @@ def main(argv: list[str] | None = None) -> dict:
         for compute in PATHS
         for t in TRANSFORMS
     }
+    if args.rounds:
+        print(f"interleaved rounds ({args.rounds}) of the winners:")
+        result["rounds"] = head_to_head(result, corpus, listing, epochs, args.rounds)
     result["machine"]["loadavg_at_end"] = os.getloadavg()
     print_table(result)
     (args.out / "ingest.json").write_text(json.dumps(result, indent=2, default=str))

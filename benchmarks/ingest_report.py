@@ -99,8 +99,22 @@ def print_table(r: dict) -> None:
         print(f"trainer at {rp['pace_s']} s per batch, {path}: first batch of each epoch "
               f"{[round(x, 3) for x in pr['first_batch_s']]} s, wait "
               f"{[round(x, 3) for x in pr['wait_fraction']]}")  # fmt: skip
+    if "rounds" in r:
+        print_rounds(r["rounds"])
     m = r["machine"]
     print(f"load average at start {m['loadavg_at_start']}, end {m['loadavg_at_end']}")
+
+
+def print_rounds(rd: dict) -> None:
+    print(f"\ninterleaved rounds ({rd['rounds']}), steady img/s per round -> median:")
+    for name, v in rd["paths"].items():
+        per = ", ".join(f"{x:.0f}" for x in v["steady_img_s"]["per_round"])
+        print(f"  {name:20s} {per} -> {v['steady_img_s']['median']:.0f}"
+              f" (img/CPU-s {v['img_per_cpu_s']['median']:.0f})")  # fmt: skip
+    for name, v in rd["ratios"].items():
+        per = ", ".join(f"{x:.2f}" for x in v["steady_img_s"]["per_round"])
+        print(f"  {name:36s} {per} -> median {v['steady_img_s']['median']:.2f}"
+              f" (per CPU-s {v['img_per_cpu_s']['median']:.2f})")  # fmt: skip
 
 
 def chart(r: dict, path: Path) -> None:

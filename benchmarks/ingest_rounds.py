@@ -1,0 +1,56 @@
+"""Interleaved rounds for ``benchmarks/ingest.py``: the sweep's winners, measured in turn.
+
+A sweep runs each setting once and keeps the fastest, so the winner carries the luck of
+its one pass (the best of four draws beats the best of two), and on a machine whose speed
+drifts over a ten-minute run, a path that ran at a better moment looks faster. Here each
+path runs once per round, the order rotating from round to round; a ratio is taken
+between the two paths of the same round, and the median over rounds is reported.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+__all__ = ["rounds"]
+assert __all__ == sorted(__all__)
+KEYS = ("steady_img_s", "steady_run_img_s", "img_per_cpu_s")
+
+
+def rounds(paths: dict[str, Callable[[], dict]], n: int,
+           versus: list[tuple[str, str]]) -> dict:  # fmt: skip
+    """Run every path of ``paths`` once per round for ``n`` rounds.
+
+    Each path returns ``benchmarks/ingest.py``'s ``run_epochs`` result. Returns, per path,
+    every round's value of each of `KEYS` and their median; and for each ``(a, b)`` of
+    ``versus``, a's rate over b's in each round and the median of those ratios.
+    """
+    if n < 1:
+        raise ValueError(f"rounds: n must be at least 1, got {n}")
+    names = list(paths)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for i in range(n):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            r = paths[name]()
+            runs[name].append(r)
+            print(f"  round {i + 1}/{n}, {name}: steady {r['steady_img_s']:.0f} img/s", flush=True)
+    out: dict = {"rounds": n, "paths": {}, "ratios": {}}
+    for name, rs in runs.items():
+        out["paths"][name] = {
+            key: {
+                "per_round": [r[key] for r in rs],
+                "median": statistics.median(r[key] for r in rs),
+            }
+            for key in KEYS
+        }
+    for a, b in versus:
+        out["ratios"][f"{a}_vs_{b}"] = {
+            key: _paired(runs[a], runs[b], key) for key in ("steady_img_s", "img_per_cpu_s")
+        }
+    return out
+
+
+def _paired(a: list[dict], b: list[dict], key: str) -> dict:
+    per_round = [x[key] / y[key] for x, y in zip(a, b, strict=True)]
+    return {"per_round": per_round, "median": statistics.median(per_round)}
