@@ -40,7 +40,7 @@ from torch import nn
 
 import raypipe
 from raypipe.config import IMAGENET_MEAN, IMAGENET_STD
-from raypipe.loader.iterator import normalize
+from raypipe.loader.device import normalize
 
 WARM_STEPS = 3  # steps per epoch left out of the step-time median (the epoch's start)
 

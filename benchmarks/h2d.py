@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from raypipe.config import IMAGENET_MEAN, IMAGENET_STD
+from raypipe.loader.device import normalize
 from raypipe.loader.h2d import HostToDevice
-from raypipe.loader.iterator import normalize
 
 SIZE = 224
 

@@ -27,8 +27,9 @@ from raypipe.config import PipelineConfig
 from raypipe.data.augment import Plan, plan, sample_rng
 from raypipe.data.blocksize import sized_blocks
 from raypipe.data.budget import check_budget
-from raypipe.data.decode import decode_crop, put_chw
+from raypipe.data.decode import decode_crop
 from raypipe.data.gpudecode import Encoded, EncodedBlocks
+from raypipe.data.imageblocks import ImageBlocks
 from raypipe.data.shards import Listing, Reader, epoch_order, list_shards, pending_rows, unpack_done
 from raypipe.data.skips import (
     BadSample,
@@ -167,7 +168,7 @@ class Preprocessor:
     def _builder(self, epoch: int):
         rows = self.config.rows_per_block or self.config.batch_size
         if self.usermap is None:
-            blocks = EncodedBlocks if self.config.decode == "gpu" else _BlockBuilder
+            blocks = EncodedBlocks if self.config.decode == "gpu" else ImageBlocks
             return blocks(self.config.image_size, rows)
         return RowBuilder(rows, self.usermap, self.schema, self._bad, epoch)
 
@@ -268,34 +269,3 @@ def _limit_threads(cpus: float) -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.get_num_threads() > threads:
         torch.set_num_threads(threads)
-
-
-class _BlockBuilder:
-    """Fills preallocated arrays so a block is built without concatenation copies."""
-
-    def __init__(self, size: int, rows: int):
-        self.size, self.rows = size, rows
-        self.bad: list[SkipRecord] = []  # never any: only a per-batch user transform fails late
-        self._reset()
-
-    def _reset(self) -> None:
-        self.image = np.empty((self.rows, 3, self.size, self.size), dtype=np.uint8)
-        self.label = np.empty(self.rows, dtype=np.int64)
-        self.key = np.empty(self.rows, dtype=np.int64)
-        self.n = 0
-
-    def __len__(self) -> int:
-        return self.n
-
-    def add(self, image: np.ndarray, raw: RawSample) -> bool:
-        """Append one sample; True when the block is full."""
-        put_chw(self.image[self.n], image)
-        self.label[self.n], self.key[self.n] = raw.label, raw.key
-        self.n += 1
-        return self.n == self.rows
-
-    def take(self) -> dict[str, np.ndarray]:
-        n = self.n
-        block = {"image": self.image[:n], "label": self.label[:n], "key": self.key[:n]}
-        self._reset()
-        return block

@@ -34,6 +34,7 @@ import numpy as np
 from raypipe.config import LoaderConfig, PipelineConfig
 from raypipe.loader.blocks import dataset_columns
 from raypipe.loader.collate import collate_for
+from raypipe.loader.device import normalize, resolve_device
 from raypipe.loader.h2d import HostToDevice
 from raypipe.loader.rebatch import rebatch
 from raypipe.loader.stats import Delivered, IterStats
@@ -267,41 +268,3 @@ class _Stay:
 
     def __exit__(self, *exc) -> None:
         self._batches.close()
-
-
-def normalize(batch: Batch, mean: tuple[float, ...], std: tuple[float, ...]) -> Batch:
-    """Step 5: uint8 image → float32 ``(x/255 - mean) / std``, where the image lives."""
-    import torch
-
-    image = batch.get("image")
-    if not hasattr(image, "dtype") or image.dtype != torch.uint8 or image.dim() != 4:
-        return batch  # a user transform's output: normalized by its own rules, if at all
-    scale, shift = _affine(tuple(mean), tuple(std), image.device)
-    out = image.to(torch.float32).mul_(scale).sub_(shift)  # keeps channels_last
-    return {**batch, "image": out}
-
-
-@functools.lru_cache(maxsize=16)
-def _affine(mean: tuple[float, ...], std: tuple[float, ...], device) -> tuple:
-    """Scale and shift made once per device: no host-to-device copy on the consumer's stream."""
-    import torch
-
-    scale = torch.tensor([1 / (255 * s) for s in std], device=device).view(1, -1, 1, 1)
-    shift = torch.tensor([m / s for m, s in zip(mean, std, strict=True)], device=device)
-    return scale, shift.view(1, -1, 1, 1)
-
-
-def resolve_device(device):
-    """``"auto"``: Ray Train's device inside a Train worker, CPU anywhere else."""
-    import torch
-
-    if device != "auto":
-        return torch.device(device)
-    import ray.train
-    import ray.train.torch
-
-    try:
-        ray.train.get_context()
-    except RuntimeError:  # not inside a Train worker
-        return torch.device("cpu")
-    return ray.train.torch.get_device()

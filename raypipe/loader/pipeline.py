@@ -31,8 +31,9 @@ from raypipe.data.skips import SkipLog
 from raypipe.data.warm import rank_dataset
 from raypipe.loader.blocks import execute
 from raypipe.loader.collate import collate_for
+from raypipe.loader.device import resolve_device
 from raypipe.loader.feeder import Feeder
-from raypipe.loader.iterator import TorchBatches, resolve_device
+from raypipe.loader.iterator import TorchBatches
 from raypipe.loader.ledger import Gate, create_ledger
 from raypipe.loader.progress import Progress
 from raypipe.loader.stats import bound

@@ -54,6 +54,17 @@ def test_every_subcommand_has_help(command, capsys):
     assert f"usage: raypipe {ALIASES.get(command, command)}" in capsys.readouterr().out
 
 
+def test_every_command_the_parser_takes_is_carried_out():
+    """The parser (`raypipe.cli.parser`) and the dispatch table name the same commands."""
+    import argparse
+
+    from raypipe.cli.parser import build_parser
+
+    (sub,) = (a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == set(cli.COMMANDS)
+    assert cli.COMMANDS["preprocess"] is cli.COMMANDS["convert"]
+
+
 def test_python_dash_m_and_top_level_help():
     done = _raypipe("--help")
     assert done.returncode == 0

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from raypipe.loader.device import normalize, resolve_device
 from raypipe.loader.device_ops import SyncOps
 from raypipe.loader.h2d import HostToDevice, PinnedRing
-from raypipe.loader.iterator import iter_torch_batches, normalize, resolve_device
+from raypipe.loader.iterator import iter_torch_batches
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -275,7 +275,7 @@ def _reference_sums(config: PipelineConfig, epochs: int) -> list[dict[int, float
     """Per epoch and key: the sum of the normalized image an uninterrupted run delivers."""
     import torch
 
-    from raypipe.loader.iterator import normalize
+    from raypipe.loader.device import normalize
 
     sums = []
     for epoch in range(epochs):
