@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from raypipe.cli import localray
 from raypipe.config import PipelineConfig
 from raypipe.data.shards import epoch_order, list_shards
 from raypipe.train.state import PipelineState, fingerprint, merge_states
@@ -204,7 +205,7 @@ def main() -> None:
             f"the train loop started after {train['fresh_loop_start_s']:.2f} s / "
             f"{train['resumed_loop_start_s']:.2f} s (Ray Train's start-up)"
         )
-    ray.shutdown()
+    localray.shutdown()
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine, "checkpoint": cost, "resume": resume, "train_ddp": train}
     (args.out / "checkpoint.json").write_text(json.dumps(result, indent=2))

@@ -39,6 +39,7 @@ from nodecpu import CpuMeter
 from torch import nn
 
 import raypipe
+from raypipe.cli import localray
 from raypipe.config import IMAGENET_MEAN, IMAGENET_STD
 from raypipe.loader.device import normalize
 
@@ -265,7 +266,7 @@ def main(argv=None) -> int:
         results["compute_bound_resnet50"] = feeds("resnet50", big_model(), big, args, device)
     if args.only in (None, "decode"):
         results["decode"] = decode_paths(config, args, device)
-    ray.shutdown()
+    localray.shutdown()
     print(json.dumps(results, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

@@ -40,6 +40,7 @@ from ingest_report import chart, print_table, stall_chart
 from ingest_rounds import rounds
 from nodecpu import CpuMeter
 
+from raypipe.cli import localray
 from raypipe.cli.demo import write_photos
 from raypipe.config import PipelineConfig
 from raypipe.data import decode
@@ -196,7 +197,6 @@ PACE_S = 0.25
 
 def raypipe_run(corpus: Path, epochs: int, actors: int) -> dict:
     """(c) raypipe's paths in one Ray session, and the rank iterator's cost per batch."""
-    import ray
 
     from raypipe import build_dataset
 
@@ -225,7 +225,7 @@ def raypipe_run(corpus: Path, epochs: int, actors: int) -> dict:
         print(f"  raypipe {path}: steady {out[path]['steady_img_s']:.0f} img/s")
     ready = build_dataset(config.replace(compute="tasks"), epoch=0, listing=listing)
     out["iterator_ms_per_batch"] = iterator_cost(ready)
-    ray.shutdown()
+    localray.shutdown()
     return out
 
 
@@ -242,7 +242,6 @@ def start_ray() -> None:
 def warm_alone(corpus: Path, listing, epochs: int, actors: int) -> dict:
     """The warm Pipeline in a Ray session of its own, so no other path shares the node
     with an idle Ray."""
-    import ray
 
     start_ray()
     try:
@@ -250,7 +249,7 @@ def warm_alone(corpus: Path, listing, epochs: int, actors: int) -> dict:
                                 seed=SEED, actors=(actors, actors))  # fmt: skip
         return warm_epochs(config, listing, epochs)
     finally:
-        ray.shutdown()
+        localray.shutdown()
 
 
 def head_to_head(result: dict, corpus: Path, listing, epochs: int, n: int) -> dict:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ingest import make_corpus, run_epochs
 
+from raypipe.cli import localray
 from raypipe.cli.examples import ColorCrop
 from raypipe.config import PipelineConfig
 from raypipe.data.shards import list_shards
@@ -86,7 +87,7 @@ def raypipe_run(corpus: Path, epochs: int, actors: int) -> dict:
         print(f"  raypipe warm, {actors} actors: steady {r['steady_img_s']:.0f} img/s")
         return r
     finally:
-        ray.shutdown()
+        localray.shutdown()
 
 
 def main(argv: list[str] | None = None) -> dict:

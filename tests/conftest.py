@@ -52,7 +52,9 @@ def ray_session():
 
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield ray
-    ray.shutdown()
+    from raypipe.cli import localray
+
+    localray.shutdown()  # and any worker that outlives its raylet, by pid
 
 
 def image_bytes(rng: np.random.Generator, fmt: str = "JPEG", size=(24, 20)) -> bytes:

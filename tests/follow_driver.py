@@ -22,6 +22,7 @@ from pathlib import Path
 import ray
 
 from raypipe import PipelineConfig, PoolWatch
+from raypipe.cli import localray
 from tests.ranks import run_ranks
 
 STORE_MIB = 100
@@ -93,7 +94,7 @@ def main(address: str, data: str, out: str, config_json: str, world: str, slow_s
             "watch_t0": watch._t0,  # time.monotonic() at the watch's start
             "heads": heads, "placed": placed,
         }  # fmt: skip
-    ray.shutdown()
+    localray.shutdown()
     Path(out).write_text(json.dumps(report))
 
 

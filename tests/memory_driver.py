@@ -24,6 +24,7 @@ from pathlib import Path
 import ray
 
 from raypipe import PipelineConfig, SkipLog
+from raypipe.cli import localray
 from tests.ranks import run_ranks
 
 BATCH, IMAGE, ROWS_PER_BLOCK = 64, 224, 16
@@ -95,7 +96,7 @@ def main(data: str, out: str, store_mib: str, epochs: str, pause_s: str,
         done.set()
         sampler.join()
     seconds = time.perf_counter() - t0
-    ray.shutdown()
+    localray.shutdown()
     report = {"keys": keys, "stats": [[{k: v for k, v in s.items() if k != "stalls"}
                                        for s in rank] for rank in stats],
               "peaks": peaks, "seconds": seconds, "store_mib": int(store_mib),

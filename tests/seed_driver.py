@@ -16,6 +16,7 @@ import time
 import ray
 
 from raypipe import PipelineConfig, SkipLog
+from raypipe.cli import localray
 from tests.ranks import run_ranks
 
 EPOCHS, BATCH = 2, 16
@@ -66,7 +67,7 @@ def main(source: str, out: str) -> None:
             report[name] = run(config.replace(actors=actors), world, pauses)
             print(f"{name}: {time.perf_counter() - t0:.1f} s", flush=True)
     finally:
-        ray.shutdown()
+        localray.shutdown()
     with open(out, "w") as f:
         json.dump(report, f)
 

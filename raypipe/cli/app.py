@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from raypipe.cli import jobspec
+from raypipe.cli import jobspec, localray
 from raypipe.cli.parser import build_parser
 
 BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "ingest.py"
@@ -149,7 +149,7 @@ def _ray_address(address: str | None) -> str:
 @contextlib.contextmanager
 def _ray_session(address: str | None):
     """Ray at `_ray_address` for the block, unless this process already has one; a Ray
-    started here is stopped at the end."""
+    started here is stopped at the end, every process of it (`raypipe.cli.localray`)."""
     import ray
 
     started = not ray.is_initialized()
@@ -159,7 +159,7 @@ def _ray_session(address: str | None):
         yield
     finally:
         if started:
-            ray.shutdown()
+            localray.shutdown()
 
 
 def _expect_kind(config: str, kind: str) -> None:

@@ -1,0 +1,88 @@
+"""Stop a Ray this process started, leaving none of its processes behind.
+
+``ray.shutdown()`` stops the raylet and GCS that ``ray.init()`` started as this process's
+children; their workers are meant to exit with the raylet. With Ray 2.60 a pool actor's
+worker now and then outlives it (adopted by init, still holding its memory). So
+`shutdown` notes this process's Ray descendants first, shuts Ray down, and kills by pid
+those still there after a grace period: the very processes noted, not new ones that
+took their pid (``/proc`` start times are compared). Without ``/proc`` it is a plain
+``ray.shutdown()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
+__all__ = ["ray_descendants", "shutdown", "stop_leftovers"]
+assert __all__ == sorted(__all__)
+
+
+def shutdown(grace_s: float = 10.0) -> list[int]:
+    """``ray.shutdown()``, then SIGKILL to this process's Ray descendants (noted before it)
+    still alive ``grace_s`` later. Returns the pids killed."""
+    import ray
+
+    noted = ray_descendants(os.getpid())
+    ray.shutdown()
+    return stop_leftovers(noted, grace_s)
+
+
+def stop_leftovers(noted: dict[int, int], grace_s: float) -> list[int]:
+    """SIGKILL to the processes of ``noted`` (`ray_descendants`) still alive after
+    ``grace_s``; a pid now held by another process is left alone. Returns those killed."""
+    deadline = time.monotonic() + grace_s
+    while (alive := [p for p, t in noted.items() if _start_time(p) == t]) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.1)
+    for pid in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return alive
+
+
+def ray_descendants(root: int) -> dict[int, int]:
+    """``{pid: start time}`` of ``root``'s descendants that are Ray's: ``ray::`` workers,
+    and the raylet, GCS and Ray's Python services (run from the ``ray`` package)."""
+    parent: dict[int, int] = {}
+    started: dict[int, int] = {}
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if name.isdigit() and (fields := _stat(int(name))) is not None:
+            parent[int(name)], started[int(name)] = int(fields[1]), int(fields[19])
+    out = {}
+    for pid, start in started.items():
+        p = parent.get(pid)
+        while p not in (None, 0, 1, root):
+            p = parent.get(p)
+        if p == root and _is_ray(pid):
+            out[pid] = start
+    return out
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state is field 0)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _start_time(pid: int) -> int | None:
+    fields = _stat(pid)
+    if fields is None or fields[0] == "Z":  # gone, or a zombie: nothing left to stop
+        return None
+    return int(fields[19])
+
+
+def _is_ray(pid: int) -> bool:
+    try:
+        cmd = (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        )
+    except OSError:
+        return False
+    return cmd.startswith("ray::") or "/ray/" in cmd  # workers; raylet, GCS, Ray's scripts
