@@ -138,6 +138,9 @@ def train_ddp(
     if eval_config is not None:
         skip_logs[EVAL] = SkipLog.create()
         datasets[EVAL] = build_dataset(eval_config, skips=skip_logs[EVAL])
+        # the epoch line reports it; Ray Data's bars from Train's split actor would reach
+        # the driver's log as dozens of lines per epoch
+        datasets[EVAL].context.enable_progress_bars = False
     progress = Progress(seed=config.seed, num_samples=listing.num_samples,
                         fingerprint=fingerprint(listing), start=start, start_dir=start_dir)  # fmt: skip
     _warn_if_short_of_cpus(config, eval_config, num_workers, cpus_per_worker)
