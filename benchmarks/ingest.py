@@ -256,12 +256,11 @@ def head_to_head(result: dict, corpus: Path, listing, epochs: int, n: int) -> di
     """(d) The sweeps' winners again, interleaved over ``n`` rounds (`ingest_rounds`)."""
     best = {t: result["dataloader"][t]["best"]["settings"] for t in TRANSFORMS}
     actors = result["raypipe"]["warm"]["actors"]
-    paths = {
-        f"dataloader_{t}": functools.partial(
-            lambda t: dataloader(listing.shards, t, epochs, [best[t]])["best"], t
-        )
-        for t in TRANSFORMS
-    }
+
+    def loader(transform: str) -> dict:
+        return dataloader(listing.shards, transform, epochs, [best[transform]])["best"]
+
+    paths = {f"dataloader_{t}": functools.partial(loader, t) for t in TRANSFORMS}
     paths["raypipe_warm"] = functools.partial(warm_alone, corpus, listing, epochs, actors)
     versus = [("raypipe_warm", f"dataloader_{t}") for t in TRANSFORMS]
     return {"settings": {**best, "raypipe_warm": {"actors": actors}},

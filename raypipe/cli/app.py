@@ -40,8 +40,8 @@ def _run(args: argparse.Namespace) -> int:
         for section in (cfg.data, cfg.eval):
             if section is not None:
                 list_shards(section)
-        t0 = time.perf_counter()
         with _ray_session(args.address):
+            t0 = time.perf_counter()  # the run's time, not Ray's start-up
             storage = args.storage_path and jobspec.resolve(args.data_root, args.storage_path)
             result = run(config, epochs=args.epochs, storage_path=storage)
     m = result.metrics or {}
