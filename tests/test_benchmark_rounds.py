@@ -1,0 +1,53 @@
+"""`benchmarks/ingest_rounds.py`: every path once per round in a rotating order, and
+ratios taken within a round, on paths whose rate the test chooses."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_SPEC = importlib.util.spec_from_file_location(
+    "ingest_rounds", Path(__file__).resolve().parents[1] / "benchmarks" / "ingest_rounds.py"
+)
+ingest_rounds = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(ingest_rounds)
+rounds = ingest_rounds.rounds
+
+
+def _path(name: str, rates: list[float], log: list[str]):
+    """A path whose i-th run reports ``rates[i]`` img/s (and half that per CPU-second)."""
+    runs = iter(rates)
+
+    def run() -> dict:
+        log.append(name)
+        rate = next(runs)
+        return {"steady_img_s": rate, "steady_run_img_s": rate, "img_per_cpu_s": rate / 2}
+
+    return run
+
+
+def test_each_round_runs_every_path_once_starting_one_further_along():
+    log: list[str] = []
+    paths = {name: _path(name, [1.0] * 3, log) for name in "abc"}
+    rounds(paths, 3, [])
+    assert log == list("abc" + "bca" + "cab")
+
+
+def test_ratios_pair_the_runs_of_a_round_and_take_their_median():
+    # a machine that speeds up 4x over the run, b always 10 % behind a: every round's
+    # ratio is 1.11, though b's fastest round is far ahead of a's slowest
+    log: list[str] = []
+    a, b = [100.0, 200.0, 400.0], [90.0, 180.0, 360.0]
+    out = rounds({"a": _path("a", a, log), "b": _path("b", b, log)}, 3, [("a", "b")])
+    ratio = out["ratios"]["a_vs_b"]["steady_img_s"]
+    assert ratio["per_round"] == pytest.approx([100 / 90] * 3)
+    assert ratio["median"] == pytest.approx(100 / 90)
+    assert out["paths"]["b"]["steady_img_s"] == {"per_round": b, "median": 180.0}
+    assert out["ratios"]["a_vs_b"]["img_per_cpu_s"]["median"] == pytest.approx(100 / 90)
+
+
+def test_no_rounds_is_an_error():
+    with pytest.raises(ValueError, match="at least 1, got 0"):
+        rounds({}, 0, [])
