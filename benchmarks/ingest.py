@@ -197,14 +197,12 @@ PACE_S = 0.25
 
 def raypipe_run(corpus: Path, epochs: int, actors: int) -> dict:
     """(c) raypipe's paths in one Ray session, and the rank iterator's cost per batch."""
-
     from raypipe import build_dataset
 
     t0 = time.perf_counter()
     start_ray()
     out = {"ray_init_s": time.perf_counter() - t0}
-    config = PipelineConfig(source=str(corpus), batch_size=BATCH, image_size=IMAGE,
-                            seed=SEED, actors=(actors, actors))  # fmt: skip
+    config = pool_config(corpus, actors)
     listing = list_shards(config)
     sweep = {}  # the DataLoader gets the best of its sweep; the warm pool gets two sizes
     for n in (actors, actors + 1):
@@ -229,6 +227,13 @@ def raypipe_run(corpus: Path, epochs: int, actors: int) -> dict:
     return out
 
 
+def pool_config(corpus: Path, actors: int) -> PipelineConfig:
+    """raypipe's config for the corpus: the same crop, batch and seed as every path, a
+    fixed pool of ``actors``."""
+    return PipelineConfig(source=str(corpus), batch_size=BATCH, image_size=IMAGE, seed=SEED,
+                          actors=(actors, actors))  # fmt: skip
+
+
 def start_ray() -> None:
     import ray
     import ray.data
@@ -242,12 +247,9 @@ def start_ray() -> None:
 def warm_alone(corpus: Path, listing, epochs: int, actors: int) -> dict:
     """The warm Pipeline in a Ray session of its own, so no other path shares the node
     with an idle Ray."""
-
     start_ray()
     try:
-        config = PipelineConfig(source=str(corpus), batch_size=BATCH, image_size=IMAGE,
-                                seed=SEED, actors=(actors, actors))  # fmt: skip
-        return warm_epochs(config, listing, epochs)
+        return warm_epochs(pool_config(corpus, actors), listing, epochs)
     finally:
         localray.shutdown()
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import threading
-from pathlib import Path
+
+from raypipe.cli.localray import process_tree
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -20,26 +21,10 @@ def _snapshot(root: int) -> dict[tuple[int, int], tuple[str, float]]:
 
     A Ray worker renames itself for each task, so the name is not part of the identity.
     """
-    parent, cpu = {}, {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            head, tail = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)
-        except OSError:
-            continue
-        fields, pid = tail.split(), int(name)
-        parent[pid] = int(fields[1])
-        comm = head.split("(", 1)[1]
-        cpu[(pid, int(fields[19]))] = (comm, sum(int(f) for f in fields[11:15]) / _TICK)
-    out = {}
-    for proc, seconds in cpu.items():
-        p = proc[0]
-        while p not in (root, 0, 1) and p in parent:
-            p = parent[p]
-        if p == root:
-            out[proc] = seconds
-    return out
+    return {
+        (pid, int(fields[19])): (name, sum(int(f) for f in fields[11:15]) / _TICK)
+        for pid, (name, fields) in process_tree(root).items()
+    }
 
 
 class CpuMeter:

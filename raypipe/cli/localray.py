@@ -17,7 +17,7 @@ import signal
 import time
 from pathlib import Path
 
-__all__ = ["ray_descendants", "shutdown", "stop_leftovers"]
+__all__ = ["process_tree", "ray_descendants", "shutdown", "stop_leftovers"]
 assert __all__ == sorted(__all__)
 
 
@@ -48,34 +48,42 @@ def stop_leftovers(noted: dict[int, int], grace_s: float) -> list[int]:
 def ray_descendants(root: int) -> dict[int, int]:
     """``{pid: start time}`` of ``root``'s descendants that are Ray's: ``ray::`` workers,
     and the raylet, GCS and Ray's Python services (run from the ``ray`` package)."""
-    parent: dict[int, int] = {}
-    started: dict[int, int] = {}
+    tree = process_tree(root)
+    return {pid: int(f[19]) for pid, (_, f) in tree.items() if pid != root and _is_ray(pid)}
+
+
+def process_tree(root: int) -> dict[int, tuple[str, list[str]]]:
+    """``{pid: (name, stat fields)}`` of ``root`` and its descendants, from ``/proc``
+    (empty without it). The fields are those of ``/proc/<pid>/stat`` after the name:
+    state is field 0, the parent 1, user and system CPU ticks 11-14, the start time 19."""
+    stats: dict[int, tuple[str, list[str]]] = {}
     for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if name.isdigit() and (fields := _stat(int(name))) is not None:
-            parent[int(name)], started[int(name)] = int(fields[1]), int(fields[19])
+        if name.isdigit() and (stat := _stat(int(name))) is not None:
+            stats[int(name)] = stat
     out = {}
-    for pid, start in started.items():
-        p = parent.get(pid)
-        while p not in (None, 0, 1, root):
-            p = parent.get(p)
-        if p == root and _is_ray(pid):
-            out[pid] = start
+    for pid, stat in stats.items():
+        p = pid
+        while p not in (0, 1, root) and p in stats:
+            p = int(stats[p][1][1])
+        if p == root:
+            out[pid] = stat
     return out
 
 
-def _stat(pid: int) -> list[str] | None:
-    """The fields of ``/proc/<pid>/stat`` after the command name (state is field 0)."""
+def _stat(pid: int) -> tuple[str, list[str]] | None:
+    """``/proc/<pid>/stat`` as (name, the fields after it), or None if it is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        head, tail = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)
+    except (OSError, ValueError):
         return None
+    return head.split("(", 1)[1], tail.split()
 
 
 def _start_time(pid: int) -> int | None:
-    fields = _stat(pid)
-    if fields is None or fields[0] == "Z":  # gone, or a zombie: nothing left to stop
+    stat = _stat(pid)
+    if stat is None or stat[1][0] == "Z":  # gone, or a zombie: nothing left to stop
         return None
-    return int(fields[19])
+    return int(stat[1][19])
 
 
 def _is_ray(pid: int) -> bool:

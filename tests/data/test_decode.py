@@ -158,8 +158,8 @@ def test_an_axis_that_shrinks_is_low_passed_when_the_other_grows(box):
 
 @pytest.mark.parametrize("shape", [(224, 224), (31, 17), (1, 5)])
 def test_put_chw_writes_every_layout_as_its_chw_copy(shape):
-    """decode_crop's views (CHW of HWC, mirrored or not), contiguous CHW arrays and other
-    strides all land in the block's planes as numpy's own copy would put them."""
+    """decode_crop's CHW view of an HWC array, a mirrored view, contiguous CHW arrays and
+    other strides all land in the block's planes as numpy's own copy would put them."""
     rng = np.random.default_rng(7)
     h, w = shape
     hwc = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
