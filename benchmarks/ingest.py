@@ -4,7 +4,7 @@ One run measures, on one generated corpus of ~400×300 photo JPEGs
 (``raypipe.cli.demo.photo_crops``), random-resized-crop(224) + flip to uint8:
 
   (a) each transform in one process (the node's per-core limit);
-  (b) torch DataLoader, best of a small sweep (workers, persistent workers, prefetch
+  (b) torch DataLoader, winner of a small sweep (workers, persistent workers, prefetch
       factor, pin_memory where CUDA exists), with the standard Pillow transform and
       with raypipe's fast transform;
   (c) raypipe's warm run-long ``Pipeline`` (one actor pool for every epoch; also with
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 from ingest_report import chart, print_table, stall_chart
-from ingest_rounds import rounds
+from ingest_rounds import rounds, winner
 from nodecpu import CpuMeter
 
 from raypipe.cli import localray
@@ -165,7 +165,7 @@ def run_epochs(make_iter, epochs: int, pause_s: float = 0.0) -> dict:
 
 
 def dataloader(shards, transform: str, epochs: int, settings: list[dict]) -> dict:
-    """(b) best steady rate over the sweep; every setting's numbers kept."""
+    """(b) the sweep's winner (`ingest_rounds.winner`); every setting's numbers kept."""
     import torch
     from torch.utils.data import DataLoader
 
@@ -185,8 +185,7 @@ def dataloader(shards, transform: str, epochs: int, settings: list[dict]) -> dic
         results.append({"settings": s, **r})
         del loader
         print(f"  dataloader {transform:6s} {s}: steady {r['steady_img_s']:.0f} img/s")
-    best = max(results, key=lambda r: r["steady_img_s"])
-    return {"best": best, "sweep": results}
+    return {"best": results[winner(results)], "sweep": results}
 
 
 PATHS = ("warm", "warm_tasks", "per_epoch")  # keys of result["raypipe"]
@@ -204,11 +203,12 @@ def raypipe_run(corpus: Path, epochs: int, actors: int) -> dict:
     out = {"ray_init_s": time.perf_counter() - t0}
     config = pool_config(corpus, actors)
     listing = list_shards(config)
-    sweep = {}  # the DataLoader gets the best of its sweep; the warm pool gets two sizes
+    sweep = {}  # the DataLoader gets the winner of its sweep; the warm pool of two sizes
     for n in (actors, actors + 1):
         sweep[n] = warm_epochs(config.replace(actors=(n, n)), listing, epochs)
         print(f"  raypipe warm, {n} actors: steady {sweep[n]['steady_img_s']:.0f} img/s")
-    best = max(sweep, key=lambda n: sweep[n]["steady_img_s"])
+    sizes = list(sweep)
+    best = sizes[winner([sweep[n] for n in sizes])]
     out["warm"] = {**sweep[best], "actors": best,
                    "sweep": {n: r["steady_img_s"] for n, r in sweep.items()}}  # fmt: skip
     config = config.replace(actors=(best, best))
@@ -235,12 +235,12 @@ def pool_config(corpus: Path, actors: int) -> PipelineConfig:
 
 
 def start_ray() -> None:
-    import ray
     import ray.data
 
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False,
-             log_to_driver=False, object_store_memory=1 << 30,
-             configure_logging=False)  # fmt: skip
+    # raypipe's local Ray (`raypipe run` starts the same), without the dashboard
+    localray.start("local", num_cpus=os.cpu_count(), include_dashboard=False,
+                   log_to_driver=False, object_store_memory=1 << 30,
+                   configure_logging=False)  # fmt: skip
     ray.data.DataContext.get_current().enable_progress_bars = False
 
 

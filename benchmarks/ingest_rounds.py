@@ -12,9 +12,25 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
-__all__ = ["rounds"]
+__all__ = ["rounds", "winner"]
 assert __all__ == sorted(__all__)
 KEYS = ("steady_img_s", "steady_run_img_s", "img_per_cpu_s")
+TIE = 0.02  # sweep results this close to the fastest are level: one pass cannot tell them
+
+
+def winner(results: list[dict], tie: float = TIE) -> int:
+    """Index of a sweep's winner: of the results within ``tie`` of the fastest steady
+    rate, the one with the most images per CPU-second.
+
+    One pass per setting cannot order rates 2 % apart, but a setting that runs more
+    processes than cores pays for it in CPU, which the trainer then lacks; so a near tie
+    goes to the cheaper setting, the same rule for every path.
+    """
+    if not results:
+        raise ValueError("winner: no results")
+    top = max(r["steady_img_s"] for r in results)
+    level = [i for i, r in enumerate(results) if r["steady_img_s"] >= (1 - tie) * top]
+    return max(level, key=lambda i: results[i]["img_per_cpu_s"])
 
 
 def rounds(paths: dict[str, Callable[[], dict]], n: int,

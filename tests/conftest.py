@@ -40,8 +40,10 @@ def ray_session():
     """One local Ray for the whole session: starting Ray is slow on two cores."""
     import ray
 
-    ray.init(
-        address="local",  # never join a head another test or process started
+    from raypipe.cli import localray
+
+    localray.start(  # raypipe's own local Ray, as `raypipe run` starts it
+        "local",  # never join a head another test or process started
         num_cpus=4,
         include_dashboard=False,
         object_store_memory=1 << 30,
@@ -52,8 +54,6 @@ def ray_session():
 
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield ray
-    from raypipe.cli import localray
-
     localray.shutdown()  # and any worker that outlives its raylet, by pid
 
 

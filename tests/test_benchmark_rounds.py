@@ -51,3 +51,15 @@ def test_ratios_pair_the_runs_of_a_round_and_take_their_median():
 def test_no_rounds_is_an_error():
     with pytest.raises(ValueError, match="at least 1, got 0"):
         rounds({}, 0, [])
+
+
+def test_a_sweep_is_won_by_the_fastest_unless_a_cheaper_setting_is_level_with_it():
+    winner = ingest_rounds.winner
+    fast_but_dear = {"steady_img_s": 1000.0, "img_per_cpu_s": 400.0}
+    level_and_cheap = {"steady_img_s": 990.0, "img_per_cpu_s": 450.0}
+    slow_and_cheaper = {"steady_img_s": 900.0, "img_per_cpu_s": 600.0}
+    assert winner([slow_and_cheaper, fast_but_dear]) == 1
+    assert winner([fast_but_dear, level_and_cheap, slow_and_cheaper]) == 1
+    assert winner([fast_but_dear, level_and_cheap], tie=0.0) == 0
+    with pytest.raises(ValueError, match="no results"):
+        winner([])

@@ -154,7 +154,7 @@ def _ray_session(address: str | None):
 
     started = not ray.is_initialized()
     if started:
-        ray.init(address=_ray_address(address), log_to_driver=True, configure_logging=False)
+        localray.start(_ray_address(address), log_to_driver=True, configure_logging=False)
     try:
         yield
     finally:

@@ -1,4 +1,7 @@
-"""Stop a Ray this process started, leaving none of its processes behind.
+"""Start a local Ray for raypipe, and stop it leaving none of its processes behind.
+
+`start` is ``ray.init`` with raypipe's settings when the address asks for a new local
+Ray (`LOCAL_SYSTEM_CONFIG`); an existing cluster is joined as it is configured.
 
 ``ray.shutdown()`` stops the raylet and GCS that ``ray.init()`` started as this process's
 children; their workers are meant to exit with the raylet. With Ray 2.60 a pool actor's
@@ -17,8 +20,25 @@ import signal
 import time
 from pathlib import Path
 
-__all__ = ["process_tree", "ray_descendants", "shutdown", "stop_leftovers"]
+__all__ = ["LOCAL_SYSTEM_CONFIG", "process_tree", "ray_descendants", "shutdown", "start",
+           "stop_leftovers"]  # fmt: skip
 assert __all__ == sorted(__all__)
+
+# A local Ray raypipe starts drops the per-handler timing every Ray process keeps of its
+# event loops (read by Ray's own debug dumps only): about 1-2 % of a 2-core node's CPU in
+# a warm run (benchmarks/RESULTS.md). Task events and metrics, which the dashboard shows,
+# stay on.
+LOCAL_SYSTEM_CONFIG = {"event_stats": False}
+
+
+def start(address: str = "local", **kwargs) -> None:
+    """``ray.init(address, **kwargs)``; a new local Ray (``address="local"``) gets
+    `LOCAL_SYSTEM_CONFIG`, which Ray refuses when joining a cluster."""
+    import ray
+
+    if address == "local":
+        kwargs.setdefault("_system_config", LOCAL_SYSTEM_CONFIG)
+    ray.init(address=address, **kwargs)
 
 
 def shutdown(grace_s: float = 10.0) -> list[int]:

@@ -77,6 +77,9 @@ def rank_dataset(config: PipelineConfig, listing: Listing, plan: RankPlan, epoch
     ds.context.enable_progress_bars = (
         False  # one rank's inner dataset: raypipe.loader.progress instead
     )
+    # no thread per task polling the actor's memory for Ray Data's high-memory warning:
+    # raypipe's blocks are sized from the object store (raypipe.data.blocksize)
+    ds.context.memory_usage_poll_interval_s = None
     return ds
 
 

@@ -1,15 +1,19 @@
-"""`raypipe.cli.localray`: Ray's processes left after ``ray.shutdown()`` are stopped by pid.
+"""`raypipe.cli.localray`: raypipe's local Ray settings; Ray's processes left after
+``ray.shutdown()`` are stopped by pid.
 
 Fake workers (``sleep`` renamed ``ray::...``, as a Ray worker renames itself) stand in
 for one that outlives its raylet: that case comes now and then, not on demand. The
-session's own Ray is never touched here.
+session's own Ray is never stopped here; its GCS shows the settings `localray.start`
+gives a local Ray.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +66,33 @@ def test_a_worker_that_ends_in_the_grace_or_whose_pid_was_reused_is_left_alone(c
     assert worker.poll() is None
     worker.terminate()
     assert localray.stop_leftovers({worker.pid: start}, grace_s=5) == []
+
+
+def _gcs_config(root: int) -> dict:
+    """The system config the GCS under ``root`` was started with (``--config_list``)."""
+    import base64
+    import json
+
+    for pid, (name, _) in localray.process_tree(root).items():
+        if name == "gcs_server":
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            listed = [a for a in args if a.startswith(b"--config_list=")]
+            return json.loads(base64.b64decode(listed[0].split(b"=", 1)[1]))
+    raise AssertionError(f"no gcs_server under {root}")
+
+
+def test_the_local_ray_raypipe_starts_has_its_settings_and_a_cluster_is_joined_as_is(ray_session):
+    # the session's Ray came from localray.start("local"), as `raypipe run`'s does
+    config = _gcs_config(os.getpid())
+    for key, value in localray.LOCAL_SYSTEM_CONFIG.items():
+        assert config.get(key) == value, (key, config)
+    # joining that cluster passes no system config, which Ray would refuse
+    gcs = ray_session.get_runtime_context().gcs_address
+    joined = subprocess.run(
+        [sys.executable, "-c", "import sys, ray; from raypipe.cli import localray; "
+         "localray.start(sys.argv[1], log_to_driver=False); "
+         "print(ray.cluster_resources()['CPU']); ray.shutdown()", gcs],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert joined.returncode == 0, joined.stderr[-2000:]
+    assert float(joined.stdout.split()[-1]) == ray_session.cluster_resources()["CPU"]
