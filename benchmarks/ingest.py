@@ -12,8 +12,10 @@ One run measures, on one generated corpus of ~400×300 photo JPEGs
       per epoch (a new pool per epoch): first epoch with start-up, then the median of
       the later epochs; the stall view of every warm epoch; and the per-batch cost of
       the rank iterator over blocks already in the object store;
-  (d) the sweeps' winners (both DataLoaders, the warm Pipeline) again, interleaved over
-      --rounds rounds, each round's ratios taken within the round (``ingest_rounds``).
+  (d) the sweeps' finalists (the Pillow DataLoader's winner, the two fastest settings of
+      the fast-transform DataLoader and of the warm Pipeline's pool) again, interleaved
+      over --rounds rounds, each round's ratios taken within the round, the finalist
+      with the best median leading for each loader (``ingest_rounds``).
 
 Every path yields uint8 N×3×224×224 batches of 256 on the host (normalisation belongs
 on the device). Prints a table, writes ``ingest.json``, ``ingest.png`` and the warm
@@ -37,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 from ingest_report import chart, print_table, stall_chart
-from ingest_rounds import rounds, winner
+from ingest_rounds import finalists, leaders, rounds, winner
 from nodecpu import CpuMeter
 
 from raypipe.cli import localray
@@ -209,8 +211,7 @@ def raypipe_run(corpus: Path, epochs: int, actors: int) -> dict:
         print(f"  raypipe warm, {n} actors: steady {sweep[n]['steady_img_s']:.0f} img/s")
     sizes = list(sweep)
     best = sizes[winner([sweep[n] for n in sizes])]
-    out["warm"] = {**sweep[best], "actors": best,
-                   "sweep": {n: r["steady_img_s"] for n, r in sweep.items()}}  # fmt: skip
+    out["warm"] = {**sweep[best], "actors": best, "sweep": sweep}
     config = config.replace(actors=(best, best))
     out["warm_tasks"] = warm_epochs(config.replace(compute="tasks"), listing, epochs)
     out["per_epoch"] = per_epoch_datasets(config, listing, epochs)
@@ -255,18 +256,44 @@ def warm_alone(corpus: Path, listing, epochs: int, actors: int) -> dict:
 
 
 def head_to_head(result: dict, corpus: Path, listing, epochs: int, n: int) -> dict:
-    """(d) The sweeps' winners again, interleaved over ``n`` rounds (`ingest_rounds`)."""
-    best = {t: result["dataloader"][t]["best"]["settings"] for t in TRANSFORMS}
-    actors = result["raypipe"]["warm"]["actors"]
+    """(d) The sweeps' finalists again, interleaved over ``n`` rounds (`ingest_rounds`): the
+    Pillow DataLoader's winner, the fast-transform DataLoader's two fastest settings and
+    the warm Pipeline's two pool sizes; per loader, the finalist with the best median leads,
+    and the ratios between leaders are the headline."""
+    sweeps = {t: result["dataloader"][t]["sweep"] for t in TRANSFORMS}
+    chosen = {
+        "pillow": [result["dataloader"]["pillow"]["best"]["settings"]],
+        "fast": [sweeps["fast"][i]["settings"] for i in finalists(sweeps["fast"])],
+    }
+    sizes = list(result["raypipe"]["warm"]["sweep"])
+    pools = [sizes[i] for i in finalists([result["raypipe"]["warm"]["sweep"][k] for k in sizes])]
 
-    def loader(transform: str) -> dict:
-        return dataloader(listing.shards, transform, epochs, [best[transform]])["best"]
+    def loader(transform: str, settings: dict) -> dict:
+        return dataloader(listing.shards, transform, epochs, [settings])["best"]
 
-    paths = {f"dataloader_{t}": functools.partial(loader, t) for t in TRANSFORMS}
-    paths["raypipe_warm"] = functools.partial(warm_alone, corpus, listing, epochs, actors)
-    versus = [("raypipe_warm", f"dataloader_{t}") for t in TRANSFORMS]
-    return {"settings": {**best, "raypipe_warm": {"actors": actors}},
-            **rounds(paths, n, versus)}  # fmt: skip
+    paths, families, settings = {}, {}, {}
+    for t, options in chosen.items():
+        for s in options:
+            name = f"dataloader_{t}_w{s['num_workers']}_p{s['prefetch_factor']}"
+            paths[name] = functools.partial(loader, t, s)
+            families.setdefault(f"dataloader_{t}", []).append(name)
+            settings[name] = s
+    for actors in pools:
+        name = f"raypipe_warm_{actors}"
+        paths[name] = functools.partial(warm_alone, corpus, listing, epochs, int(actors))
+        families.setdefault("raypipe_warm", []).append(name)
+        settings[name] = {"actors": int(actors)}
+    versus = [(a, b) for a in families["raypipe_warm"]
+              for t in TRANSFORMS for b in families[f"dataloader_{t}"]]  # fmt: skip
+    out = {"settings": settings, **rounds(paths, n, versus)}
+    out["leaders"] = lead = leaders(out, families)
+    out["headline"] = {
+        f"raypipe_warm_vs_dataloader_{t}": out["ratios"][
+            f"{lead['raypipe_warm']}_vs_{lead[f'dataloader_{t}']}"
+        ]
+        for t in TRANSFORMS
+    }
+    return out
 
 
 def warm_epochs(config: PipelineConfig, listing, epochs: int, pause_s: float = 0.0) -> dict:

@@ -109,12 +109,17 @@ def print_rounds(rd: dict) -> None:
     print(f"\ninterleaved rounds ({rd['rounds']}), steady img/s per round -> median:")
     for name, v in rd["paths"].items():
         per = ", ".join(f"{x:.0f}" for x in v["steady_img_s"]["per_round"])
-        print(f"  {name:20s} {per} -> {v['steady_img_s']['median']:.0f}"
+        print(f"  {name:30s} {per} -> {v['steady_img_s']['median']:.0f}"
               f" (img/CPU-s {v['img_per_cpu_s']['median']:.0f})")  # fmt: skip
     for name, v in rd["ratios"].items():
         per = ", ".join(f"{x:.2f}" for x in v["steady_img_s"]["per_round"])
-        print(f"  {name:36s} {per} -> median {v['steady_img_s']['median']:.2f}"
+        print(f"  {name:60s} {per} -> median {v['steady_img_s']['median']:.2f}"
               f" (per CPU-s {v['img_per_cpu_s']['median']:.2f})")  # fmt: skip
+    if "leaders" in rd:
+        print(f"leaders (best median per loader): {rd['leaders']}")
+        for name, v in rd["headline"].items():
+            print(f"  {name}: median {v['steady_img_s']['median']:.2f} "
+                  f"(per CPU-s {v['img_per_cpu_s']['median']:.2f})")  # fmt: skip
 
 
 def chart(r: dict, path: Path) -> None:

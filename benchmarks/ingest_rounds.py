@@ -12,10 +12,24 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
-__all__ = ["rounds", "winner"]
+__all__ = ["finalists", "leaders", "rounds", "winner"]
 assert __all__ == sorted(__all__)
 KEYS = ("steady_img_s", "steady_run_img_s", "img_per_cpu_s")
 TIE = 0.02  # sweep results this close to the fastest are level: one pass cannot tell them
+
+
+def finalists(results: list[dict], k: int = 2) -> list[int]:
+    """Indices of a sweep's ``k`` fastest settings (steady rate), fastest first: one pass
+    each cannot order settings a few % apart, so the rounds measure them again."""
+    order = sorted(range(len(results)), key=lambda i: -results[i]["steady_img_s"])
+    return order[:k]
+
+
+def leaders(out: dict, families: dict[str, list[str]]) -> dict[str, str]:
+    """Per family of paths (one loader's finalists), the path with the highest median
+    steady rate over the rounds of ``out`` (`rounds`' result)."""
+    rate = lambda name: out["paths"][name]["steady_img_s"]["median"]  # noqa: E731
+    return {family: max(names, key=rate) for family, names in families.items()}
 
 
 def winner(results: list[dict], tie: float = TIE) -> int:

@@ -63,3 +63,17 @@ def test_a_sweep_is_won_by_the_fastest_unless_a_cheaper_setting_is_level_with_it
     assert winner([fast_but_dear, level_and_cheap], tie=0.0) == 0
     with pytest.raises(ValueError, match="no results"):
         winner([])
+
+
+def test_finalists_are_the_fastest_settings_and_leaders_the_best_medians():
+    sweep = [{"steady_img_s": r} for r in (900.0, 1000.0, 950.0)]
+    assert ingest_rounds.finalists(sweep) == [1, 2]
+    assert ingest_rounds.finalists(sweep, k=1) == [1]
+    log: list[str] = []
+    paths = {
+        "a2": _path("a2", [10.0, 30.0, 20.0], log),  # median 20
+        "a3": _path("a3", [25.0, 21.0, 5.0], log),  # median 21
+        "b": _path("b", [1.0, 1.0, 1.0], log),
+    }
+    out = rounds(paths, 3, [("a2", "b"), ("a3", "b")])
+    assert ingest_rounds.leaders(out, {"a": ["a2", "a3"], "b": ["b"]}) == {"a": "a3", "b": "b"}

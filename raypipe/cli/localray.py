@@ -19,16 +19,17 @@ import os
 import signal
 import time
 from pathlib import Path
+from types import MappingProxyType
 
 __all__ = ["LOCAL_SYSTEM_CONFIG", "process_tree", "ray_descendants", "shutdown", "start",
            "stop_leftovers"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
-# A local Ray raypipe starts drops the per-handler timing every Ray process keeps of its
-# event loops (read by Ray's own debug dumps only): about 1-2 % of a 2-core node's CPU in
-# a warm run (benchmarks/RESULTS.md). Task events and metrics, which the dashboard shows,
-# stay on.
-LOCAL_SYSTEM_CONFIG = {"event_stats": False}
+# A local Ray raypipe starts drops the per-handler timing every Ray process (raylet, GCS,
+# workers, the driver) keeps of its event loops, which only Ray's own debug dumps read; on
+# a 2-core node that CPU is the actors'. Task events and metrics, which the dashboard
+# shows, stay on.
+LOCAL_SYSTEM_CONFIG = MappingProxyType({"event_stats": False})
 
 
 def start(address: str = "local", **kwargs) -> None:
@@ -36,8 +37,8 @@ def start(address: str = "local", **kwargs) -> None:
     `LOCAL_SYSTEM_CONFIG`, which Ray refuses when joining a cluster."""
     import ray
 
-    if address == "local":
-        kwargs.setdefault("_system_config", LOCAL_SYSTEM_CONFIG)
+    if address == "local":  # a copy: ray.init adds its spilling settings to the dict
+        kwargs.setdefault("_system_config", dict(LOCAL_SYSTEM_CONFIG))
     ray.init(address=address, **kwargs)
 
 

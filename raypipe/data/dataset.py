@@ -98,7 +98,8 @@ def build_dataset(
               "samples": listing.num_samples - (0 if consumed is None else int(np.sum(consumed)))}  # fmt: skip
     if config.compute == "tasks":  # pooled workers stay warm across epochs: no pool start
         ds = ds.map_batches(preprocess_task, fn_kwargs=kwargs, batch_size=per_task,
-                            batch_format="numpy", concurrency=hi, num_cpus=config.actor_cpus)  # fmt: skip
+                            batch_format="numpy", compute=ray.data.TaskPoolStrategy(size=hi),
+                            num_cpus=config.actor_cpus)  # fmt: skip
     else:
         ds = ds.map_batches(
             Preprocessor,

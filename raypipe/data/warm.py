@@ -65,7 +65,8 @@ def rank_dataset(config: PipelineConfig, listing: Listing, plan: RankPlan, epoch
     }  # fmt: skip
     common = {"batch_size": 1, "batch_format": "numpy", "num_cpus": config.actor_cpus}
     if config.compute == "tasks":  # Ray tasks on pooled workers, at most ``hi`` at once
-        ds = ds.map_batches(rank_task, fn_kwargs=kwargs, concurrency=hi, **common)
+        tasks = ray.data.TaskPoolStrategy(size=hi)
+        ds = ds.map_batches(rank_task, fn_kwargs=kwargs, compute=tasks, **common)
     else:
         # a following pool starts at its max, as a fixed one would, and sheds what the
         # trainer leaves idle (raypipe.data.follow); else Ray Data grows it from its min

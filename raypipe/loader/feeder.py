@@ -6,7 +6,8 @@
    2. epochs      cut where the block's ``epoch`` changes (or the rank's planned rows are in)
    3. rebatch     exactly batch_size rows; zero-copy when a block is one batch
                   (or a seeded local shuffle buffer: PipelineConfig.shuffle_buffer)
-   4. gate        batch k only when every rank will have one (raypipe.loader.ledger)
+   4. gate        batch k only when every rank will have one (raypipe.loader.ledger);
+                  without drop_last (evaluation) every row, the last batch short
    5. queue       <= prefetch batches, then an end-of-epoch marker ──────► Feeder.epoch(e)
 ```
 
@@ -42,9 +43,11 @@ _POLL_S = 0.05  # how often a blocked put checks for close()
 STAGES = ("ray_s", "peers_s", "iterator_s", "trainer_s")
 
 
-def shuffled(blocks, batch_size: int, buffer: int, rng: np.random.Generator):
+def shuffled(blocks, batch_size: int, buffer: int, rng: np.random.Generator, *,
+             drop_last: bool = True):  # fmt: skip
     """Step 3 with a local shuffle: batches of rows drawn at random from ``buffer`` +
-    ``batch_size`` held rows (seeded, so the same blocks give the same batches)."""
+    ``batch_size`` held rows (seeded, so the same blocks give the same batches); the
+    last short batch too unless ``drop_last``."""
     held: Columns | None = None
     for block in blocks:
         held = block if held is None else {k: concat_column([held[k], v]) for k, v in block.items()}
@@ -54,6 +57,8 @@ def shuffled(blocks, batch_size: int, buffer: int, rng: np.random.Generator):
     while held is not None and len(held["key"]) >= batch_size:
         yield from _draw(held, batch_size, rng, out := [])
         held = out[0]
+    if held is not None and len(held["key"]) and not drop_last:
+        yield from _draw(held, len(held["key"]), rng, [])
 
 
 def _draw(held: Columns, n: int, rng: np.random.Generator, rest: list):
@@ -90,15 +95,19 @@ class Feeder:
         epochs: the epochs the bundles hold, in order.
         batch_size, prefetch: rows per batch; batches queued ahead of the consumer.
         shuffle_buffer, seed: a seeded local shuffle of that many rows (0: off).
+        drop_last: equal exact batches on every rank, the rest dropped (training); False:
+            every row this rank reads, the epoch's last batch short, no gate (evaluation).
         demand: the `raypipe.data.follow.Demand` this feeder adds its consumer's waits and its
             own held-back time to.
     """
 
     def __init__(self, start, plan: RankPlan, gate: Gate, epochs: range, *, batch_size: int,
-                 prefetch: int, shuffle_buffer: int = 0, seed: int = 0, demand=None):  # fmt: skip
+                 prefetch: int, shuffle_buffer: int = 0, seed: int = 0, demand=None,
+                 drop_last: bool = True):  # fmt: skip
         self._start, self._plan, self._gate, self._epochs = start, plan, gate, epochs
         self._stop = None
         self._batch_size, self._buffer, self._seed = batch_size, shuffle_buffer, seed
+        self._drop_last = drop_last
         self._queue: queue.Queue = queue.Queue(maxsize=max(prefetch, 1))
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raypipe-feeder", daemon=True)
@@ -212,24 +221,25 @@ class Feeder:
         source = mine()
         if self._buffer:
             rng = np.random.default_rng([self._seed, e, self._plan.rank, 0xB0F])
-            batches = shuffled(source, B, self._buffer, rng)
+            batches = shuffled(source, B, self._buffer, rng, drop_last=self._drop_last)
         else:
-            batches = rebatch(source, B, drop_last=True)
-        k = 0
+            batches = rebatch(source, B, drop_last=self._drop_last)
+        k = rows = 0
         t0, ray0 = time.perf_counter(), stall["ray_s"]
         for batch in batches:  # iterator_s: this thread's own work, Ray's waits left out
             stall["iterator_s"] += time.perf_counter() - t0 - (stall["ray_s"] - ray0)
-            waited = self._gate.waited_s
-            allowed = self._gate.allows(k)
-            stall["peers_s"] += self._gate.waited_s - waited
-            if not allowed:
-                break
+            if self._drop_last:
+                waited = self._gate.waited_s
+                allowed = self._gate.allows(k)
+                stall["peers_s"] += self._gate.waited_s - waited
+                if not allowed:
+                    break
             self._put((_BATCH, e, batch), stall)
-            k += 1
+            k, rows = k + 1, rows + len(batch["key"])
             t0, ray0 = time.perf_counter(), stall["ray_s"]
         for _ in source:  # the rest of the epoch's rows, if the gate ended it early
             pass
-        self._counts[e] = {"planned": planned, "good": got, "batches": k, "dropped": got - k * B}
+        self._counts[e] = {"planned": planned, "good": got, "batches": k, "dropped": got - rows}
         self._put((_END, e, None), stall)
         return state["ahead"]
 

@@ -12,7 +12,9 @@
 The same object serves a single process (``world_size=1``) and each Ray Train worker of
 `raypipe.train_ddp`. With ``world_size > 1`` the ranks share an `raypipe.loader.ledger` actor
 (``Pipeline.ledger(world_size)``) that keeps their batch counts equal when bad samples
-are skipped.
+are skipped. ``drop_last=False`` (evaluation: `raypipe.train.TrainContext.eval_batches`)
+keeps every row instead: each rank's last batch of an epoch is short, and batch counts
+may differ between ranks.
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ class Pipeline:
             the keys it marks consumed, and the run starts there.
         progress_s: seconds between live progress lines on stderr (`raypipe.loader.progress`);
             None: every 30 s on rank 0 and none on the others; 0: none.
+        drop_last: True: every rank the same number of ``batch_size`` batches per epoch,
+            the rows beyond them dropped (training). False: every row of the rank's share,
+            the epoch's last batch short, counts per rank unequal by a batch or so, and
+            no ledger needed (evaluation, where nothing may be left out).
 
     Each rank's pool is its share of ``config.actors`` (the run's total), at least one
     actor: ``(max(1, min // W), max(that, ceil(max / W)))``.
@@ -74,7 +80,7 @@ class Pipeline:
                  normalize: bool | None = None, channels_last: bool | None = None,
                  listing: Listing | None = None,
                  skips: SkipLog | None = None, start=None,
-                 progress_s: float | None = None):  # fmt: skip
+                 progress_s: float | None = None, drop_last: bool = True):  # fmt: skip
         if not isinstance(config, PipelineConfig):
             raise TypeError(f"config must be a PipelineConfig, got {type(config).__name__}")
         overrides = {"pin_memory": pin_memory, "prefetch_batches": prefetch_batches,
@@ -84,8 +90,9 @@ class Pipeline:
         )
         _check_args(epochs=epochs, rank=rank, world_size=world_size, ledger=ledger,
                     prefetch_batches=loader.prefetch_batches, progress_s=progress_s,
-                    start=start)  # fmt: skip
+                    start=start, drop_last=drop_last)  # fmt: skip
         self.config, self.num_epochs, self.rank, self.world_size = config, epochs, rank, world_size
+        self.drop_last = drop_last
         self.listing = listing or list_shards(config)
         self._shared_skips = skips is not None and world_size > 1
         if skips is None:
@@ -110,7 +117,8 @@ class Pipeline:
             "prefetch_batches": loader.prefetch_batches, "channels_last": loader.channels_last,
             "normalize": (loader.mean, loader.std) if loader.normalize else None,
         }  # fmt: skip
-        self._gate = Gate(ledger if world_size > 1 else None, group, rank, config.batch_size)
+        equal = world_size > 1 and drop_last  # the ledger evens batch counts out
+        self._gate = Gate(ledger if equal else None, group, rank, config.batch_size)
         self._feeder: Feeder | None = None
         self.follower = (
             None  # a raypipe.data.follow.Follower once epochs() runs, if the pool follows
@@ -128,7 +136,8 @@ class Pipeline:
         """Yield ``(epoch, batches)`` from the first epoch to the last, once.
 
         ``batches`` is iterated once; what the consumer leaves of an epoch is dropped when
-        the next one is asked for. Every rank gets the same number of batches per epoch.
+        the next one is asked for. Every rank gets the same number of batches per epoch
+        (with ``drop_last``; without it, every row).
         """
         if self._feeder is not None:
             raise RuntimeError("Pipeline.epochs() runs once; make a new Pipeline for a new run")
@@ -141,6 +150,7 @@ class Pipeline:
             _starter(ds, self.follower), self.plan, self._gate, epochs,
             batch_size=self.config.batch_size, prefetch=self._loader["prefetch_batches"],
             shuffle_buffer=self.config.shuffle_buffer, seed=self.config.seed, demand=demand,
+            drop_last=self.drop_last,
         )  # fmt: skip
         if self._progress_s:
             self._progress = Progress(self._progress_s, rank=self.rank, demand=demand,
@@ -188,7 +198,8 @@ def _starter(ds, follower):
     return None if ds is None else functools.partial(execute, ds, follower)
 
 
-def _check_args(*, epochs, rank, world_size, ledger, prefetch_batches, progress_s, start):
+def _check_args(*, epochs, rank, world_size, ledger, prefetch_batches, progress_s, start,
+                drop_last):  # fmt: skip
     """`Pipeline`'s own arguments (the config checked itself); ValueError naming one."""
     for name, value, low in (("epochs", epochs, 1), ("world_size", world_size, 1),
                              ("prefetch_batches", prefetch_batches, 1)):  # fmt: skip
@@ -196,8 +207,13 @@ def _check_args(*, epochs, rank, world_size, ledger, prefetch_batches, progress_
             raise ValueError(f"{name}={value!r} must be an integer >= {low}")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"{rank=} must be an integer in 0..{world_size - 1}")
-    if world_size > 1 and ledger is None:
-        raise ValueError(f"{world_size=} needs ledger=Pipeline.ledger({world_size})")
+    if not isinstance(drop_last, bool):
+        raise ValueError(f"{drop_last=} must be True or False")
+    if world_size > 1 and ledger is None and drop_last:
+        raise ValueError(
+            f"{world_size=} needs ledger=Pipeline.ledger({world_size}) for equal batches "
+            "(or drop_last=False)"
+        )
     if progress_s is not None and not (isinstance(progress_s, (int, float)) and progress_s >= 0):
         raise ValueError(f"{progress_s=} must be seconds >= 0 (0: no progress lines)")
     if start is not None and not 0 <= start.epoch < epochs:

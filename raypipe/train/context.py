@@ -1,6 +1,6 @@
 """`TrainContext`: what a train loop gets on each Ray Train worker of `train_ddp`: this
-rank's warm `Pipeline` of every epoch, its share of the held-out set, the collectives and
-the checkpointing report."""
+rank's warm `Pipeline` of every epoch, its share of the held-out set (a warm pipeline of
+its own, one pass per epoch), the collectives and the checkpointing report."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+
 from raypipe.config import PipelineConfig
-from raypipe.data.shards import Listing
+from raypipe.data.shards import Listing, list_shards
 from raypipe.data.skips import SkipLog
-from raypipe.loader.iterator import TorchBatches, iter_torch_batches
+from raypipe.loader.iterator import TorchBatches
 from raypipe.loader.pipeline import Pipeline
 from raypipe.train.checkpoint import EpochBatches, Progress
-
-EVAL = "eval"
+from raypipe.train.state import PipelineState, fingerprint
 
 
 def _group_id() -> str:
@@ -33,6 +34,10 @@ def _train_name(epoch: int) -> str:
     return f"train_epoch_{epoch}"
 
 
+def _eval_name(epoch: int) -> str:
+    return f"eval_epoch_{epoch}"
+
+
 @dataclasses.dataclass
 class TrainContext:
     """What a train loop gets on each Ray Train worker.
@@ -42,13 +47,16 @@ class TrainContext:
         eval_config: the held-out `PipelineConfig`, or None.
         loop_config: the user's own settings, passed through unchanged.
         num_epochs: epochs to run.
-        skip_logs: the `SkipLog` of each dataset, by dataset name; the batches'
-            ``stats()["skipped"]`` reads them.
+        skip_logs: the `SkipLog` of each epoch of each dataset, by report name
+            (``train_epoch_3``, ``eval_epoch_3``): what `train_ddp` writes to its skip
+            report; each epoch's ``batches.stats()["skipped"]`` counts the same log.
         checkpoint_every: steps between the checkpoints `epochs` saves (0: none).
         progress: the run's pipeline position (`raypipe.train.checkpoint.Progress`).
         listing: the training source's shards, listed once on the driver.
         skips: the training run's `SkipLog` (one log per epoch under it).
         ledger: the ranks' `raypipe.loader.ledger.EpochLedger` (None with one worker).
+        eval_listing: the held-out source's shards, listed once on the driver.
+        eval_skips: the held-out run's `SkipLog` (one log per epoch's pass under it).
     """
 
     config: PipelineConfig
@@ -61,6 +69,11 @@ class TrainContext:
     listing: Listing | None = None
     skips: SkipLog | None = None
     ledger: Any = None
+    eval_listing: Listing | None = None
+    eval_skips: SkipLog | None = None
+    # this worker's own, made on first use: the epoch it started at, the eval pipeline
+    _first_epoch: int = dataclasses.field(default=0, init=False, repr=False)
+    _eval: Any = dataclasses.field(default=None, init=False, repr=False)
 
     @property
     def prefetch_batches(self) -> int:
@@ -100,37 +113,70 @@ class TrainContext:
         With ``checkpoint_every``, a checkpoint is saved every that many steps and at each
         epoch's end, holding rank 0's ``state()`` (model, optimizer; see `restored`).
         """
-        first = self.progress.first_epoch()
+        first = self._first_epoch = self.progress.first_epoch()
         if first >= self.num_epochs:
             return
         pipeline = Pipeline(
             self.config, epochs=self.num_epochs, rank=self.rank, world_size=self.world_size,
             ledger=self.ledger, group=_group_id(), listing=self.listing, skips=self.skips, start=self.progress.start,
         )  # fmt: skip
-        with pipeline:
-            for epoch, batches in pipeline.epochs():
-                yield epoch, EpochBatches(batches, epoch, self.progress, self.checkpoint_every,
-                                          state)  # fmt: skip
+        try:
+            with pipeline:
+                for epoch, batches in pipeline.epochs():
+                    yield epoch, EpochBatches(batches, epoch, self.progress,
+                                              self.checkpoint_every, state)  # fmt: skip
+        finally:
+            self.close()
 
     def restored(self) -> dict[str, Any] | None:
         """The ``state`` saved with the checkpoint this run resumed from, or None."""
         return self.progress.restored()
 
     def eval_batches(self) -> TorchBatches:
-        """This rank's share of the held-out set (no rows dropped beyond the equal split)."""
-        import ray.train
+        """This rank's share of the next pass over the held-out set: one pass per epoch.
 
+        Over all ranks a pass holds every good held-out sample once; nothing is dropped,
+        so a rank's last batch is short and ranks may get a batch more or less than each
+        other: evaluate with the unwrapped model (``model.module``), whose forward calls no
+        collective, and sum the results with `all_reduce_sum`. The passes come from one
+        warm preprocessing pool for the whole run, which prepares the next pass while
+        training runs.
+        """
         if self.eval_config is None:
             raise ValueError("train_ddp was called without eval_config")
-        shard = ray.train.get_dataset_shard(EVAL)
-        return self._batches(shard, self.eval_config, drop_last=False, name=EVAL)
+        if self._eval is None:
+            pipeline = Pipeline(
+                self.eval_config, epochs=self.num_epochs, rank=self.rank,
+                world_size=self.world_size, listing=self._held_out(), skips=self.eval_skips,
+                start=self._eval_start(), progress_s=0, drop_last=False,
+            )  # fmt: skip
+            self._eval = (pipeline, pipeline.epochs())
+        pipeline, passes = self._eval
+        try:
+            return next(passes)[1]
+        except StopIteration:
+            raise RuntimeError(
+                f"eval_batches() gives one pass per epoch: all {pipeline.num_epochs} were taken"
+            ) from None
 
-    def _batches(
-        self, shard, config: PipelineConfig, *, drop_last: bool, name: str
-    ) -> TorchBatches:
-        return iter_torch_batches(
-            shard, config, drop_last=drop_last, skips=self.skip_logs.get(name)
-        )
+    def _held_out(self) -> Listing:
+        if self.eval_listing is None:
+            self.eval_listing = list_shards(self.eval_config)
+        return self.eval_listing
+
+    def _eval_start(self) -> PipelineState | None:
+        """A resumed run's passes start at its first epoch (pass e is epoch e's), whole."""
+        if self._first_epoch == 0:
+            return None
+        listing = self._held_out()
+        n = listing.num_samples
+        return PipelineState(self._first_epoch, self.eval_config.seed, n, fingerprint(listing),
+                             np.zeros(n, dtype=bool))  # fmt: skip
+
+    def close(self) -> None:
+        """End this worker's held-out pipeline, if it has one (``epochs()`` does so)."""
+        if self._eval is not None:
+            self._eval[0].close()
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Sum numbers over all ranks (e.g. correct / total for accuracy)."""

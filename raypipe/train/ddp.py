@@ -1,10 +1,12 @@
 """`train_ddp`: one call from a `PipelineConfig` and a train loop to DDP on Ray Train.
 
 ```
- driver: list the shards once; one EpochLedger actor; [an eval Dataset, split by Train]
+ driver: list the shards (and the held-out ones) once; one EpochLedger actor
    ▼ TorchTrainer workers, rank r of W: loop(ctx) → ctx.epochs()
  rank r: Pipeline(config, rank=r, world_size=W): its planned keys of every epoch through
    one run-long execution and one warm actor pool → (epoch, equal exact-size batches)
+ rank r, ctx.eval_batches(): Pipeline(eval_config, ..., drop_last=False), warm as well:
+   one pass over its share of the held-out set per epoch, nothing dropped
 ```
 
 Every rank reads its own seeded slice of each epoch (`raypipe.data.rankplan`), so the same seed
@@ -22,13 +24,12 @@ from collections.abc import Callable
 from typing import Any
 
 from raypipe.config import PipelineConfig
-from raypipe.data.dataset import build_dataset
 from raypipe.data.shards import Listing, list_shards
 from raypipe.data.skips import SkipLog, write_reports
 from raypipe.data.warm import rank_pool
 from raypipe.loader.ledger import create_ledger
 from raypipe.train.checkpoint import Progress, load_checkpoint
-from raypipe.train.context import EVAL, TrainContext, _train_name
+from raypipe.train.context import TrainContext, _eval_name, _train_name
 from raypipe.train.state import fingerprint
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,8 @@ def _warn_if_short_of_cpus(config, eval_config, num_workers: int, cpus_per_worke
 
     lo, _ = rank_pool(config.actors, num_workers)
     need = num_workers * (cpus_per_worker + lo * config.actor_cpus)
-    if eval_config is not None:
-        need += eval_config.actors[0] * eval_config.actor_cpus
+    if eval_config is not None:  # a warm held-out pool per rank as well
+        need += num_workers * rank_pool(eval_config.actors, num_workers)[0] * eval_config.actor_cpus
     have = ray.cluster_resources().get("CPU", 0)
     if need > have:
         log.warning(
@@ -51,7 +52,7 @@ def _warn_if_short_of_cpus(config, eval_config, num_workers: int, cpus_per_worke
             "of %d actor(s) x %.2f%s) and the cluster has %.2f now: it waits for more nodes; "
             "lower cpus_per_worker, actors or actor_cpus to fit", need, num_workers,
             cpus_per_worker, num_workers, lo, config.actor_cpus,
-            " + the eval pool" if eval_config is not None else "", have,
+            " + the held-out pools" if eval_config is not None else "", have,
         )  # fmt: skip
 
 
@@ -134,23 +135,24 @@ def train_ddp(
     storage = storage if "://" in storage else os.path.abspath(storage)
     skips = SkipLog.create()
     skip_logs = {_train_name(e): skips.epoch(e) for e in range(epochs)}
-    datasets = {}
+    eval_listing = eval_skips = None
     if eval_config is not None:
-        skip_logs[EVAL] = SkipLog.create()
-        datasets[EVAL] = build_dataset(eval_config, skips=skip_logs[EVAL])
-        # the epoch line reports it; Ray Data's bars from Train's split actor would reach
-        # the driver's log as dozens of lines per epoch
-        datasets[EVAL].context.enable_progress_bars = False
+        eval_listing, eval_skips = list_shards(eval_config), SkipLog.create()
+        skip_logs.update({_eval_name(e): eval_skips.epoch(e) for e in range(epochs)})
     progress = Progress(seed=config.seed, num_samples=listing.num_samples,
                         fingerprint=fingerprint(listing), start=start, start_dir=start_dir)  # fmt: skip
     _warn_if_short_of_cpus(config, eval_config, num_workers, cpus_per_worker)
     ledger = create_ledger(num_workers) if num_workers > 1 else None
     ctx = TrainContext(config, eval_config, dict(loop_config or {}), epochs, skip_logs=skip_logs,
                        checkpoint_every=checkpoint_every, progress=progress, listing=listing,
-                       skips=skips, ledger=ledger)  # fmt: skip
+                       skips=skips, ledger=ledger, eval_listing=eval_listing,
+                       eval_skips=eval_skips)  # fmt: skip
 
     def per_worker(_: dict) -> None:
-        train_loop(ctx)
+        try:
+            train_loop(ctx)
+        finally:
+            ctx.close()
 
     trainer = TorchTrainer(
         per_worker,
@@ -166,7 +168,6 @@ def train_ddp(
             failure_config=ray.train.FailureConfig(max_failures=max_failures),
             callbacks=callbacks or [],
         ),
-        datasets=datasets,
     )
     result = trainer.fit()
     path, skipped = write_reports(skip_logs, result.path, result.filesystem)

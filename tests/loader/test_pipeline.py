@@ -45,6 +45,31 @@ def test_epochs_exactly_once_and_equal_with_skips_two_ranks(ray_session, tmp_pat
     assert len(orders) > 1, "epochs should read in different orders"
 
 
+@pytest.mark.parametrize("shuffle_buffer", [0, 7])
+def test_without_drop_last_every_good_sample_comes_once_per_epoch_nothing_dropped(
+    ray_session, tmp_path, shuffle_buffer
+):
+    """Evaluation's shape: two ranks without a ledger, bad samples skipped; each epoch every
+    good key reaches exactly one rank, and only a rank's last batch is short."""
+    source, expected = mixed_source(tmp_path, "webdataset")
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=6, actors=(2, 2),
+                            rows_per_block=4, max_skipped=None,
+                            shuffle_buffer=shuffle_buffer)  # fmt: skip
+    log = SkipLog.create()
+    out, stats = run_ranks(config, 2, 2, keys_only=True, skips=log, drop_last=False)
+    total = stats[0][0]["planned"] + stats[1][0]["planned"]
+    good = total - sum(expected.values())
+    for epoch in range(2):
+        keys = [k for r in range(2) for batch in out[r][epoch] for k in batch]
+        assert len(keys) == len(set(keys)) == good
+        for r in range(2):
+            sizes = [len(batch) for batch in out[r][epoch]]
+            assert sizes[:-1] == [6] * (len(sizes) - 1) and 0 < sizes[-1] <= 6, sizes
+            assert stats[r][epoch]["dropped"] == 0
+            assert stats[r][epoch]["batches"] == len(sizes)
+        assert sum(log.epoch(epoch).counts().values()) == sum(expected.values())
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_one_rank_reads_every_epoch_whole(ray_session, datasets, fmt):
     config = PipelineConfig(source=str(datasets[fmt]), image_size=8, batch_size=7,
@@ -130,6 +155,8 @@ def test_bad_settings_name_the_value(ray_session, datasets):
     config = PipelineConfig(source=str(datasets["webdataset"]))
     with pytest.raises(ValueError, match="ledger"):
         Pipeline(config, epochs=2, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="drop_last='no'"):
+        Pipeline(config, epochs=2, drop_last="no")
     with pytest.raises(ValueError, match="rank=2"):
         Pipeline(config, epochs=2, rank=2, world_size=2, ledger=object())
     with pytest.raises(ValueError, match="epochs=0"):

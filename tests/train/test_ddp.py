@@ -54,3 +54,43 @@ def test_batch_larger_than_a_rank_share_is_refused(datasets):
     config = PipelineConfig(source=str(datasets["parquet"]), batch_size=40)
     with pytest.raises(ValueError, match="larger than one rank's share"):
         train_ddp(config, lambda ctx: None, num_workers=2)
+
+
+@pytest.mark.slow
+def test_every_epoch_evaluates_every_good_held_out_sample_once_over_the_ranks(
+    ray_session, datasets, tmp_path
+):
+    """Held-out passes from each rank's warm pipeline: per epoch, the two ranks' eval keys
+    are every good sample once, nothing dropped, bad ones in the run's skip report."""
+    import json
+    from pathlib import Path
+
+    from tests.data.test_bad_data import WDS_GOOD_IN_ODD, WDS_SKIPS, broken_webdataset
+
+    held_out = broken_webdataset(tmp_path / "held_out", [40, 37, 30])
+    out = tmp_path / "keys"
+    out.mkdir()
+
+    def loop(ctx) -> None:
+        for epoch, batches in ctx.epochs():
+            for _ in batches:
+                pass
+            keys = [int(k) for b in ctx.eval_batches() for k in b["key"]]
+            (out / f"{ctx.rank}-{epoch}.json").write_text(json.dumps(keys))
+            ctx.report({"epoch": epoch})
+
+    train = PipelineConfig(source=str(datasets["parquet"]), image_size=8, batch_size=5)
+    held = PipelineConfig(source=str(held_out), image_size=8, batch_size=8, train=False,
+                          max_skipped=None)  # fmt: skip
+    result = train_ddp(train, loop, num_workers=2, epochs=3, cpus_per_worker=0.5,
+                       eval_config=held, storage_path=str(tmp_path / "runs"))  # fmt: skip
+    assert result.error is None
+    good = 40 + 37 + 30 + WDS_GOOD_IN_ODD
+    report = json.loads((Path(result.path) / "skipped_samples.json").read_text())
+    for epoch in range(3):
+        ranks = [json.loads((out / f"{r}-{epoch}.json").read_text()) for r in (0, 1)]
+        keys = ranks[0] + ranks[1]
+        assert len(keys) == len(set(keys)) == good, (epoch, [len(k) for k in ranks])
+        bad = {r["key"] for r in report[f"eval_epoch_{epoch}"]["records"]}
+        assert report[f"eval_epoch_{epoch}"]["by_reason"] == WDS_SKIPS
+        assert bad.isdisjoint(keys)
