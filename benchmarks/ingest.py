@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--rounds",
         type=int,
         default=5,
-        help="interleaved rounds of the winners after the sweeps (default 5; 0: none)",
+        help="interleaved rounds of the sweeps' finalists after the sweeps (default 5; 0: none)",
     )
     args = p.parse_args(argv)
     n, epochs = SIZES[args.size]
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> dict:
         for t in TRANSFORMS
     }
     if args.rounds:
-        print(f"interleaved rounds ({args.rounds}) of the winners:")
+        print(f"interleaved rounds ({args.rounds}) of the sweeps' finalists:")
         result["rounds"] = head_to_head(result, corpus, listing, epochs, args.rounds)
     result["machine"]["loadavg_at_end"] = os.getloadavg()
     print_table(result)

@@ -1,10 +1,12 @@
-"""Interleaved rounds for ``benchmarks/ingest.py``: the sweep's winners, measured in turn.
+"""Interleaved rounds for ``benchmarks/ingest.py``: the sweeps' finalists, measured in turn.
 
 A sweep runs each setting once and keeps the fastest, so the winner carries the luck of
 its one pass (the best of four draws beats the best of two), and on a machine whose speed
 drifts over a ten-minute run, a path that ran at a better moment looks faster. Here each
 path runs once per round, the order rotating from round to round; a ratio is taken
-between the two paths of the same round, and the median over rounds is reported.
+between the two paths of the same round, and the median over rounds is reported. A
+sweep sends its two fastest settings (`finalists`); of each loader's finalists, the one
+with the best median over the rounds leads (`leaders`).
 """
 
 from __future__ import annotations
