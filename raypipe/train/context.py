@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from raypipe.config import PipelineConfig
-from raypipe.data.shards import Listing, list_shards
+from raypipe.data.shards import Listing
 from raypipe.data.skips import SkipLog
 from raypipe.loader.iterator import TorchBatches
 from raypipe.loader.pipeline import Pipeline
@@ -47,9 +47,6 @@ class TrainContext:
         eval_config: the held-out `PipelineConfig`, or None.
         loop_config: the user's own settings, passed through unchanged.
         num_epochs: epochs to run.
-        skip_logs: the `SkipLog` of each epoch of each dataset, by report name
-            (``train_epoch_3``, ``eval_epoch_3``): what `train_ddp` writes to its skip
-            report; each epoch's ``batches.stats()["skipped"]`` counts the same log.
         checkpoint_every: steps between the checkpoints `epochs` saves (0: none).
         progress: the run's pipeline position (`raypipe.train.checkpoint.Progress`).
         listing: the training source's shards, listed once on the driver.
@@ -63,7 +60,6 @@ class TrainContext:
     eval_config: PipelineConfig | None
     loop_config: dict[str, Any]
     num_epochs: int
-    skip_logs: dict[str, SkipLog] = dataclasses.field(default_factory=dict)
     checkpoint_every: int = 0
     progress: Progress | None = None
     listing: Listing | None = None
@@ -71,8 +67,7 @@ class TrainContext:
     ledger: Any = None
     eval_listing: Listing | None = None
     eval_skips: SkipLog | None = None
-    # this worker's own, made on first use: the epoch it started at, the eval pipeline
-    _first_epoch: int = dataclasses.field(default=0, init=False, repr=False)
+    # this worker's own held-out pipeline and its passes, made on first use
     _eval: Any = dataclasses.field(default=None, init=False, repr=False)
 
     @property
@@ -113,20 +108,17 @@ class TrainContext:
         With ``checkpoint_every``, a checkpoint is saved every that many steps and at each
         epoch's end, holding rank 0's ``state()`` (model, optimizer; see `restored`).
         """
-        first = self._first_epoch = self.progress.first_epoch()
+        first = self.progress.first_epoch()
         if first >= self.num_epochs:
             return
         pipeline = Pipeline(
             self.config, epochs=self.num_epochs, rank=self.rank, world_size=self.world_size,
             ledger=self.ledger, group=_group_id(), listing=self.listing, skips=self.skips, start=self.progress.start,
         )  # fmt: skip
-        try:
-            with pipeline:
-                for epoch, batches in pipeline.epochs():
-                    yield epoch, EpochBatches(batches, epoch, self.progress,
-                                              self.checkpoint_every, state)  # fmt: skip
-        finally:
-            self.close()
+        with pipeline:
+            for epoch, batches in pipeline.epochs():
+                yield epoch, EpochBatches(batches, epoch, self.progress, self.checkpoint_every,
+                                          state)  # fmt: skip
 
     def restored(self) -> dict[str, Any] | None:
         """The ``state`` saved with the checkpoint this run resumed from, or None."""
@@ -147,7 +139,7 @@ class TrainContext:
         if self._eval is None:
             pipeline = Pipeline(
                 self.eval_config, epochs=self.num_epochs, rank=self.rank,
-                world_size=self.world_size, listing=self._held_out(), skips=self.eval_skips,
+                world_size=self.world_size, listing=self.eval_listing, skips=self.eval_skips,
                 start=self._eval_start(), progress_s=0, drop_last=False,
             )  # fmt: skip
             self._eval = (pipeline, pipeline.epochs())
@@ -156,25 +148,22 @@ class TrainContext:
             return next(passes)[1]
         except StopIteration:
             raise RuntimeError(
-                f"eval_batches() gives one pass per epoch: all {pipeline.num_epochs} were taken"
+                "eval_batches() gives one pass per epoch: the last epoch's "
+                f"({pipeline.num_epochs - 1}) was already taken"
             ) from None
-
-    def _held_out(self) -> Listing:
-        if self.eval_listing is None:
-            self.eval_listing = list_shards(self.eval_config)
-        return self.eval_listing
 
     def _eval_start(self) -> PipelineState | None:
         """A resumed run's passes start at its first epoch (pass e is epoch e's), whole."""
-        if self._first_epoch == 0:
+        resumed = self.progress.start
+        if resumed is None or resumed.epoch == 0:
             return None
-        listing = self._held_out()
-        n = listing.num_samples
-        return PipelineState(self._first_epoch, self.eval_config.seed, n, fingerprint(listing),
-                             np.zeros(n, dtype=bool))  # fmt: skip
+        n = self.eval_listing.num_samples
+        return PipelineState(resumed.epoch, self.eval_config.seed, n,
+                             fingerprint(self.eval_listing), np.zeros(n, dtype=bool))  # fmt: skip
 
     def close(self) -> None:
-        """End this worker's held-out pipeline, if it has one (``epochs()`` does so)."""
+        """End this worker's held-out pipeline, if it has one (`train_ddp` does so when the
+        loop returns or raises)."""
         if self._eval is not None:
             self._eval[0].close()
 

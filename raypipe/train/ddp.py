@@ -143,7 +143,7 @@ def train_ddp(
                         fingerprint=fingerprint(listing), start=start, start_dir=start_dir)  # fmt: skip
     _warn_if_short_of_cpus(config, eval_config, num_workers, cpus_per_worker)
     ledger = create_ledger(num_workers) if num_workers > 1 else None
-    ctx = TrainContext(config, eval_config, dict(loop_config or {}), epochs, skip_logs=skip_logs,
+    ctx = TrainContext(config, eval_config, dict(loop_config or {}), epochs,
                        checkpoint_every=checkpoint_every, progress=progress, listing=listing,
                        skips=skips, ledger=ledger, eval_listing=eval_listing,
                        eval_skips=eval_skips)  # fmt: skip

@@ -94,3 +94,51 @@ def test_every_epoch_evaluates_every_good_held_out_sample_once_over_the_ranks(
         bad = {r["key"] for r in report[f"eval_epoch_{epoch}"]["records"]}
         assert report[f"eval_epoch_{epoch}"]["by_reason"] == WDS_SKIPS
         assert bad.isdisjoint(keys)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_evaluates_only_its_remaining_epochs(ray_session, datasets, tmp_path):
+    """Resumed at epoch 2 of 3, the held-out pipeline gives one pass, that epoch's, with
+    every held-out sample once over the ranks; a second pass is refused."""
+    import json
+
+    import numpy as np
+
+    from raypipe.data.shards import list_shards
+    from raypipe.train.state import PipelineState, fingerprint
+
+    train = PipelineConfig(source=str(datasets["parquet"]), image_size=8, batch_size=5)
+    held = PipelineConfig(source=str(datasets["webdataset"]), image_size=8, batch_size=8,
+                          train=False)  # fmt: skip
+    listing = list_shards(train)
+    n = listing.num_samples
+    start = tmp_path / "start"
+    start.mkdir()
+    PipelineState(2, train.seed, n, fingerprint(listing), np.zeros(n, dtype=bool)).save(
+        start / "raypipe_state.bin"
+    )
+    out = tmp_path / "passes"
+    out.mkdir()
+
+    def loop(ctx) -> None:
+        for epoch, batches in ctx.epochs():
+            for _ in batches:
+                pass
+            keys = [int(k) for b in ctx.eval_batches() for k in b["key"]]
+            try:
+                ctx.eval_batches()
+                refused = ""
+            except RuntimeError as e:
+                refused = str(e)
+            (out / f"{ctx.rank}.json").write_text(json.dumps([epoch, keys, refused]))
+            ctx.report({"epoch": epoch})
+
+    result = train_ddp(train, loop, num_workers=2, epochs=3, cpus_per_worker=0.5,
+                       eval_config=held, resume_from=str(start),
+                       storage_path=str(tmp_path / "runs"))  # fmt: skip
+    assert result.error is None
+    ranks = [json.loads((out / f"{r}.json").read_text()) for r in (0, 1)]
+    assert [r[0] for r in ranks] == [2, 2]
+    keys = ranks[0][1] + ranks[1][1]
+    assert sorted(keys) == list(range(list_shards(held).num_samples))
+    assert all("last epoch's (2) was already taken" in r[2] for r in ranks), [r[2] for r in ranks]
