@@ -70,25 +70,17 @@ def test_every_epoch_evaluates_every_good_held_out_sample_once_over_the_ranks(
     held_out = broken_webdataset(tmp_path / "held_out", [40, 37, 30])
     out = tmp_path / "keys"
     out.mkdir()
-
-    def loop(ctx) -> None:
-        for epoch, batches in ctx.epochs():
-            for _ in batches:
-                pass
-            keys = [int(k) for b in ctx.eval_batches() for k in b["key"]]
-            (out / f"{ctx.rank}-{epoch}.json").write_text(json.dumps(keys))
-            ctx.report({"epoch": epoch})
-
     train = PipelineConfig(source=str(datasets["parquet"]), image_size=8, batch_size=5)
     held = PipelineConfig(source=str(held_out), image_size=8, batch_size=8, train=False,
                           max_skipped=None)  # fmt: skip
-    result = train_ddp(train, loop, num_workers=2, epochs=3, cpus_per_worker=0.5,
-                       eval_config=held, storage_path=str(tmp_path / "runs"))  # fmt: skip
+    result = train_ddp(train, _evaluating_loop(out), num_workers=2, epochs=3,
+                       cpus_per_worker=0.5, eval_config=held,
+                       storage_path=str(tmp_path / "runs"))  # fmt: skip
     assert result.error is None
     good = 40 + 37 + 30 + WDS_GOOD_IN_ODD
     report = json.loads((Path(result.path) / "skipped_samples.json").read_text())
     for epoch in range(3):
-        ranks = [json.loads((out / f"{r}-{epoch}.json").read_text()) for r in (0, 1)]
+        ranks = [json.loads((out / f"{r}-{epoch}.json").read_text())["keys"] for r in (0, 1)]
         keys = ranks[0] + ranks[1]
         assert len(keys) == len(set(keys)) == good, (epoch, [len(k) for k in ranks])
         bad = {r["key"] for r in report[f"eval_epoch_{epoch}"]["records"]}
@@ -119,26 +111,37 @@ def test_a_resumed_run_evaluates_only_its_remaining_epochs(ray_session, datasets
     )
     out = tmp_path / "passes"
     out.mkdir()
+    result = train_ddp(train, _evaluating_loop(out), num_workers=2, epochs=3, cpus_per_worker=0.5,
+                       eval_config=held, resume_from=str(start),
+                       storage_path=str(tmp_path / "runs"))  # fmt: skip
+    assert result.error is None
+    assert sorted(p.name for p in out.iterdir()) == ["0-2.json", "1-2.json"]
+    ranks = [json.loads((out / f"{r}-2.json").read_text()) for r in (0, 1)]
+    keys = ranks[0]["keys"] + ranks[1]["keys"]
+    assert sorted(keys) == list(range(list_shards(held).num_samples))
+    refused = [r["refused"] for r in ranks]
+    assert all("last epoch's (2) was already taken" in r for r in refused), refused
+
+
+def _evaluating_loop(out):
+    """A train loop that reads each epoch, writes this rank's keys of the epoch's held-out
+    pass to ``out/<rank>-<epoch>.json``, and after the last pass asks for one more (what
+    the refusal said is written too)."""
+    import json
 
     def loop(ctx) -> None:
         for epoch, batches in ctx.epochs():
             for _ in batches:
                 pass
             keys = [int(k) for b in ctx.eval_batches() for k in b["key"]]
-            try:
-                ctx.eval_batches()
-                refused = ""
-            except RuntimeError as e:
-                refused = str(e)
-            (out / f"{ctx.rank}.json").write_text(json.dumps([epoch, keys, refused]))
+            refused = ""
+            if epoch == ctx.num_epochs - 1:
+                try:
+                    ctx.eval_batches()
+                except RuntimeError as e:
+                    refused = str(e)
+            record = {"keys": keys, "refused": refused}
+            (out / f"{ctx.rank}-{epoch}.json").write_text(json.dumps(record))
             ctx.report({"epoch": epoch})
 
-    result = train_ddp(train, loop, num_workers=2, epochs=3, cpus_per_worker=0.5,
-                       eval_config=held, resume_from=str(start),
-                       storage_path=str(tmp_path / "runs"))  # fmt: skip
-    assert result.error is None
-    ranks = [json.loads((out / f"{r}.json").read_text()) for r in (0, 1)]
-    assert [r[0] for r in ranks] == [2, 2]
-    keys = ranks[0][1] + ranks[1][1]
-    assert sorted(keys) == list(range(list_shards(held).num_samples))
-    assert all("last epoch's (2) was already taken" in r[2] for r in ranks), [r[2] for r in ranks]
+    return loop
