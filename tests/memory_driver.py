@@ -2,9 +2,10 @@
 its own with a small object store, an epoch whose decoded output is many times the store,
 read by ranks slower than the pool.
 
-``python -m tests.memory_driver DATA OUT STORE_MIB EPOCHS PAUSE_S [ROWS_PER_BLOCK]``: a warm
+``python -m tests.memory_driver DATA OUT STORE_MIB EPOCHS PAUSE_S [SETTINGS]``: a warm
 `raypipe.Pipeline` of EPOCHS epochs over DATA with 2 ranks (threads), each sleeping PAUSE_S
-per batch; a sampler reads the object store's use and the bytes spilled every 0.2 s and
+per batch; the config is ``PipelineConfig(source=DATA, image_size=224, batch_size=64)``,
+every other field at its default unless SETTINGS (a JSON object of fields) sets it; a sampler reads the object store's use and the bytes spilled every 0.2 s and
 the proportional set size of this process tree. Writes keys per rank and epoch, the stats and
 the peaks to OUT (JSON).
 """
@@ -27,17 +28,22 @@ from raypipe import PipelineConfig, SkipLog
 from raypipe.cli import localray
 from tests.ranks import run_ranks
 
-BATCH, IMAGE, ROWS_PER_BLOCK = 64, 224, 16
+BATCH, IMAGE = 64, 224
 
 
 def store_stats() -> tuple[float, float]:
-    """(MiB in the object store now, MiB spilled so far) from Ray's memory summary."""
+    """(MiB in the object store now, MiB spilled so far) from Ray's memory summary, which
+    prints its "Spilled" line only once something was spilled (``spill_time_total_s > 0``)."""
     from ray._private.internal_api import memory_summary
 
     text = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
     used = re.search(r"Plasma memory usage (\d+) MiB", text)
+    if used is None:
+        raise RuntimeError(f"no object store usage in Ray's memory summary: {text!r}")
     spilled = re.search(r"Spilled (\d+) MiB", text)
-    return float(used.group(1)) if used else 0.0, float(spilled.group(1)) if spilled else 0.0
+    if spilled is None and "Spilled" in text:
+        raise RuntimeError(f"unreadable spill line in Ray's memory summary: {text!r}")
+    return float(used.group(1)), float(spilled.group(1)) if spilled else 0.0
 
 
 def tree_pss_mib() -> float:
@@ -63,7 +69,7 @@ def tree_pss_mib() -> float:
 
 
 def main(data: str, out: str, store_mib: str, epochs: str, pause_s: str,
-         rows_per_block: str = str(ROWS_PER_BLOCK)) -> None:  # fmt: skip
+         settings: str = "{}") -> None:  # fmt: skip
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              object_store_memory=int(store_mib) << 20, configure_logging=False)  # fmt: skip
     ray.data.DataContext.get_current().enable_progress_bars = False
@@ -85,9 +91,7 @@ def main(data: str, out: str, store_mib: str, epochs: str, pause_s: str,
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    config = PipelineConfig(source=data, image_size=IMAGE, batch_size=BATCH, actors=(2, 2),
-                            actor_cpus=0.5, files_per_task=int(rows_per_block),
-                            rows_per_block=int(rows_per_block))  # fmt: skip
+    config = PipelineConfig(source=data, image_size=IMAGE, batch_size=BATCH, **json.loads(settings))
     t0 = time.perf_counter()
     try:
         keys, stats = run_ranks(config, 2, int(epochs), pause_s=(float(pause_s),),
@@ -100,7 +104,7 @@ def main(data: str, out: str, store_mib: str, epochs: str, pause_s: str,
     report = {"keys": keys, "stats": [[{k: v for k, v in s.items() if k != "stalls"}
                                        for s in rank] for rank in stats],
               "peaks": peaks, "seconds": seconds, "store_mib": int(store_mib),
-              "rows_per_block": int(rows_per_block)}  # fmt: skip
+              "settings": json.loads(settings)}  # fmt: skip
     with open(out, "w") as f:
         json.dump(report, f)
 

@@ -52,11 +52,14 @@ class PipelineConfig:
         shuffle_buffer: rows in each rank's local shuffle buffer (0 = off).
         files_per_task: image-folder files one actor call reads and decodes; one call
             makes blocks of up to ``rows_per_block`` rows, and blocks of ``batch_size``
-            rows reach the trainer without a copy.
+            rows reach the trainer without a copy. None (the default): 256, or fewer when
+            the tasks one rank's pool has in flight would hold over 25 % of its share of
+            the smallest object store (`raypipe.data.blocksize`); a set value whose tasks
+            cannot fit that share is refused before work.
         rows_per_block: samples per output block of the preprocessing actors; None (the
-            default): ``batch_size``, or fewer when such a block would be over 5 % of the
-            smallest node's object store (then about 2 %), so backpressure holds the data
-            in the store instead of spilling it.
+            default): ``batch_size``, or fewer when such a block would be over 5 % of one
+            rank's share of the smallest node's object store (then about 2 %), so
+            backpressure holds the data in the store instead of spilling it.
         actor_cpus: logical CPUs each preprocessing actor reserves.
         compute: ``"actors"``, each rank's autoscaling actor pool (``actors``), or ``"tasks"``:
             Ray tasks on pooled workers, at most ``actors[1]`` at once, that stay warm
@@ -115,7 +118,7 @@ class PipelineConfig:
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     shuffle_files: bool = True
     shuffle_buffer: int = 0
-    files_per_task: int = 256
+    files_per_task: int | None = None
     rows_per_block: int | None = None
     actor_cpus: float = 1.0
     compute: Literal["actors", "tasks"] = "actors"
@@ -233,10 +236,12 @@ def _check_choices(c: PipelineConfig, bad: _Bad) -> None:
 
 
 def _check_counts(c: PipelineConfig, bad: _Bad) -> None:
-    for name in ("image_size", "files_per_task", "rows_per_block"):
+    if not is_int(c.image_size) or c.image_size < 1:
+        raise bad("image_size", "must be an integer >= 1")
+    for name in ("files_per_task", "rows_per_block"):  # None: sized from the object store
         value = getattr(c, name)
-        if not (name == "rows_per_block" and value is None) and (not is_int(value) or value < 1):
-            raise bad(name, "must be an integer >= 1" + (", or None" * (name == "rows_per_block")))
+        if value is not None and (not is_int(value) or value < 1):
+            raise bad(name, "must be an integer >= 1, or None")
     if not is_int(c.seed) or c.seed < 0:
         raise bad("seed", "must be an integer >= 0")
     if c.max_skipped is not None and (not is_num(c.max_skipped) or not 0 <= c.max_skipped <= 1):

@@ -1,5 +1,18 @@
-"""Block size from the object store: blocks small enough that backpressure holds the data
-in the store instead of spilling it (`notes/ray-memory.md`: spilling follows block size).
+"""Sizes from the object store: blocks, tasks and read-ahead small enough that backpressure
+holds the data in the store instead of spilling it (`notes/ray-memory.md`).
+
+A rank's share of a node's store is the smallest store over the ranks that may share it
+(up to `RANKS_PER_NODE`: a node's GPUs). Within that share, with the defaults:
+
+```
+ block      rows_per_block × sample      <= 5 % of the share (else ~2 %), one batch if it fits
+ task       files_per_task × sample      <= 25 % of the share / (actors × tasks in flight)
+ read-ahead the rank's execution          <= 50 % of the share (Ray Data's own fraction,
+                                             of one rank's share instead of the whole store)
+```
+
+Batches the rank holds (the feeder's queue, ``prefetch_batches``) are copies on the heap
+whenever a block is smaller than a batch, and at most a few blocks of the store otherwise.
 """
 
 from __future__ import annotations
@@ -8,45 +21,92 @@ import logging
 
 from raypipe.config import PipelineConfig
 
-__all__ = ["sized_blocks"]
+__all__ = ["BLOCK_SHARE", "BLOCK_TARGET", "MAX_FILES_PER_TASK", "RANKS_PER_NODE",
+           "READ_AHEAD_SHARE", "TASKS_IN_FLIGHT", "TASK_SHARE", "rank_store_limit",
+           "sized_blocks", "store_share"]  # fmt: skip
+assert __all__ == sorted(__all__)
 
 log = logging.getLogger(__name__)
 
-BLOCK_SHARE = 0.05  # a block above this share of the object store is warned about
+BLOCK_SHARE = 0.05  # a block above this share of the rank's store is warned about
 BLOCK_TARGET = 0.02  # the share an automatic block size aims at when batch_size is too big
+TASK_SHARE = 0.25  # every task in flight of one rank's pool, at most, by default
+READ_AHEAD_SHARE = 0.5  # one rank's execution: Ray Data's default fraction, of its share
+TASKS_IN_FLIGHT = 2  # Ray Data 2.60's tasks in flight per actor (2 × max_concurrency 1)
+RANKS_PER_NODE = 8  # ranks that may share one node's store: at most a node's GPUs
+MAX_FILES_PER_TASK = 256
 
 
-def sized_blocks(config: PipelineConfig) -> PipelineConfig:
-    """``config`` with ``rows_per_block`` set: ``batch_size`` when unset, or fewer rows when
-    such a block would be over 5 % of the smallest node's object store (then about 2 %).
-    Warns about a block set over 5 %; refuses, before any work, one no store can hold."""
+def store_share(world_size: int = 1) -> float | None:
+    """Bytes of object store one rank of ``world_size`` may count on: the smallest alive
+    node's store over the ranks that may share it; None before Ray knows any store."""
     import ray
 
-    sample = 3 * config.image_size**2
     stores = [
         n["Resources"]["object_store_memory"]
         for n in ray.nodes()
         if n["Alive"] and n["Resources"].get("object_store_memory")
     ]
-    if not stores:
-        return config if config.rows_per_block else config.replace(rows_per_block=config.batch_size)
+    return min(stores) / min(world_size, RANKS_PER_NODE) if stores else None
+
+
+def rank_store_limit(world_size: int) -> float | None:
+    """The object store one rank's execution may fill ahead of its trainer, in bytes."""
+    share = store_share(world_size)
+    return None if share is None else READ_AHEAD_SHARE * share
+
+
+def sized_blocks(config: PipelineConfig, *, world_size: int = 1,
+                 actors: int | None = None) -> PipelineConfig:  # fmt: skip
+    """``config`` with ``rows_per_block`` and ``files_per_task`` set from the object store.
+
+    ``actors``: the most actors of one rank's pool (default ``config.actors[1]``). Unset
+    fields are sized to fit (module docstring); a set block over 5 % of the share is warned
+    about; a set block or task that no store can hold is refused before any work."""
+    actors = config.actors[1] if actors is None else actors
+    sample = 3 * config.image_size**2
+    share = store_share(world_size)
+    if share is None:
+        rows = config.rows_per_block or config.batch_size
+        return config.replace(rows_per_block=rows,
+                              files_per_task=config.files_per_task or MAX_FILES_PER_TASK)  # fmt: skip
+    config = _with_rows(config, sample, share, world_size)
+    in_flight = actors * TASKS_IN_FLIGHT
+    if config.files_per_task is None:
+        files = int(TASK_SHARE * share / (in_flight * sample))
+        return config.replace(files_per_task=max(1, min(MAX_FILES_PER_TASK, files)))
+    need = config.files_per_task * sample * in_flight
+    if need > share:
+        fits = max(1, int(share / (in_flight * sample)))
+        raise ValueError(
+            f"PipelineConfig.files_per_task={config.files_per_task}: {in_flight} tasks in flight "
+            f"({actors} actors x {TASKS_IN_FLIGHT}) of {config.files_per_task} images at "
+            f"{config.image_size}x{config.image_size} need {need / 2**20:.0f} MiB, more than "
+            f"one rank's object store ({share / 2**20:.0f} MiB): set files_per_task <= {fits}, "
+            "or leave it unset to size it from the store"
+        )
+    return config
+
+
+def _with_rows(config: PipelineConfig, sample: int, share: float, world_size: int):
     if config.rows_per_block is None:
         rows = config.batch_size
-        if rows * sample > min(stores) * BLOCK_SHARE:
-            rows = max(1, int(min(stores) * BLOCK_TARGET) // sample)
+        if rows * sample > share * BLOCK_SHARE:
+            rows = max(1, int(share * BLOCK_TARGET) // sample)
         return config.replace(rows_per_block=rows)
     block = config.rows_per_block * sample
-    if block > max(stores):
+    if block > share:
+        ranks = f" with {world_size} ranks" if world_size > 1 else ""
         raise ValueError(
             f"PipelineConfig.rows_per_block={config.rows_per_block} x image_size="
             f"{config.image_size} (3x{config.image_size}x{config.image_size} uint8) makes "
-            f"blocks of {block / 2**20:.1f} MiB, more than the largest object store "
-            f"({max(stores) / 2**20:.1f} MiB): lower rows_per_block or image_size"
+            f"blocks of {block / 2**20:.1f} MiB, more than one rank's object store"
+            f"{ranks} ({share / 2**20:.1f} MiB): lower rows_per_block or image_size"
         )
-    if block > min(stores) * BLOCK_SHARE:
+    if block > share * BLOCK_SHARE:
         log.warning(
-            "raypipe: blocks of %.1f MiB are %.0f%% of the object store (%.0f MiB): expect "
-            "spilling under backpressure; keep them near 2%% (lower rows_per_block)",
-            block / 2**20, 100 * block / min(stores), min(stores) / 2**20,
+            "raypipe: blocks of %.1f MiB are %.0f%% of one rank's object store (%.0f MiB): "
+            "expect spilling under backpressure; keep them near 2%% (lower rows_per_block)",
+            block / 2**20, 100 * block / share, share / 2**20,
         )  # fmt: skip
     return config

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from raypipe import localnode
 from raypipe.config import PipelineConfig
 from raypipe.data.augment import Plan, plan, sample_rng
 from raypipe.data.blocksize import sized_blocks
@@ -84,15 +85,15 @@ def build_dataset(
     shards = epoch_order(
         listing.shards, seed=config.seed, epoch=epoch, shuffle=config.shuffle_files
     )
-    per_task = listing.shards_per_task(config)
     rows = pending_rows(shards, None if consumed is None else np.asarray(consumed, bool))
     lo, hi = config.actors
     made_here = skips is None  # after listing: a bad source fails before Ray starts
     if made_here:
-        if not ray.is_initialized():
-            ray.init()  # as Ray Data would on the first operation
+        if not ray.is_initialized():  # as Ray Data would on the first operation,
+            localnode.start()  # but a new local Ray listens on loopback only
         skips = SkipLog.create()
-    config = sized_blocks(config)
+    config = sized_blocks(config)  # one execution, whatever streaming_split then does
+    per_task = listing.shards_per_task(config)
     ds = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // per_task)))
     kwargs = {"config": config, "reader": listing.reader, "epoch": epoch, "skips": skips,
               "samples": listing.num_samples - (0 if consumed is None else int(np.sum(consumed)))}  # fmt: skip

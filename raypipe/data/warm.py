@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from raypipe.config import PipelineConfig
+from raypipe.data.blocksize import rank_store_limit
 from raypipe.data.dataset import Preprocessor
 from raypipe.data.rankplan import RankPlan
 from raypipe.data.shards import Listing, Reader
@@ -81,6 +82,13 @@ def rank_dataset(config: PipelineConfig, listing: Listing, plan: RankPlan, epoch
     # no thread per task polling the actor's memory for Ray Data's high-memory warning:
     # raypipe's blocks are sized from the object store (raypipe.data.blocksize)
     ds.context.memory_usage_poll_interval_s = None
+    # every rank's execution counts the whole cluster's store as its own: limit each
+    # one's read-ahead to its share, so that ranks on one node together stay within it
+    limit = rank_store_limit(world_size)
+    if limit is not None:
+        ds.context.execution_options.resource_limits = (
+            ds.context.execution_options.resource_limits.copy(object_store_memory=limit)
+        )
     return ds
 
 

@@ -23,6 +23,7 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
+from raypipe import localnode
 from raypipe.config import PipelineConfig
 from raypipe.data.blocksize import sized_blocks
 from raypipe.data.follow import Demand, follower_for
@@ -30,7 +31,7 @@ from raypipe.data.gpudecode import device_map_for
 from raypipe.data.rankplan import RankPlan
 from raypipe.data.shards import Listing, list_shards
 from raypipe.data.skips import SkipLog
-from raypipe.data.warm import rank_dataset
+from raypipe.data.warm import rank_dataset, rank_pool
 from raypipe.loader.blocks import execute
 from raypipe.loader.collate import collate_for
 from raypipe.loader.device import resolve_device
@@ -98,11 +99,13 @@ class Pipeline:
         if skips is None:
             import ray
 
-            if not ray.is_initialized():
-                ray.init()  # as Ray Data would on its first operation
+            if not ray.is_initialized():  # as Ray Data would on its first operation,
+                localnode.start()  # but a new local Ray listens on loopback only
             skips = SkipLog.create()
         self.skips = skips
-        self.config = config = sized_blocks(config)
+        self.config = config = sized_blocks(
+            config, world_size=world_size, actors=rank_pool(config.actors, world_size)[1]
+        )
         self.first_epoch = start.epoch if start is not None else 0
         self.plan = RankPlan.of(
             self.listing, seed=config.seed, shuffle=config.shuffle_files, rank=rank,

@@ -1,5 +1,5 @@
-"""Bounded memory: an epoch many times the object store, read by slow ranks, streams
-through a small store without spilling or dying; a block that cannot fit is refused."""
+"""Bounded memory with the defaults: epochs many times the object store, read by slow ranks,
+stream through a small store without spilling or dying; sizes that cannot fit are refused."""
 
 from __future__ import annotations
 
@@ -39,31 +39,43 @@ def test_a_block_larger_than_the_object_store_is_refused_before_work(ray_session
             make()
 
 
-@pytest.mark.slow
-def test_ten_stores_of_data_stream_through_a_small_store(tmp_path):
-    """2 epochs of 4,608 images at 224² (662 MiB each, 10.3× a 128 MiB store over the
-    run), 2 ranks that take 0.15 s per batch of 64 (slower than the pool): every epoch
-    exactly once, the store never over its capacity, nothing spilled, nothing killed."""
-    data = small_jpegs(tmp_path / "data", N_MEMORY)
-    out = tmp_path / "report.json"
+def run_memory_driver(data: Path, out: Path, epochs: int, pause_s: float) -> dict:
+    """`tests.memory_driver` with every size setting at its default (batch 64 at 224²)."""
     proc = subprocess.run(
         [sys.executable, "-m", "tests.memory_driver", str(data), str(out), str(STORE_MIB),
-         "2", "0.15"],
+         str(epochs), str(pause_s)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    report = json.loads(out.read_text())
-    for epoch in range(2):
-        keys = [k for rank in report["keys"] for batch in rank[epoch] for k in batch]
-        assert len(keys) == len(set(keys)) == N_MEMORY  # 2 ranks × 36 batches of 64
-        assert all(s[epoch]["batches"] == 36 for s in report["stats"])
-    peaks = report["peaks"]
-    print(json.dumps(peaks))
-    assert peaks["samples"] >= 20, f"the sampler should have run through the epochs: {peaks}"
-    assert peaks["store_mib"] <= STORE_MIB  # backpressure held it, no fallback allocation
-    assert peaks["spilled_mib"] <= STORE_MIB / 4  # 2.5% of the data at most, 0 when seen
     # Ray's memory monitor says one of these when it kills a worker
     assert "OutOfMemory" not in proc.stderr and "low on memory" not in proc.stderr
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_defaults_stream_ten_stores_of_data_through_a_small_store(tmp_path):
+    """With every size setting at its default, 2 ranks that take 0.15 s per batch of 64
+    (slower than the pool) read 2 epochs of N images at 224² through a 128 MiB store, at
+    N = 2,304 (5.2x the store over the run) and 4,608 (10.3x): every epoch exactly once,
+    the store never over its capacity, at most one store spilled, and the peak memory of
+    the process tree grows by less than two stores when the data doubles."""
+    peaks = {}
+    for n in (N_MEMORY // 2, N_MEMORY):
+        report = run_memory_driver(small_jpegs(tmp_path / f"data{n}", n), tmp_path / f"{n}.json",
+                                   epochs=2, pause_s=0.15)  # fmt: skip
+        batches = n // (2 * 64)  # per rank and epoch
+        for epoch in range(2):
+            keys = [k for rank in report["keys"] for batch in rank[epoch] for k in batch]
+            assert len(keys) == len(set(keys)) == 2 * 64 * batches
+            assert all(s[epoch]["batches"] == batches for s in report["stats"])
+        peaks[n] = p = report["peaks"]
+        print(n, json.dumps(p))
+        assert "error" not in p, p
+        assert p["samples"] >= 10, f"the sampler should have run through the epochs: {p}"
+        assert p["store_mib"] <= STORE_MIB  # backpressure held it, no fallback allocation
+        assert p["spilled_mib"] <= STORE_MIB  # the guarantee's bound: one store
+    growth = peaks[N_MEMORY]["pss_mib"] - peaks[N_MEMORY // 2]["pss_mib"]
+    assert growth <= 2 * STORE_MIB, f"peak memory grew {growth:.0f} MiB with the data: {peaks}"
 
 
 def test_default_blocks_are_one_batch_unless_the_store_is_too_small(ray_session, datasets):
@@ -78,3 +90,28 @@ def test_default_blocks_are_one_batch_unless_the_store_is_too_small(ray_session,
         big.rows_per_block * 3 * 224 * 224 <= 0.02 * store < (big.rows_per_block + 1) * 3 * 224**2
     )
     assert sized_blocks(config.replace(rows_per_block=7)).rows_per_block == 7  # set: kept
+
+
+def test_default_tasks_fit_the_ranks_share_of_the_store_and_set_ones_that_cannot_are_refused(
+    ray_session, datasets
+):
+    from raypipe.data.blocksize import TASK_SHARE, TASKS_IN_FLIGHT, sized_blocks, store_share
+
+    sample = 3 * 224 * 224
+    config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=224, batch_size=64)
+    assert config.files_per_task is None
+    assert sized_blocks(config).files_per_task == 256  # 2 actors x 2 x 37 MiB: under 1/4 GiB
+    for world, actors in ((2, 1), (8, 4), (64, 2)):
+        sized = sized_blocks(config, world_size=world, actors=actors)
+        share, in_flight = store_share(world), actors * TASKS_IN_FLIGHT
+        assert share == store_share(1) / min(world, 8)  # at most a node's 8 GPUs share it
+        files = sized.files_per_task
+        assert in_flight * files * sample <= TASK_SHARE * share  # fits ...
+        assert files == 256 or TASK_SHARE * share < in_flight * (files + 1) * sample  # ... tightly
+        assert sized.rows_per_block * sample <= 0.05 * share
+    with pytest.raises(ValueError, match=r"^PipelineConfig\.files_per_task=256: 8 tasks in flight"
+                       r".* need 294 MiB, more than one rank's object store \(128 MiB\): set "
+                       r"files_per_task <= 111"):  # fmt: skip
+        sized_blocks(config.replace(files_per_task=256), world_size=8, actors=4)
+    with pytest.raises(ValueError, match=r"rows_per_block=1000 .* with 8 ranks \(128\.0 MiB\)"):
+        sized_blocks(config.replace(rows_per_block=1000), world_size=8)  # 144 MiB blocks
