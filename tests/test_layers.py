@@ -11,7 +11,7 @@ import raypipe
 
 PACKAGE = Path(raypipe.__file__).parent
 # bottom to top; a module may import its own layer and any layer listed before it
-LAYERS = ("config", "formats", "data", "loader", "train", "cli")
+LAYERS = ("localnode", "config", "formats", "data", "loader", "train", "cli")
 
 
 def layer_of(module: str) -> int | None:

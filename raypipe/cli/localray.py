@@ -1,7 +1,8 @@
 """Start a local Ray for raypipe, and stop it leaving none of its processes behind.
 
-`start` is ``ray.init`` with raypipe's settings when the address asks for a new local
-Ray (`LOCAL_SYSTEM_CONFIG`); an existing cluster is joined as it is configured.
+`start` is `raypipe.localnode.start` (``ray.init``; a new local Ray listens on loopback
+only) with raypipe's settings when the address asks for a new local Ray
+(`LOCAL_SYSTEM_CONFIG`); an existing cluster is joined as it is configured.
 
 ``ray.shutdown()`` stops the raylet and GCS that ``ray.init()`` started as this process's
 children; their workers are meant to exit with the raylet. With Ray 2.60 a pool actor's
@@ -21,6 +22,8 @@ import time
 from pathlib import Path
 from types import MappingProxyType
 
+from raypipe import localnode
+
 __all__ = ["LOCAL_SYSTEM_CONFIG", "process_tree", "ray_descendants", "shutdown", "start",
            "stop_leftovers"]  # fmt: skip
 assert __all__ == sorted(__all__)
@@ -33,13 +36,11 @@ LOCAL_SYSTEM_CONFIG = MappingProxyType({"event_stats": False})
 
 
 def start(address: str = "local", **kwargs) -> None:
-    """``ray.init(address, **kwargs)``; a new local Ray (``address="local"``) gets
-    `LOCAL_SYSTEM_CONFIG`, which Ray refuses when joining a cluster."""
-    import ray
-
+    """`raypipe.localnode.start` (a new local Ray listens on loopback only); a new local
+    Ray (``address="local"``) gets `LOCAL_SYSTEM_CONFIG`, which Ray refuses when joining."""
     if address == "local":  # a copy: ray.init adds its spilling settings to the dict
         kwargs.setdefault("_system_config", dict(LOCAL_SYSTEM_CONFIG))
-    ray.init(address=address, **kwargs)
+    localnode.start(address, **kwargs)
 
 
 def shutdown(grace_s: float = 10.0) -> list[int]:

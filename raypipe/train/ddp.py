@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from raypipe import localnode
 from raypipe.config import PipelineConfig
 from raypipe.data.shards import Listing, list_shards
 from raypipe.data.skips import SkipLog, write_reports
@@ -124,12 +125,16 @@ def train_ddp(
     from ray.train.constants import DEFAULT_STORAGE_PATH
     from ray.train.torch import TorchTrainer
 
+    from raypipe.train import rendezvous
+
     _check_run(num_workers=num_workers, epochs=epochs, cpus_per_worker=cpus_per_worker,
                checkpoint_every=checkpoint_every)  # fmt: skip
     listing = _list_for(config, num_workers)
     start, start_dir = _resume_point(resume_from, listing, config.seed, epochs)
-    if not ray.is_initialized():
-        ray.init()  # as Ray Train would: the skip logs live in an actor
+    if (problem := rendezvous.check_ray()) is not None:
+        raise RuntimeError(f"raypipe cannot bind DDP's store to the node's address: {problem}")
+    if not ray.is_initialized():  # as Ray Train would (the skip logs live in an actor),
+        localnode.start()  # but a new local Ray listens on loopback only
     name = name or f"raypipe_{uuid.uuid4().hex[:12]}"
     storage = storage_path or DEFAULT_STORAGE_PATH
     storage = storage if "://" in storage else os.path.abspath(storage)
@@ -157,6 +162,7 @@ def train_ddp(
     trainer = TorchTrainer(
         per_worker,
         train_loop_config={},
+        torch_config=rendezvous.BoundStoreTorchConfig(),  # the store on the node's address
         scaling_config=ray.train.ScalingConfig(
             num_workers=num_workers,
             use_gpu=use_gpu,

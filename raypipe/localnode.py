@@ -1,0 +1,121 @@
+"""How raypipe starts a Ray or joins one: a Ray it starts listens on loopback only.
+
+`start` is ``ray.init``. When the call starts a new local Ray (``address="local"``, or
+no address and no cluster to join, as plain ``ray.init()`` decides) or joins one on a
+loopback address, the node's address is 127.0.0.1: Ray 2.60 binds the GCS, the raylet,
+every worker's gRPC server, the dashboard and its agent, the runtime-env agent and the
+autoscaler monitor to the node's address, and takes the machine's address for a new node
+unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, whatever ``_node_ip_address`` says
+(``127.0.0.1`` is turned into the machine's address). So `start` sets that variable for
+the processes the new node spawns, and Ray's own reading of it in this process, for the
+length of ``ray.init``. Joining a cluster elsewhere leaves both as they were.
+
+Ray internals used, checked against the running Ray by `check_ray`:
+``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` (read when the node's address is
+chosen) and ``ray._private.services.get_ray_address_from_environment`` (the cluster plain
+``ray.init()`` would join, or None).
+
+With ``RAY_USE_TLS`` on, Ray reads ``RAY_TLS_SERVER_CERT``, ``RAY_TLS_SERVER_KEY`` and
+``RAY_TLS_CA_CERT`` in every process it starts; `check_tls` reads them first, so that a
+missing or unreadable file fails here, in one line naming it, before any Ray process starts.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+
+__all__ = ["CLUSTER_VAR", "LOOPBACK", "RAY_VERSION", "TLS_FILES", "check_ray", "check_tls",
+           "is_loopback", "start"]  # fmt: skip
+assert __all__ == sorted(__all__)
+
+RAY_VERSION = "2.60.0"  # the Ray whose node-address choice this module steers
+CLUSTER_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a new node's address is loopback
+LOOPBACK = "127.0.0.1"
+TLS_FILES = ("RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")
+
+
+def start(address: str | None = None, **kwargs) -> None:
+    """``ray.init(address, **kwargs)``, on loopback when it starts a new local Ray or joins
+    one on a loopback address; Ray's TLS settings are checked first (`check_tls`)."""
+    import ray
+
+    check_tls()
+    if not _on_loopback(address):
+        ray.init(address=address, **kwargs)
+        return
+    problem = check_ray()
+    if problem is not None:
+        raise RuntimeError(f"raypipe cannot keep a local Ray on loopback: {problem}")
+    from ray._private import ray_constants
+
+    before_env, before_flag = os.environ.get(CLUSTER_VAR), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[CLUSTER_VAR] = "0"  # inherited by the raylet, GCS, agents and workers
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read by this process when it picks the address
+    try:
+        ray.init(address=address, **kwargs)
+    finally:  # a later ray.init in this process, to a remote cluster, chooses as Ray does
+        ray_constants.ENABLE_RAY_CLUSTER = before_flag
+        if before_env is None:
+            os.environ.pop(CLUSTER_VAR, None)
+        else:
+            os.environ[CLUSTER_VAR] = before_env
+
+
+def check_tls(environ: dict[str, str] | None = None) -> None:
+    """With ``RAY_USE_TLS`` on, every one of `TLS_FILES` must name a readable file;
+    ValueError naming the variable and the file otherwise."""
+    env = os.environ if environ is None else environ
+    if env.get("RAY_USE_TLS", "0").lower() not in ("1", "true"):
+        return
+    for var in TLS_FILES:
+        path = env.get(var)
+        if not path:
+            raise ValueError(f"RAY_USE_TLS={env['RAY_USE_TLS']} needs {var}, which is not set")
+        try:
+            with open(path, "rb") as f:
+                if not f.read(1):
+                    raise ValueError(f"{var}={path} is empty")
+        except OSError as e:
+            raise ValueError(f"{var}={path} cannot be read: {e.strerror}") from None
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1, an IPv4-mapped loopback or ``localhost``."""
+    if host == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def check_ray() -> str | None:
+    """Why `start` cannot steer this Ray's choice of address (None: it can)."""
+    import ray
+
+    if ray.__version__ != RAY_VERSION:
+        return f"Ray {ray.__version__} is not {RAY_VERSION}, whose address choice it steers"
+    from ray._private import ray_constants, services
+
+    if not isinstance(getattr(ray_constants, "ENABLE_RAY_CLUSTER", None), bool):
+        return "ray._private.ray_constants.ENABLE_RAY_CLUSTER is gone"
+    if not callable(getattr(services, "get_ray_address_from_environment", None)):
+        return "ray._private.services.get_ray_address_from_environment is gone"
+    return None
+
+
+def _on_loopback(address: str | None) -> bool:
+    """Whether ``ray.init(address)`` starts a new local Ray or joins one on loopback."""
+    if address is None or address == "auto":  # RAY_ADDRESS, else a cluster `ray start` left
+        from ray._private import services
+
+        try:
+            address = services.get_ray_address_from_environment(address, None)
+        except Exception:  # "auto" and none to join: ray.init says so itself
+            return False
+    if address is None or address == "local":
+        return True
+    return "://" not in address and is_loopback(address.rsplit(":", 1)[0])

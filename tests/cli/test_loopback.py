@@ -1,0 +1,123 @@
+"""`raypipe run` from a plain shell: every socket its Ray and its DDP workers listen on is
+on loopback, with no ``RAY_*`` variable set.
+
+The listeners are read from ``/proc`` (``net/tcp``, ``net/tcp6`` and each process's open
+sockets) every 0.1 s while the run goes, for the run's own process tree only: another
+Ray on the machine is not counted.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from raypipe.cli.localray import process_tree
+from raypipe.localnode import is_loopback
+from tests.conftest import make_imagefolder, stop_group
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/net"), reason="reads /proc/net")
+BIN = Path(sys.executable).parent
+
+
+def _listening_sockets() -> dict[str, tuple[str, int]]:
+    """``{socket inode: (address, port)}`` of every TCP socket listening on this machine."""
+    out = {}
+    for name in ("tcp", "tcp6"):
+        lines = Path(f"/proc/net/{name}").read_text().splitlines()[1:]
+        for fields in (line.split() for line in lines):
+            if fields[3] == "0A":  # LISTEN
+                hexaddr, hexport = fields[1].split(":")
+                raw = bytes.fromhex(hexaddr)  # 32-bit words in host (little-endian) order
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                out[fields[9]] = (str(ipaddress.ip_address(raw)), int(hexport, 16))
+    return out
+
+
+def listeners_of(root: int) -> set[tuple[str, int, str]]:
+    """``(address, port, process name)`` of each socket ``root`` or a descendant listens on."""
+    sockets = _listening_sockets()
+    found = set()
+    for pid, (name, _) in process_tree(root).items():
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:[") and (at := sockets.get(link[8:-1])) is not None:
+                found.add((*at, name))
+    return found
+
+
+def test_the_listener_reader_sees_an_address_beyond_loopback():
+    import socket
+
+    with socket.socket(socket.AF_INET6) as wide, socket.socket() as narrow:
+        wide.bind(("::", 0))
+        narrow.bind(("127.0.0.1", 0))
+        wide.listen()
+        narrow.listen()
+        seen = {(a, p) for a, p, _ in listeners_of(os.getpid())}
+        assert ("::", wide.getsockname()[1]) in seen
+        assert ("127.0.0.1", narrow.getsockname()[1]) in seen
+    assert not is_loopback("::") and not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+    assert is_loopback("::ffff:127.0.0.1") and is_loopback("::1")
+
+
+def _plain_env() -> dict[str, str]:
+    """A shell's environment: no Ray, torch.distributed or gloo settings at all."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RAY_", "GLOO_", "MASTER_", "TORCH_"))}  # fmt: skip
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def test_raypipe_run_listens_on_loopback_only(tmp_path):
+    folder = make_imagefolder(tmp_path / "imgs", {"a": 24, "b": 24})
+    (tmp_path / "run.yaml").write_text(textwrap.dedent(f"""
+        data:
+          source: {folder}
+          image_size: 8
+          batch_size: 4
+          actors: [1, 1]
+          actor_cpus: 0.25
+        trainer:
+          num_workers: 2
+          epochs: 1
+          cpus_per_worker: 0.25
+          storage_path: {tmp_path / "runs"}
+        """))  # fmt: skip
+    log = (tmp_path / "run.log").open("w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "raypipe", "run", "run.yaml"], cwd=tmp_path, env=_plain_env(),
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    seen: set[tuple[str, int, str]] = set()
+    try:
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen |= listeners_of(proc.pid)
+            time.sleep(0.1)
+    finally:
+        stop_group(proc, grace_s=20)
+    log.seek(0)
+    out = log.read()
+    assert proc.returncode == 0, out[-3000:]
+    assert "raypipe run: done" in out
+    names = {name for _, _, name in seen}
+    # the servers were seen: the GCS, the raylet, the DDP workers (their core worker, and
+    # rank 0's rendezvous store)
+    assert {"gcs_server", "raylet"} <= names, seen
+    assert sum(name.startswith("ray::RayTrainWo") for _, _, name in seen) >= 3, seen
+    wide = sorted(s for s in seen if not is_loopback(s[0]))
+    assert not wide, f"listening beyond loopback: {wide}"
