@@ -148,6 +148,7 @@ class TorchBatches:
         self._device_map = device_map  # on the device after the copy (decode="gpu")
         self._device = device
         self._normalize = normalize
+        self._channels_last = channels_last
         # ``h2d``: an earlier pass's ring, slots and copy stream, reused (allocations made
         # for one stream's pool are not reused by another's: a new stream per epoch costs new
         # device segments every epoch)
@@ -183,7 +184,11 @@ class TorchBatches:
             on_device = _Stay(tensors if device_map is None else (device_map(b) for b in tensors))
         else:
             on_device = self.h2d(tensors, finish=self._device_map)
-        out = (normalize(b, *self._normalize) for b in on_device) if self._normalize else on_device
+        if self._normalize:
+            mean, std = self._normalize
+            out = (normalize(b, mean, std, channels_last=self._channels_last) for b in on_device)
+        else:
+            out = on_device
         stats = self._stats
         stats.start()
         with on_device:  # step 4's thread ends with the pass, however it ends

@@ -7,6 +7,7 @@ import io
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from raypipe import Pipeline, PipelineConfig, SampleError, SkipLog
@@ -207,3 +208,25 @@ def test_an_albumentations_pipeline_as_it_is(ray_session, tmp_path):
     ma, ma1 = by_key(a[0], "mask"), by_key(a[1], "mask")
     differ = sum(not (np.array_equal(ia[k], ia1[k]) and np.array_equal(ma[k], ma1[k])) for k in ia)
     assert differ >= 9, differ
+
+
+def test_normalize_at_its_default_leaves_a_transforms_own_layout_alone(ray_session, tmp_path):
+    """The albumentations pipeline's H×W×3 uint8 images with ``normalize`` at its default:
+    the same bytes as with ``normalize=False``; declared ``channels_last``, normalized along
+    their last axis instead."""
+    from raypipe.config.loader import IMAGENET_MEAN, IMAGENET_STD
+
+    mask_shards(tmp_path / "wds", 12)
+    config = PipelineConfig(source=str(tmp_path / "wds"), batch_size=4, actors=(1, 1),
+                            transform=user_transforms.ALBU, shuffle_files=False)  # fmt: skip
+    assert config.normalize
+    raw = by_key(run(config, normalize=False)[0], "image")
+    kept = run(config)[0]
+    assert kept[0]["image"].shape == (4, 8, 8, 3) and kept[0]["image"].dtype == torch.uint8
+    assert all(np.array_equal(raw[k], v) for k, v in by_key(kept, "image").items())
+    normed = by_key(run(config.replace(channels_last=True))[0], "image")
+    mean, std = np.array(IMAGENET_MEAN), np.array(IMAGENET_STD)
+    assert len(normed) == 12
+    for k, v in normed.items():
+        assert v.dtype == np.float32 and v.shape == (8, 8, 3)
+        np.testing.assert_allclose(v, (raw[k] / 255 - mean) / std, rtol=1e-5, atol=1e-5)
