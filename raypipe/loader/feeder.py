@@ -31,6 +31,7 @@ import numpy as np
 from raypipe.data.follow import Demand
 from raypipe.data.rankplan import RankPlan
 from raypipe.loader.blocks import block_columns
+from raypipe.loader.errors import unwrapped
 from raypipe.loader.ledger import Gate
 from raypipe.loader.rebatch import concat_column, rebatch
 
@@ -66,18 +67,6 @@ def _draw(held: Columns, n: int, rng: np.random.Generator, rest: list):
     take, keep = order[:n], order[n:]
     rest.append({k: v[keep] for k, v in held.items()})
     yield {k: v[take] for k, v in held.items()}
-
-
-def _unwrapped(error: BaseException) -> BaseException:
-    """raypipe's own errors from the actors as raised there (one line naming the sample),
-    not inside Ray's task-error wrapper with its remote traceback."""
-    from raypipe.data.budget import SkipBudgetError
-    from raypipe.data.skips import SampleError
-    from raypipe.data.usermap import TransformOutputError
-
-    cause = getattr(error, "cause", None)
-    ours = (SampleError, SkipBudgetError, TransformOutputError)
-    return cause if isinstance(error, ours) and isinstance(cause, ours) else error
 
 
 class _Closed(Exception):
@@ -187,9 +176,12 @@ class Feeder:
                 ahead = self._epoch(e, blocks, ahead, startup if e == self._epochs.start else 0)
         except _Closed:
             return
-        except BaseException as e:  # reaches the consumer, unless it is gone
+        except BaseException as e:  # reaches the consumer, unless it is gone, and the peers
+            error = unwrapped(e)
+            with contextlib.suppress(Exception):  # a ledger that is gone: nobody waits
+                self._gate.fail(error)
             with contextlib.suppress(_Closed):
-                self._put((_FAIL, -1, _unwrapped(e)))
+                self._put((_FAIL, -1, error))
 
     def _epoch(self, e: int, blocks, ahead, startup: float):
         """Feed epoch ``e``; returns the first block of the next epoch if it was read."""

@@ -35,6 +35,7 @@ from raypipe.config import LoaderConfig, PipelineConfig
 from raypipe.loader.blocks import dataset_columns
 from raypipe.loader.collate import collate_for
 from raypipe.loader.device import normalize, resolve_device
+from raypipe.loader.errors import raising_ours
 from raypipe.loader.h2d import HostToDevice
 from raypipe.loader.rebatch import rebatch
 from raypipe.loader.stats import Delivered, IterStats
@@ -130,7 +131,7 @@ def _ray_host(source, batch_size, prefetch, shuffle, drop_last) -> Iterator[dict
         host = dataset_columns(source)
     else:
         host = host_batches(source, batch_size, prefetch, *shuffle)
-    return rebatch(host, batch_size, drop_last=drop_last)
+    return rebatch(raising_ours(host), batch_size, drop_last=drop_last)
 
 
 class TorchBatches:

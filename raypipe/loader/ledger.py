@@ -18,6 +18,9 @@ only: the first ``n·B`` good rows of its slice, in the plan's order. Reports ar
 without waiting; a rank blocks only when its cached answer does not settle batch ``k``.
 With no bad samples the answer settles every batch before it is asked for, and
 ``min planned // B`` batches come out of every rank.
+
+A rank whose data fails (``on_error="raise"``, a skip budget spent) tells the ledger
+(`Gate.fail`); a rank waiting on it then raises the same error instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -37,9 +40,15 @@ class EpochLedger:
         self.world_size = world_size
         self._rows: dict[tuple[str, int], list[int]] = {}
         self._final: dict[tuple[str, int], list[float]] = {}
+        self._failed: dict[str, BaseException] = {}
+
+    def fail(self, run: str, error: BaseException) -> None:
+        """A rank of ``run`` stopped with ``error`` (the first one is kept)."""
+        self._failed.setdefault(run, error)
 
     def report(self, run: str, epoch: int, rank: int, rows: int, done: bool):
-        """Record rank's rows of ``epoch``; returns ``(min sure rows, min final rows)``."""
+        """Record rank's rows of ``epoch``; returns ``(min sure rows, min final rows, the
+        error a rank of ``run`` stopped with or None)``."""
         key = (run, epoch)
         if key not in self._rows:
             self._rows[key] = [0] * self.world_size
@@ -50,7 +59,7 @@ class EpochLedger:
         rows_now[rank] = max(rows_now[rank], rows)
         if done:
             self._final[key][rank] = rows
-        return min(rows_now), min(self._final[key])
+        return min(rows_now), min(self._final[key]), self._failed.get(run)
 
 
 class Gate:
@@ -69,14 +78,14 @@ class Gate:
         self.ledger, self.run, self.rank, self.batch_size = ledger, run, rank, batch_size
         self.waited_s = 0.0  # time spent waiting for other ranks
         self._epoch, self._rows, self._done = -1, 0, False
-        self._answer: tuple[float, float] = (0, _INF)
+        self._answer: tuple[float, float, BaseException | None] = (0, _INF, None)
         self._pending = None  # the last report's answer, not yet read
 
     def start(self, epoch: int, planned_min: int) -> None:
         """A new epoch; ``planned_min`` is the fewest samples any rank was given."""
         self._epoch, self._rows, self._done = epoch, 0, False
         self._planned_min = planned_min
-        self._answer, self._pending = (0, _INF), None
+        self._answer, self._pending = (0, _INF, None), None
 
     def add(self, rows: int, *, done: bool = False) -> None:
         """This rank now holds ``rows`` more good rows of the epoch (``done``: all of them)."""
@@ -92,13 +101,15 @@ class Gate:
             return False
         if self.ledger is None:  # one rank: the batch exists, so its rows are there
             return True
-        sure, final = self._answer
+        sure, final, _ = self._answer
         if need <= sure:  # settled by an earlier answer: no round trip
             return True
         pause, t0 = self.POLL_S[0], time.perf_counter()
         try:
             while True:
-                sure, final = self._read()
+                sure, final, failed = self._read()
+                if failed is not None:  # a peer stopped: it will never send its rows
+                    raise failed
                 if need <= sure:
                     return True
                 if need > final:
@@ -109,12 +120,17 @@ class Gate:
         finally:
             self.waited_s += time.perf_counter() - t0
 
+    def fail(self, error: BaseException) -> None:
+        """This rank stopped with ``error``: ranks waiting on it raise it too."""
+        if self.ledger is not None:
+            self.ledger.fail.remote(self.run, error)
+
     def _send(self) -> None:
         self._pending = self.ledger.report.remote(
             self.run, self._epoch, self.rank, self._rows, self._done
         )
 
-    def _read(self) -> tuple[float, float]:
+    def _read(self) -> tuple[float, float, BaseException | None]:
         import ray
 
         if self._pending is not None:

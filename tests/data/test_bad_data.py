@@ -639,10 +639,37 @@ def test_raise_stops_every_rank_without_a_hang(ray_session, tmp_path, pillow_lim
     places = bad_places(source, "webdataset")
     config = PipelineConfig(source=str(source), image_size=8, on_error="raise", rows_per_block=4)
     keys, sizes, stats, errors = run_ranks(build_dataset(config), 2, 5)
-    raised = [e for e in errors if e]
-    assert raised, "the epoch should have stopped"
-    for error in raised:
-        assert isinstance(error, SampleError), repr(error)
+    assert all(errors), f"every rank should have stopped: {errors}"
+    for error in errors:  # raypipe's own error as the actor raised it, not Ray's wrapper
+        assert type(error) is SampleError, repr(error)
+        assert str(error).startswith("bad sample ") and "ray::" not in str(error)
+        assert any(f"bad sample {w} (key " in str(error) for w in places)
+
+
+def test_raise_stops_every_pipeline_rank_with_the_actors_own_error(ray_session, tmp_path,
+                                                                   pillow_limit):  # fmt: skip
+    from raypipe import Pipeline
+
+    source, _ = mixed_source(tmp_path, "webdataset")
+    places = bad_places(source, "webdataset")
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=5, on_error="raise")
+    ledger, errors = Pipeline.ledger(2), [None, None]
+
+    def rank(r: int) -> None:
+        try:
+            with Pipeline(config, epochs=1, rank=r, world_size=2, ledger=ledger,
+                          device="cpu") as pipe:  # fmt: skip
+                for _, batches in pipe.epochs():
+                    for _ in batches:
+                        pass
+        except Exception as e:
+            errors[r] = e
+
+    in_threads(rank, 2, timeout=240)
+    assert all(errors), f"every rank should have stopped: {errors}"
+    for error in errors:
+        assert type(error) is SampleError, repr(error)
+        assert str(error).startswith("bad sample ") and "ray::" not in str(error)
         assert any(f"bad sample {w} (key " in str(error) for w in places)
 
 

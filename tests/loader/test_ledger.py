@@ -13,11 +13,11 @@ from raypipe.loader.ledger import EpochLedger, Gate, create_ledger
 
 def test_ledger_answers_the_least_sure_and_the_least_final_rows():
     ledger = EpochLedger(3)
-    assert ledger.report("a", 0, 0, 10, False) == (0, float("inf"))
+    assert ledger.report("a", 0, 0, 10, False) == (0, float("inf"), None)
     ledger.report("a", 0, 1, 12, False)
-    assert ledger.report("a", 0, 2, 7, True) == (7, 7)
-    assert ledger.report("a", 0, 0, 9, False) == (7, 7)  # counts only grow
-    assert ledger.report("b", 0, 0, 1, False) == (0, float("inf"))  # another group
+    assert ledger.report("a", 0, 2, 7, True) == (7, 7, None)
+    assert ledger.report("a", 0, 0, 9, False) == (7, 7, None)  # counts only grow
+    assert ledger.report("b", 0, 0, 1, False) == (0, float("inf"), None)  # another group
     ledger.report("a", 5, 0, 1, False)
     assert ("a", 0) not in ledger._rows  # old epochs are forgotten
 
@@ -69,3 +69,27 @@ def test_one_rank_needs_no_ledger():
     gate.add(8, done=True)
     assert gate.allows(0) and gate.allows(1)
     assert not gate.allows(2)  # 12 > 10 planned rows
+
+
+def test_a_rank_waiting_on_a_peer_that_failed_raises_the_peers_error(ray_session):
+    ledger = create_ledger(2)
+    gates = [Gate(ledger, "failing", r, 4) for r in range(2)]
+    for gate in gates:
+        gate.start(0, 40)
+    gates[0].add(12)  # rank 1 has sent nothing: batch 0 waits on it
+    outcome = []
+
+    def wait() -> None:
+        try:
+            outcome.append(gates[0].allows(0))
+        except Exception as e:
+            outcome.append(e)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.3)
+    assert outcome == []  # still waiting for rank 1
+    gates[1].fail(ValueError("bad sample x (key 3): truncated_image"))
+    waiter.join(timeout=10)
+    assert not waiter.is_alive(), "the rank kept waiting on a peer that stopped"
+    assert isinstance(outcome[0], ValueError) and "key 3" in str(outcome[0])
