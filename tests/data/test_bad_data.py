@@ -601,6 +601,33 @@ def test_mixed_epoch_skips_exactly_and_delivers_the_rest_once(ray_session, tmp_p
     assert set(delivered) <= good and len(good) - len(delivered) <= 2 * 5 - 1
 
 
+def test_the_dataset_path_holds_what_its_docs_say(ray_session, tmp_path):
+    """docs/configuration.md, "The lower-level path": two reads of one epoch through
+    ``streaming_split(2)`` with different pools: exactly once, equal batches, the same
+    augmentation per key; every good key once without drop_last."""
+    source, expected = mixed_source(tmp_path, "imagefolder")
+    config = PipelineConfig(source=str(source), image_size=8, max_skipped=None, seed=4)
+    total, batch = list_shards(config).num_samples, 5
+    good = None
+    images = []
+    for actors in ((1, 1), (2, 2)):
+        skips = SkipLog.create()
+        ds = build_dataset(config.replace(actors=actors), epoch=1, skips=skips)
+        keys, sizes, _, errors = run_ranks(ds, 2, batch, skips=skips, normalize=False)
+        assert errors == [[], []]
+        good = set(range(total)) - {r["key"] for r in skips.report()["records"]}
+        delivered = keys[0] + keys[1]
+        assert len(delivered) == len(set(delivered)) and set(delivered) <= good
+        assert len(good) - len(delivered) <= 2 * batch - 1
+        assert len(sizes[0]) == len(sizes[1]) and set(sizes[0] + sizes[1]) == {batch}
+        kept = iter_torch_batches(ds, batch_size=batch, drop_last=False, normalize=False)
+        by_key = {k: img.numpy().tobytes() for b in kept
+                  for k, img in zip(b["key"].tolist(), b["image"], strict=True)}  # fmt: skip
+        assert sorted(by_key) == sorted(good)  # without drop_last: every good key, once
+        images.append(by_key)
+    assert images[0] == images[1], "a key's augmentation changed with the pool"
+
+
 def test_every_good_sample_once_and_stats_report_skips(ray_session, tmp_path):
     source, expected = mixed_source(tmp_path, "imagefolder")
     config = PipelineConfig(source=str(source), image_size=8, files_per_task=16, max_skipped=None)
