@@ -7,8 +7,9 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR ?= demo-data
 BIN := $(VENV)/bin
-# the local Rays of the demo, tests and benchmarks listen on 127.0.0.1 only
-export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
+# raypipe's own local Ray listens on 127.0.0.1 with nothing set; the tests' `ray start`
+# heads and the benchmarks that call ray.init themselves need Ray's switch for that
+test bench: export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint venv bench clean

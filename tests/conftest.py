@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-# Every Ray the tests start, and the drivers and heads they spawn (they inherit this),
-# listens on 127.0.0.1 only: with this unset Ray 2.60 takes the machine's address as the
-# node's and binds its servers there. Set before anything imports ray.
+# raypipe's own local Ray (raypipe.localnode) listens on 127.0.0.1 with nothing set; the
+# `ray start` heads and the drivers that call ray.init themselves (they inherit this) need
+# Ray's switch for that. tests/cli/test_loopback.py runs raypipe without it.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 

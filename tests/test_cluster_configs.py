@@ -95,3 +95,75 @@ def test_s3_run_config_is_valid_and_holds_no_credentials():
         assert section.source.startswith("s3://") and section.storage_options
         assert not {"access_key", "secret_key", "key", "secret"} & set(section.storage_options)
     assert run.data.label_member == "cls" and run.data.max_skipped == 0.01
+
+
+def _kuberay_schema(kind: str) -> dict:
+    """KubeRay's CRD schema (vendored from its v1.7.0 CRDs), strict as ``kubectl
+    --validate=strict``: an object with listed properties takes no others."""
+    import gzip
+    import json
+
+    path = Path(__file__).parent / "schemas" / f"kuberay-v1.7.0-{kind}.json.gz"
+    schema = json.loads(gzip.decompress(path.read_bytes()))["openAPIV3Schema"]
+
+    def strict(node):
+        if isinstance(node, dict):
+            if "properties" in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+                node.setdefault("additionalProperties", False)
+            for value in node.values():
+                strict(value)
+        elif isinstance(node, list):
+            for value in node:
+                strict(value)
+
+    strict(schema)
+    schema["properties"]["metadata"] = {"type": "object"}
+    return schema
+
+
+@pytest.mark.parametrize("name,kind", [("raycluster.yaml", "rayclusters"),
+                                       ("rayjob.yaml", "rayjobs")])  # fmt: skip
+def test_kuberay_manifests_validate_against_kuberays_crds(name, kind):
+    from openapi_schema_validator import OAS30Validator
+
+    schema = _kuberay_schema(kind)
+    (doc,) = _docs(name)
+    OAS30Validator(schema).validate(doc)
+    bad = dict(doc, spec=dict(doc["spec"], entrypiont="typo"))  # the check can fail
+    with pytest.raises(Exception, match="entrypiont"):
+        OAS30Validator(schema).validate(bad)
+
+
+def test_raycluster_is_locked_down():
+    (cluster,) = _docs("raycluster.yaml")
+    spec = cluster["spec"]
+    assert spec["authOptions"]["mode"] == "token"
+    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    for group in groups:
+        pod = group["template"]["spec"]
+        env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+        assert env["RAY_USE_TLS"] == "1"
+        (init,) = pod["initContainers"]
+        for var in ("RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT"):
+            name = Path(env[var]).name
+            assert name in init["args"][0], (var, "not made by the init container")
+        secrets = [v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v]
+        assert secrets == ["raypipe-ray-ca"]
+
+
+def test_networkpolicy_admits_only_the_clusters_pods_and_validates():
+    import kubernetes_validate
+
+    (policy,) = _docs("networkpolicy.yaml")
+    (cluster,) = _docs("raycluster.yaml")
+    kubernetes_validate.validate(policy, "1.37.0", strict=True)
+    name = cluster["metadata"]["name"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == {"ray.io/cluster": name}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    whole, dashboard = policy["spec"]["ingress"]
+    assert whole == {"from": [{"podSelector": {"matchLabels": {"ray.io/cluster": name}}}]}
+    assert dashboard["ports"] == [{"protocol": "TCP", "port": 8265}]
+    assert all(peer.get("podSelector", {}).get("matchLabels") for peer in dashboard["from"])
+    bad = dict(policy, spec=dict(policy["spec"], podSelectr={}))
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, "1.37.0", strict=True)
