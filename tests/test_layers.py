@@ -22,6 +22,16 @@ def layer_of(module: str) -> int | None:
     return LAYERS.index(parts[1])
 
 
+FRONT_DOOR = len(LAYERS)  # `raypipe` itself imports every layer: above all of them
+
+
+def imported_layer(module: str) -> int:
+    """The layer an import of ``module`` reaches: its own, or above every layer for the
+    package itself and the names it re-exports (``from raypipe import Pipeline``)."""
+    own = layer_of(module)
+    return FRONT_DOOR if own is None else own
+
+
 def modules() -> list[tuple[str, Path]]:
     out = []
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -59,7 +69,7 @@ def test_no_upward_import(name, path):
     own = layer_of(name)
     if own is None:
         return  # the package's front door and entry point import from every layer
-    upward = sorted(m for m in raypipe_imports(path, name) if (layer_of(m) or 0) > own)
+    upward = sorted(m for m in raypipe_imports(path, name) if imported_layer(m) > own)
     assert not upward, f"{name} (layer {LAYERS[own]}) imports from above: {upward}"
 
 
@@ -68,3 +78,15 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     bad.write_text("def f():\n    from raypipe.train.ddp import train_ddp\n")
     assert raypipe_imports(bad, "raypipe.data.m") == {"raypipe.train.ddp"}
     assert layer_of("raypipe.train.ddp") > layer_of("raypipe.data.m")
+
+
+def test_an_import_from_the_package_front_door_is_an_upward_import(tmp_path):
+    """`from raypipe import Pipeline` (or `import raypipe`) runs raypipe/__init__.py, which
+    imports every layer: from any layer it reaches above."""
+    bad = tmp_path / "m.py"
+    bad.write_text("import raypipe\nfrom raypipe import Pipeline\nfrom raypipe import localnode\n")
+    found = raypipe_imports(bad, "raypipe.data.m")
+    assert found == {"raypipe", "raypipe.Pipeline", "raypipe.localnode"}
+    data = layer_of("raypipe.data.m")
+    assert {m for m in found if imported_layer(m) > data} == {"raypipe", "raypipe.Pipeline"}
+    assert imported_layer("raypipe.localnode") == 0

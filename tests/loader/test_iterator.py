@@ -134,6 +134,8 @@ def test_task_compute_gives_the_actor_pools_rows(ray_session, datasets):
 def test_the_config_reaches_the_iterator(ray_session, datasets):
     """One loader config: iter_torch_batches(ds, config) takes the batch size, the
     normalization, uint8 or float, and the layout from the PipelineConfig; keywords win."""
+    import torch
+
     config = PipelineConfig(source=str(datasets["parquet"]), image_size=8, batch_size=5,
                             normalize=False, channels_last=True, prefetch_batches=1)  # fmt: skip
     ds = build_dataset(config)
@@ -143,9 +145,18 @@ def test_the_config_reaches_the_iterator(ray_session, datasets):
     assert str(image.dtype) == "torch.uint8" and image.is_contiguous(memory_format=channel_last())
     floats = next(iter(iter_torch_batches(ds, config, normalize=True, batch_size=3)))
     assert str(floats["image"].dtype) == "torch.float32" and len(floats["key"]) == 3
-    half = config.replace(normalize=True, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
-    x = next(iter(iter_torch_batches(ds, half.loader)))["image"]
-    assert float(x.min()) >= -1.0 and float(x.max()) <= 1.0  # (x/255 - 0.5) / 0.5
+    # the config's own mean and std, per channel: every pixel is (x/255 - mean) / std of
+    # the same key's uint8 pixel (a loader that ignored them, or the channels' order, fails)
+    mean, std = (0.2, 0.5, 0.8), (0.3, 0.5, 0.7)
+    own = config.replace(normalize=True, mean=mean, std=std, channels_last=False)
+    got = {int(k): img for b in iter_torch_batches(ds, own.loader, device="cpu")
+           for k, img in zip(b["key"], b["image"], strict=True)}  # fmt: skip
+    raw = {int(k): img for b in batches for k, img in zip(b["key"], b["image"], strict=True)}
+    shared = got.keys() & raw.keys()
+    assert len(shared) >= N - 2 * 5
+    m, s = (torch.tensor(v).view(3, 1, 1) for v in (mean, std))
+    for k in shared:
+        torch.testing.assert_close(got[k], (raw[k].float() / 255 - m) / s, rtol=0, atol=1e-5)
 
 
 def channel_last():
