@@ -251,6 +251,32 @@ def checksum(image: torch.Tensor) -> torch.Tensor:
     return (flat * weights).sum()
 
 
+ALLOCATION_STATS = (("host", "num_host_alloc"), ("device", "segment.all.allocated"))
+
+
+def allocation_counts(device) -> dict[str, int]:
+    """Pinned host allocations and device segments so far; a counter torch does not report
+    fails here, so that two missing counters never compare equal."""
+    stats = {"host": torch.cuda.host_memory_stats(), "device": torch.cuda.memory_stats(device)}
+    counts = {}
+    for where, name in ALLOCATION_STATS:
+        value = stats[where].get(name)
+        assert isinstance(value, int), f"torch reports no {where} counter {name!r}: {value!r}"
+        counts[name] = value
+    return counts
+
+
+def test_a_missing_allocation_counter_fails_instead_of_comparing_equal(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: {"num_host_alloc": 3})
+    monkeypatch.setattr(
+        torch.cuda, "memory_stats", lambda device=None: {"segment.all.allocated": 5}
+    )
+    assert allocation_counts(None) == {"num_host_alloc": 3, "segment.all.allocated": 5}
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: {})
+    with pytest.raises(AssertionError, match="no host counter 'num_host_alloc'"):
+        allocation_counts(None)
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_checksums_under_stress_and_no_allocations_after_warm_up():
@@ -270,13 +296,10 @@ def test_cuda_checksums_under_stress_and_no_allocations_after_warm_up():
 
     epoch(0)
     torch.cuda.synchronize()
-    device_segments = torch.cuda.memory_stats(device)["segment.all.allocated"]
-    host_allocs = torch.cuda.host_memory_stats().get("num_host_alloc")
-    ring_allocs = h2d.ring.allocations
+    before, ring_allocs = allocation_counts(device), h2d.ring.allocations
     for seed in (1, 2):
         epoch(seed)
     torch.cuda.synchronize()
     assert h2d.ring.allocations == ring_allocs
-    assert torch.cuda.host_memory_stats().get("num_host_alloc") == host_allocs
-    assert torch.cuda.memory_stats(device)["segment.all.allocated"] == device_segments
+    assert allocation_counts(device) == before
     assert h2d.ops.pinned and no_h2d_threads()
