@@ -9,6 +9,7 @@ test generates; the epoch-level ones run through a real local Ray, two ranks via
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import os
 import subprocess
@@ -221,22 +222,41 @@ def make_unreadable(root: Path, how: str) -> str:
     if how == "dangling_symlink":  # also what a file deleted after listing looks like
         (root / "odd" / "gone.jpg").symlink_to(root / "nowhere.jpg")
         return "gone.jpg"
-    if os.geteuid() == 0:
-        pytest.skip("running as root: chmod 000 does not stop root reading a file")
     (root / "odd" / "locked.jpg").write_bytes(jpeg_bytes())
     (root / "odd" / "locked.jpg").chmod(0)
+    if how == "chmod_000" and os.geteuid() == 0:
+        pytest.skip("running as root: chmod 000 does not stop root reading a file")
     return "locked.jpg"
+
+
+def deny_reading(monkeypatch, path: Path) -> None:
+    """Local reads of ``path`` fail as a file without read permission does, for root too
+    (root reads a chmod 000 file): EACCES from ``open`` where raypipe's storage opens it."""
+    from raypipe.formats import storage
+
+    def guarded_open(file, *args, **kwargs):
+        if os.fspath(file) == str(path):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return open(file, *args, **kwargs)
+
+    monkeypatch.setattr(storage, "open", guarded_open, raising=False)
 
 
 @pytest.mark.parametrize("on_error", ["skip", "raise"])
 @pytest.mark.parametrize(
-    "name", [*BROKEN_FILES, "dangling_symlink", "chmod_000", "over_small_limit"]
+    "name",
+    [*BROKEN_FILES, "dangling_symlink", "chmod_000", "permission_denied", "over_small_limit"],
 )
-def test_broken_file(tmp_path, name, on_error, pillow_limit):
+def test_broken_file(tmp_path, name, on_error, pillow_limit, monkeypatch):
+    """Every broken or unreadable file is skipped with its reason, or raised naming it;
+    ``chmod_000`` runs only as a user (root reads the file), ``permission_denied`` as
+    anyone: the same file's reads fail with EACCES (`deny_reading`)."""
     config = PipelineConfig(source=str(tmp_path), image_size=8, on_error=on_error)
     files: dict[str, bytes] = {}
-    if name in ("dangling_symlink", "chmod_000"):
+    if name in ("dangling_symlink", "chmod_000", "permission_denied"):
         bad_name, reason = make_unreadable(tmp_path, name), "unreadable"
+        if name == "permission_denied":
+            deny_reading(monkeypatch, tmp_path / "odd" / bad_name)
     elif name == "over_small_limit":  # the limit is per config, not Pillow's global
         bad_name, reason = "big.png", "decompression_bomb"
         files[bad_name] = encode(smooth_rgb(0, (50, 40)), "PNG")
