@@ -12,10 +12,11 @@ One run measures, on one generated corpus of ~400×300 photo JPEGs
       per epoch (a new pool per epoch): first epoch with start-up, then the median of
       the later epochs; the stall view of every warm epoch; and the per-batch cost of
       the rank iterator over blocks already in the object store;
-  (d) the sweeps' finalists (the Pillow DataLoader's winner, the two fastest settings of
-      the fast-transform DataLoader and of the warm Pipeline's pool) again, interleaved
-      over --rounds rounds, each round's ratios taken within the round, the finalist
-      with the best median leading for each loader (``ingest_rounds``).
+  (d) the sweeps' finalists (the two fastest settings of each loader's sweep: the Pillow
+      DataLoader, the fast-transform DataLoader and the warm Pipeline's pool size, the
+      same number for each) again, interleaved over --rounds rounds, each round's ratios
+      taken within the round, the finalist with the best median leading for each loader
+      (``ingest_rounds``).
 
 Every path yields uint8 N×3×224×224 batches of 256 on the host (normalisation belongs
 on the device). Prints a table, writes ``ingest.json``, ``ingest.png`` and the warm
@@ -39,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 from ingest_report import chart, print_table, stall_chart
-from ingest_rounds import finalists, leaders, rounds, winner
+from ingest_rounds import entrants, leaders, rounds, winner
 from nodecpu import CpuMeter
 
 from raypipe.cli import localray
@@ -257,16 +258,16 @@ def warm_alone(corpus: Path, listing, epochs: int, actors: int) -> dict:
 
 def head_to_head(result: dict, corpus: Path, listing, epochs: int, n: int) -> dict:
     """(d) The sweeps' finalists again, interleaved over ``n`` rounds (`ingest_rounds`): the
-    Pillow DataLoader's winner, the fast-transform DataLoader's two fastest settings and
-    the warm Pipeline's two pool sizes; per loader, the finalist with the best median leads,
-    and the ratios between leaders are the headline."""
+    same number of settings from every loader's sweep (`ingest_rounds.entrants`: the two
+    fastest DataLoader settings with each transform, the warm Pipeline's two pool sizes);
+    per loader, the finalist with the best median leads, and the ratios between leaders
+    are the headline. Every pairing's ratios are kept too."""
+    warm = result["raypipe"]["warm"]["sweep"]
+    sizes = list(warm)
     sweeps = {t: result["dataloader"][t]["sweep"] for t in TRANSFORMS}
-    chosen = {
-        "pillow": [result["dataloader"]["pillow"]["best"]["settings"]],
-        "fast": [sweeps["fast"][i]["settings"] for i in finalists(sweeps["fast"])],
-    }
-    sizes = list(result["raypipe"]["warm"]["sweep"])
-    pools = [sizes[i] for i in finalists([result["raypipe"]["warm"]["sweep"][k] for k in sizes])]
+    picked = entrants({**sweeps, "raypipe_warm": [warm[k] for k in sizes]})
+    chosen = {t: [sweeps[t][i]["settings"] for i in picked[t]] for t in TRANSFORMS}
+    pools = [sizes[i] for i in picked["raypipe_warm"]]
 
     def loader(transform: str, settings: dict) -> dict:
         return dataloader(listing.shards, transform, epochs, [settings])["best"]

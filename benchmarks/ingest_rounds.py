@@ -4,9 +4,12 @@ A sweep runs each setting once and keeps the fastest, so the winner carries the 
 its one pass (the best of four draws beats the best of two), and on a machine whose speed
 drifts over a ten-minute run, a path that ran at a better moment looks faster. Here each
 path runs once per round, the order rotating from round to round; a ratio is taken
-between the two paths of the same round, and the median over rounds is reported. A
-sweep sends its two fastest settings (`finalists`); of each loader's finalists, the one
-with the best median over the rounds leads (`leaders`).
+between the two paths of the same round, and the median over rounds is reported. Every
+loader's sweep sends the same number of settings, its `FINALISTS` fastest (`entrants`);
+of each loader's finalists, the one with the best median over the rounds leads
+(`leaders`). Picking a leader after the rounds is a best-of-k draw; with the same k for
+every loader, no loader gets more draws than another (before, raypipe and the
+fast-transform DataLoader sent two each and the Pillow DataLoader one).
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
-__all__ = ["finalists", "leaders", "rounds", "winner"]
+__all__ = ["FINALISTS", "entrants", "finalists", "leaders", "rounds", "winner"]
 assert __all__ == sorted(__all__)
 KEYS = ("steady_img_s", "steady_run_img_s", "img_per_cpu_s")
 TIE = 0.02  # sweep results this close to the fastest are level: one pass cannot tell them
+FINALISTS = 2  # settings every loader's sweep sends to the rounds, the same for each
 
 
 def finalists(results: list[dict], k: int = 2) -> list[int]:
@@ -25,6 +29,18 @@ def finalists(results: list[dict], k: int = 2) -> list[int]:
     each cannot order settings a few % apart, so the rounds measure them again."""
     order = sorted(range(len(results)), key=lambda i: -results[i]["steady_img_s"])
     return order[:k]
+
+
+def entrants(sweeps: dict[str, list[dict]], k: int = FINALISTS) -> dict[str, list[int]]:
+    """Per loader, the indices of its sweep's ``k`` fastest settings (`finalists`): the
+    same number for every loader, so that choosing each loader's leader after the rounds
+    favours none. A sweep with fewer than ``k`` settings is an error, not a smaller entry."""
+    if k < 1:
+        raise ValueError(f"entrants: k must be at least 1, got {k}")
+    short = {name: len(results) for name, results in sweeps.items() if len(results) < k}
+    if short:
+        raise ValueError(f"entrants: every sweep needs {k} settings; these have fewer: {short}")
+    return {name: finalists(results, k) for name, results in sweeps.items()}
 
 
 def leaders(out: dict, families: dict[str, list[str]]) -> dict[str, str]:

@@ -77,3 +77,21 @@ def test_finalists_are_the_fastest_settings_and_leaders_the_best_medians():
     }
     out = rounds(paths, 3, [("a2", "b"), ("a3", "b")])
     assert ingest_rounds.leaders(out, {"a": ["a2", "a3"], "b": ["b"]}) == {"a": "a3", "b": "b"}
+
+
+def test_every_loader_sends_the_same_number_of_finalists():
+    """A leader picked after the rounds is the best of its loader's finalists: a loader
+    sending two gets two draws against one, so each sweep sends the same number."""
+    sweeps = {
+        "pillow": [{"steady_img_s": r} for r in (1000.0, 1100.0, 1050.0, 900.0)],
+        "fast": [{"steady_img_s": r} for r in (1600.0, 1700.0, 1650.0, 1500.0)],
+        "raypipe_warm": [{"steady_img_s": r} for r in (1750.0, 1740.0)],
+    }
+    picked = ingest_rounds.entrants(sweeps)
+    assert picked == {"pillow": [1, 2], "fast": [1, 2], "raypipe_warm": [0, 1]}
+    assert {len(v) for v in picked.values()} == {ingest_rounds.FINALISTS}
+    assert ingest_rounds.entrants(sweeps, k=1) == {"pillow": [1], "fast": [1], "raypipe_warm": [0]}
+    with pytest.raises(ValueError, match=r"needs 3 settings.*'raypipe_warm': 2"):
+        ingest_rounds.entrants(sweeps, k=3)
+    with pytest.raises(ValueError, match="at least 1, got 0"):
+        ingest_rounds.entrants(sweeps, k=0)
