@@ -5,16 +5,19 @@
 needs more CPUs than the head has, then wait for the idle worker nodes to go.
 
 ``python -m tests.elastic_driver node-loss DATA OUT TEMP_DIR PORT AFTER,AFTER,..``: a ``ray.cluster_utils.Cluster``
-(head + 2 worker nodes); one warm `raypipe.Pipeline` run whose first epoch loses a
-preprocessing actor's process (``os.kill``) as soon as the pool has one, then one epoch
-per AFTER that loses a worker node after that batch (with the blocks of later epochs
-that its object store may hold).
+(head + 2 worker nodes). First a one-epoch `raypipe.Pipeline` whose transform (`stall_once`)
+holds the task of one sample on its first attempt until the actor running it is killed
+(``os.kill``): the kill hits a task in flight for certain, and every attempt at that sample
+is noted by its process id. Then one warm run of the built-in crop with one epoch per AFTER
+that loses a worker node after that batch (with the blocks of later epochs that its object
+store may hold); each removed node's id, and whether Ray still lists it alive at the end.
 
 Each writes a JSON report to OUT; the test asserts on it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -22,8 +25,10 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 from raypipe import Pipeline, PipelineConfig, PoolWatch, build_dataset, iter_torch_batches
+from tests.user_transforms import STALL_KEY, stall_once
 
 BATCH = 8
 
@@ -92,19 +97,13 @@ def node_loss(data: str, out: str, temp_dir: str, port: str, kill_after: list[in
         source=data, image_size=32, batch_size=BATCH, actors=(2, 4), files_per_task=2
     )
     actor_nodes: set[str] = set()
-    report: dict = {"epochs": [], "head": cluster.head_node.node_id}
-    epochs = len(kill_after) + 1  # the first one loses an actor
+    report: dict = {"epochs": [], "head": cluster.head_node.node_id, "removed": []}
     try:
-        with PoolWatch(interval_s=0.5) as watch, Pipeline(config, epochs=epochs) as pipe:
+        report["actor_kill"] = _actor_kill_epoch(config, Path(temp_dir) / "stall")
+        with PoolWatch(interval_s=0.5) as watch, Pipeline(config, epochs=len(kill_after)) as pipe:
             for epoch, batches in pipe.epochs():
-                after = kill_after[epoch - 1] if epoch > 0 else None
+                after = kill_after[epoch]
                 cluster.wait_for_nodes(timeout=120)
-                killed: list[int] = []
-                done = threading.Event()
-                if after is None:  # kill one of the pool's processes as the epoch starts
-                    killer = threading.Thread(target=_kill_first_actor,
-                                              args=(watch, killed, set(), done))  # fmt: skip
-                    killer.start()
                 keys = []
                 for i, batch in enumerate(batches):
                     keys.extend(int(k) for k in batch["key"])
@@ -113,15 +112,11 @@ def node_loss(data: str, out: str, temp_dir: str, port: str, kill_after: list[in
                         victim = workers.pop(0)
                         log.warning("removing node %s after batch %d", victim.node_id, i)
                         cluster.remove_node(victim, allow_graceful=False)
+                        report["removed"].append(victim.node_id)
                         workers.append(cluster.add_node(**node))
-                result = {"keys": keys, "stats": batches.stats(),
-                          "ended": time.monotonic() - watch._t0}  # fmt: skip
-                if after is None:
-                    done.set()
-                    killer.join()
-                    report["actor_kill"] = {"pids": killed, **result}
-                else:
-                    report["epochs"].append({"kill_after": after, **result})
+                report["epochs"].append({"kill_after": after, "keys": keys,
+                                         "stats": batches.stats(),
+                                         "ended": time.monotonic() - watch._t0})  # fmt: skip
             deadline = time.monotonic() + 120  # Ray's health checks mark a lost node dead
             while watch.summary()["nodes_lost"] < len(kill_after) < 99:
                 if time.monotonic() > deadline:
@@ -129,21 +124,46 @@ def node_loss(data: str, out: str, temp_dir: str, port: str, kill_after: list[in
                 time.sleep(1)
             report["pool"] = watch.summary()
             report["actor_nodes"] = sorted(actor_nodes)
+            alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
+            report["removed_alive"] = [alive.get(n) for n in report["removed"]]
     finally:
         ray.shutdown()
         cluster.shutdown()
     _write(out, report)
 
 
-def _kill_first_actor(watch, killed: list[int], old: set[str], done: threading.Event) -> None:
-    """SIGKILL the process of the first alive Preprocessor actor not in ``old``."""
+def _actor_kill_epoch(config: PipelineConfig, folder: Path) -> dict:
+    """One epoch through `stall_once`: the actor holding `STALL_KEY`'s task is SIGKILLed.
+    The keys, the pool's actors' pids when the kill came, the pid killed and every pid
+    that attempted `STALL_KEY`, in order."""
+    folder.mkdir(parents=True)
+    config = config.replace(transform=functools.partial(stall_once, str(folder)))
+    killed: dict = {}
+    done = threading.Event()
+    with PoolWatch(interval_s=0.5) as watch, Pipeline(config, epochs=1) as pipe:
+        killer = threading.Thread(target=_kill_stalled, args=(folder, watch, killed, done))
+        killer.start()
+        try:
+            keys = [int(k) for _, batches in pipe.epochs() for b in batches for k in b["key"]]
+        finally:
+            done.set()
+            killer.join()
+    attempts = [int(p) for p in (folder / "attempts").read_text().split()]
+    return {"keys": keys, **killed, "attempts": attempts}
+
+
+def _kill_stalled(folder: Path, watch, killed: dict, done: threading.Event) -> None:
+    """SIGKILL the process that is stalled in `STALL_KEY`'s first attempt."""
     while not done.wait(0.1):
-        for a in watch.alive():
-            if a["ActorID"] not in old:
-                log.warning("killing preprocessing actor pid %d", a["Pid"])
-                os.kill(int(a["Pid"]), signal.SIGKILL)
-                killed.append(int(a["Pid"]))
-                return
+        attempts = folder / "attempts"
+        if not attempts.exists() or not attempts.read_text().strip():
+            continue
+        pid = int(attempts.read_text().split()[0])
+        killed["pool_pids"] = sorted(int(a["Pid"]) for a in watch.alive())
+        log.warning("killing preprocessing actor pid %d in the task of key %d", pid, STALL_KEY)
+        os.kill(pid, signal.SIGKILL)
+        killed["pid"] = pid
+        return
 
 
 def _write(out: str, report: dict) -> None:

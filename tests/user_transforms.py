@@ -4,7 +4,10 @@ in, a dict of fields out, randomness from the global generators."""
 
 from __future__ import annotations
 
+import os
 import random
+import time
+from pathlib import Path
 
 import albumentations as A
 import numpy as np
@@ -68,3 +71,20 @@ def sum_collate(batch: dict) -> dict:
 # An albumentations pipeline as it is: called with keyword targets, seeded per sample
 # through its own generator (set_random_seed).
 ALBU = A.Compose([A.RandomResizedCrop(size=(8, 8)), A.HorizontalFlip(), A.ColorJitter()])
+
+
+STALL_KEY = 5  # the sample whose task is in flight when its actor is killed
+
+
+def stall_once(folder: str, sample: dict) -> dict:
+    """tests/elastic_driver.py's actor-kill epoch: a tiny subsample of the image. For `STALL_KEY` it
+    appends this process's id to ``folder``/attempts and, on the first attempt only, blocks
+    until its actor is killed: that task is in flight when the kill comes."""
+    if sample["key"] == STALL_KEY:
+        attempts = Path(folder) / "attempts"
+        with open(attempts, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        if len(attempts.read_text().split()) == 1:
+            time.sleep(300)
+    image = np.ascontiguousarray(sample["image"][::64, ::64].transpose(2, 0, 1))
+    return {"image": image, "label": sample["label"]}

@@ -290,13 +290,14 @@ KILL_AFTER = (0, 5, 10)  # batches (of 12) after which a worker node goes
 
 @pytest.mark.slow
 def test_losing_worker_nodes_and_an_actor_loses_no_sample(tmp_path):
-    """Head + 2 worker nodes; each epoch loses a worker node after a different batch
-    (a new one joins), the last loses a preprocessing actor's process to SIGKILL."""
+    """Head + 2 worker nodes. A preprocessing actor's process is SIGKILLed while its task
+    is in flight (the task of one sample stalls until then); then each epoch loses a
+    worker node after a different batch (a new one joins). No sample is lost."""
     data = slow_images(tmp_path, 96, side=512)
     temp_dir = tempfile.mkdtemp(prefix="rpn-", dir="/tmp")
     out = tmp_path / "report.json"
     try:
-        proc = _driver(
+        _driver(
             "node-loss", str(data), str(out), temp_dir, str(_free_ports(1)[0]),
             ",".join(map(str, KILL_AFTER)), timeout=540,
             # the GCS calls a node dead after 3 failed health checks 1 s apart (Ray's
@@ -313,15 +314,19 @@ def test_losing_worker_nodes_and_an_actor_loses_no_sample(tmp_path):
     for epoch in report["epochs"]:
         _exactly_once(epoch["keys"], 96)
         assert epoch["stats"]["batches"] == 12
-    assert proc.stderr.count("removing node") == len(KILL_AFTER)
+    # the nodes went: Ray lists every removed node dead, and the watch saw each loss
+    assert len(set(report["removed"])) == len(KILL_AFTER), report["removed"]
+    assert report["removed_alive"] == [False] * len(KILL_AFTER), report["removed_alive"]
     kill = report["actor_kill"]
-    assert len(kill["pids"]) == 1, "no preprocessing actor was killed"
+    # the process killed was a pool actor's, running the stalled sample's first attempt;
+    # the sample was tried again in another process and the epoch is whole
+    assert kill.get("pid") in kill.get("pool_pids", []), kill
+    assert kill["attempts"][0] == kill["pid"] and len(kill["attempts"]) >= 2, kill
+    assert kill["pid"] not in kill["attempts"][1:], kill
     _exactly_once(kill["keys"], 96)
     pool = report["pool"]
     print(json.dumps({k: v for k, v in pool.items() if k != "series"}))
     assert pool["nodes_lost"] == len(KILL_AFTER), pool  # the loss shows in the stats
-    # Ray Data may restart the killed actor or replace it with a new one; either way the
-    # epoch above was whole. Only node losses are certain to show in the stats.
     # the label selector kept every actor off the head (which has a CPU free)
     assert report["actor_nodes"] and report["head"] not in report["actor_nodes"]
 
