@@ -13,6 +13,10 @@ actor-seconds × ``actor_cpus``, from a `raypipe.PoolWatch`: what the pool holds
 cluster, what an autoscaler bills); *consumed* CPU-s per sample (the CPU of the whole
 process tree, ``nodecpu.CpuMeter``). Medians over ``--repeats``, the kinds interleaved.
 
+Settings: `BASE` sets ``follow_shrink_s=3`` (default 5) and ``files_per_task=8`` (default:
+sized from the object store) for a short run; ``--defaults`` leaves both at raypipe's
+defaults (`DEFAULTS`), so that the tuned and the default figures can stand side by side.
+
     python benchmarks/follow.py
 
 Prints a table, writes ``follow.json`` and ``follow.png`` under ``--out``.
@@ -37,15 +41,16 @@ from tests.data.test_elastic import slow_images  # noqa: E402
 
 BASE = {"image_size": 256, "batch_size": 8, "files_per_task": 8, "actor_cpus": 1.0,
         "shuffle_files": False, "follow_shrink_s": 3.0}  # fmt: skip
+TUNED = ("files_per_task", "follow_shrink_s")  # BASE's settings that differ from the defaults
 KINDS = {"fixed": {"actors": (3, 3), "follow": False}, "following": {"actors": (1, 3)}}
 
 
-def run(data: Path, config: dict, slow_s: float, pause_s: float) -> dict:
+def run(data: Path, config: dict, slow_s: float, pause_s: float, base: dict = BASE) -> dict:
     with tempfile.TemporaryDirectory() as tmp, CpuMeter() as cpu:
         out = Path(tmp) / "r.json"
         proc = subprocess.run(
             [sys.executable, "-m", "tests.follow_driver", "local", str(data), str(out),
-             json.dumps({**BASE, **config}), "1", str(slow_s), str(pause_s)],
+             json.dumps({**base, **config}), "1", str(slow_s), str(pause_s)],
             cwd=ROOT, capture_output=True, text=True, timeout=900,
         )  # fmt: skip
         if proc.returncode != 0:
@@ -110,25 +115,29 @@ def main(argv=None) -> int:
     p.add_argument("--images", type=int, default=720, help="images per slow/fast run")
     p.add_argument("--pause-s", type=float, default=0.5, help="slow trainer: s per batch of 8")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--defaults", action="store_true",
+                   help=f"leave {', '.join(TUNED)} at raypipe's defaults")  # fmt: skip
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    base = {k: v for k, v in BASE.items() if not (args.defaults and k in TUNED)}
     with tempfile.TemporaryDirectory() as tmp:
         data = slow_images(Path(tmp) / "small", args.images, side=1024)
         runs: dict[str, list[dict]] = {}
         for i in range(args.repeats):
             for phase, slow_s in (("slow", 1e9), ("fast", 0.0)):
                 for kind, config in KINDS.items():
-                    r = run(data, config, slow_s, args.pause_s)
+                    r = run(data, config, slow_s, args.pause_s, base)
                     runs.setdefault(f"{phase}/{kind}", []).append(r)
                     print(f"repeat {i} {phase:<4} {kind:<9} {r['samples_s']:7.1f} samples/s  "
                           f"reserved {r['reserved_cpu_s_per_sample']:.4f}  consumed "
                           f"{r['consumed_cpu_s_per_sample']:.4f} CPU-s/sample  "
                           f"actors max {r['actors_max']}", flush=True)  # fmt: skip
         big = slow_images(Path(tmp) / "big", 1200, side=1024)
-        both = run(big, KINDS["following"], 20.0, args.pause_s)
+        both = run(big, KINDS["following"], 20.0, args.pause_s, base)
     results = {k: median_of(v) for k, v in runs.items()}
+    results["settings"] = {"base": base, "kinds": KINDS, "defaults": args.defaults}
     fixed, follow = results["slow/fixed"], results["slow/following"]
     results["slow_reserved_ratio"] = round(
         follow["reserved_cpu_s_per_sample"] / fixed["reserved_cpu_s_per_sample"], 3

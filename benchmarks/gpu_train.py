@@ -2,15 +2,24 @@
 
 (1) feeds: a data-bound step (a tiny CNN, batch ``--tiny-batch``) and a compute-bound one
     (ResNet-50, bf16 autocast, channels_last, batch ``--batch``), each fed by
-      raypipe    the warm ``Pipeline`` (pinned ring, side-stream copy, normalize on device)
+      raypipe    the warm ``Pipeline`` (pinned ring, side-stream copy, normalize on device):
+                 one Ray Data execution and one actor pool for every epoch
       ray_data   Ray Data's ``iter_torch_batches(pin_memory=True, device=...)`` over the same
-                 ``build_dataset`` Dataset, iterated once per epoch, normalized the same way
+                 ``build_dataset`` Dataset, iterated once per epoch as a user writes it,
+                 normalized the same way. Ray Data executes a lazy Dataset again at every
+                 iteration, actor pool included: every epoch of this feed pays the pool's
+                 start, as raypipe's first epoch does
       raypipe_decode_gpu  the same with ``decode="gpu"``: JPEG bytes travel, nvJPEG decodes
       on_device  batches already on the GPU (the upper bound)
-    Reported: samples/s per epoch (epochs >= 1, medians), the median GPU step time (CUDA
-    events, no host sync inside an epoch) after each epoch's first 3 steps and its ratio to
-    on_device, the image bytes moved per second, and device segments / pinned host
-    allocations made after each feed's first two epochs (on_device: the model's own).
+    The feeds run ``--repeats`` times, interleaved (the order rotates from one repeat to the
+    next); each figure is the median over repeats with its range. Per repeat: samples/s
+    over whole epochs (epochs >= 1, median), the same from each epoch's first batch to its
+    end (``flowing``: without the wait for the first batch, which holds a pool's start),
+    the wait for each epoch's first batch, the median GPU step time (CUDA events, no host
+    sync inside an epoch; each epoch's first 3 steps left out) over epochs >= 1, and over
+    epoch 0 apart, its ratio to on_device in the same repeat, the image bytes moved per
+    second, and device segments / pinned host allocations made after each feed's first
+    two epochs (on_device: the model's own; the most over the repeats).
 (2) decode: ``decode="cpu"`` vs ``decode="gpu"`` through the same ``Pipeline`` with no model:
     images/s and node CPU-seconds per image (epochs >= 1, medians), and the mean absolute
     difference between the two paths' uint8 crops of the same keys.
@@ -94,30 +103,42 @@ def timed_epochs(step, epochs, device) -> dict:
 
     The loop never waits for the GPU inside an epoch, as a training loop runs: a CUDA event
     recorded on the compute stream as each step starts times the steps on the GPU, so a
-    step's time holds any wait for its batch and nothing of the host's launch latency."""
-    rates, steps, moved = [], [], []
+    step's time holds any wait for its batch and nothing of the host's launch latency. The
+    wait for an epoch's first batch comes before its first step: it is in samples/s, not
+    in any step time, and is reported apart (``first_batch_s``)."""
+    rates, flowing, firsts, steps, moved = [], [], [], [], []
     stream = torch.cuda.current_stream(device)
     for batches in epochs:
         torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        rows = nbytes = 0
+        rows = nbytes = first_rows = 0
+        t_first = None
         marks = []
         for image, label in batches:
+            if t_first is None:
+                t_first = time.perf_counter()
             marks.append(torch.cuda.Event(enable_timing=True))
             marks[-1].record(stream)
             step(image, label)
             rows, nbytes = rows + len(label), nbytes + image.numel()
+            first_rows = first_rows or rows
         marks.append(torch.cuda.Event(enable_timing=True))
         marks[-1].record(stream)
         torch.cuda.synchronize(device)
-        dt = time.perf_counter() - t0
+        t_end = time.perf_counter()
         timed = marks[WARM_STEPS:]
-        steps += [a.elapsed_time(b) / 1e3 for a, b in zip(timed, timed[1:], strict=False)]
-        rates.append(rows / dt)
-        moved.append(nbytes / dt / 1e9)  # uint8 bytes in
+        steps.append([a.elapsed_time(b) / 1e3 for a, b in zip(timed, timed[1:], strict=False)])
+        rates.append(rows / (t_end - t0))
+        flowing.append((rows - first_rows) / max(t_end - (t_first or t0), 1e-9))
+        firsts.append((t_first or t_end) - t0)
+        moved.append(nbytes / (t_end - t0) / 1e9)  # uint8 bytes in
+    later = [t for epoch in steps[1:] for t in epoch]
     return {"epoch_samples_s": [round(r, 1) for r in rates],
             "samples_s": round(statistics.median(rates[1:] or rates), 1),
-            "step_s": round(statistics.median(steps), 5) if steps else None,
+            "flowing_samples_s": round(statistics.median(flowing[1:] or flowing), 1),
+            "first_batch_s": [round(f, 3) for f in firsts],
+            "step_s": round(statistics.median(later), 5) if later else None,
+            "step_s_epoch0": round(statistics.median(steps[0]), 5) if steps[0] else None,
             "image_GBps": round(statistics.median(moved[1:] or moved), 2)}  # fmt: skip
 
 
@@ -165,7 +186,13 @@ def _alloc_stats(device):
     return torch.cuda.host_memory_stats(), torch.cuda.memory_stats(device)
 
 
+SUMMED = ("samples_s", "flowing_samples_s", "step_s", "step_s_epoch0", "image_GBps",
+          "step_ratio_to_on_device")  # fmt: skip
+
+
 def feeds(name: str, model, config, args, device) -> dict:
+    """Every feed ``args.repeats`` times, the order rotating by one from repeat to repeat;
+    per feed, each figure's median over repeats, its range and every repeat's value."""
     step = trainer(model, device)
     steps = args.images // config.batch_size
     runs = {
@@ -176,19 +203,42 @@ def feeds(name: str, model, config, args, device) -> dict:
         ),
         "ray_data": lambda c: ray_data_epochs(c, args.epochs, device),
     }
-    out = {}
-    for feed, epochs in runs.items():
-        meter: dict = {}
-        out[feed] = timed_epochs(step, metered(epochs(config), device, meter), device)
-        out[feed]["after_warm_up"] = {
-            "pinned_host_allocs": delta(meter["host0"], meter["host1"], "num_host_alloc"),
-            "device_segments": delta(meter["dev0"], meter["dev1"], "segment.all.allocated"),
-        }
-    bound = out["on_device"]["step_s"]
-    for feed in runs:
-        out[feed]["step_ratio_to_on_device"] = round(out[feed]["step_s"] / bound, 4)
-    print(name, json.dumps(out), flush=True)
-    return {"batch": config.batch_size, **out}
+    names = list(runs)
+    repeats: list[dict[str, dict]] = []
+    for i in range(args.repeats):
+        k = i % len(names)
+        done = {}
+        for feed in names[k:] + names[:k]:
+            meter: dict = {}
+            r = timed_epochs(step, metered(runs[feed](config), device, meter), device)
+            r["after_warm_up"] = {
+                "pinned_host_allocs": delta(meter["host0"], meter["host1"], "num_host_alloc"),
+                "device_segments": delta(meter["dev0"], meter["dev1"], "segment.all.allocated"),
+            }
+            done[feed] = r
+        for r in done.values():  # paired within the repeat
+            r["step_ratio_to_on_device"] = round(r["step_s"] / done["on_device"]["step_s"], 4)
+        repeats.append(done)
+        print(name, f"repeat {i + 1}/{args.repeats}", json.dumps(done), flush=True)
+    out = {feed: summary([rep[feed] for rep in repeats]) for feed in names}
+    return {"batch": config.batch_size, "repeats": args.repeats, **out}
+
+
+def summary(runs: list[dict]) -> dict:
+    """Median, min and max over repeats of each of `SUMMED`; the most allocations after
+    warm-up in any repeat; every repeat's own result."""
+    out: dict = {}
+    for key in SUMMED:
+        values = [r[key] for r in runs if r[key] is not None]
+        out[key] = {"median": round(statistics.median(values), 5), "min": min(values),
+                    "max": max(values)} if values else None  # fmt: skip
+    out["after_warm_up"] = {
+        k: max((r["after_warm_up"][k] for r in runs if r["after_warm_up"][k] is not None),
+               default=None)
+        for k in ("pinned_host_allocs", "device_segments")
+    }  # fmt: skip
+    out["per_repeat"] = runs
+    return out
 
 
 def decode_paths(config, args, device) -> dict:
@@ -227,6 +277,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--images", type=int, default=12288, help="photo JPEGs in the corpus")
     p.add_argument("--epochs", type=int, default=4, help="epochs per feed (medians of >= 1)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="interleaved repeats of every feed (medians)"
+    )
     p.add_argument("--batch", type=int, default=256, help="ResNet-50 batch")
     p.add_argument("--tiny-batch", type=int, default=2048, help="tiny CNN batch")
     p.add_argument(
@@ -245,6 +298,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", choices=("feeds", "decode"), help="run one part")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
+    if args.epochs < 2 or args.repeats < 1:
+        p.error(f"--epochs {args.epochs} must be >= 2 and --repeats {args.repeats} >= 1")
     if not torch.cuda.is_available():
         print("needs CUDA: run it on a GPU machine", file=sys.stderr)
         return 2
@@ -257,7 +312,8 @@ def main(argv=None) -> int:
     config = raypipe.PipelineConfig(source=str(folder), image_size=224, batch_size=args.batch,
                                     actors=(args.actors, args.actors), seed=0)  # fmt: skip
     results: dict = {"machine": machine(device), "images": args.images, "epochs": args.epochs,
-                     "actors": args.actors, "source": "400x300 photo JPEGs"}  # fmt: skip
+                     "repeats": args.repeats, "actors": args.actors,
+                     "source": "400x300 photo JPEGs"}  # fmt: skip
     if args.only in (None, "feeds"):
         results["data_bound_tiny_cnn"] = feeds(
             "tiny", tiny_cnn(), config.replace(batch_size=args.tiny_batch), args, device

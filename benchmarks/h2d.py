@@ -217,7 +217,12 @@ def stress(args, device) -> dict:
 
 
 def machine(device) -> dict:
-    out = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}
+    out = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(device)
     return out
