@@ -7,8 +7,9 @@
     resumed from a checkpoint with the epoch's first half consumed (load the state file,
     ``build_dataset(consumed=...)``, ``iter_torch_batches``); medians over repeats.
 (3) the same through ``train_ddp`` (2 workers): seconds from the call to rank 0's first
-    batch, fresh and with ``resume_from`` that checkpoint; one run each, after an untimed
-    warm-up run.
+    batch, fresh and with ``resume_from`` that checkpoint, after an untimed warm-up run;
+    ``--train-repeats`` runs of each, fresh and resumed alternating (which goes first
+    swaps every repeat): the median and the range of each figure.
 
   python benchmarks/checkpoint.py
 """
@@ -144,24 +145,34 @@ def _first_batch_loop(ctx) -> None:
             break
 
 
-def train_cost(config: PipelineConfig, tmp: str) -> dict:
-    """(3) seconds from the ``train_ddp`` call to rank 0's first batch, fresh and resumed."""
+def train_cost(config: PipelineConfig, tmp: str, repeats: int) -> dict:
+    """(3) seconds from the ``train_ddp`` call to rank 0's first batch, fresh and resumed:
+    medians over ``repeats`` runs of each, with every run's value."""
     from raypipe import train_ddp
 
     folder = os.path.join(tmp, "checkpoint")
     os.makedirs(folder)
     half_consumed(config, epoch=0).save(os.path.join(folder, "raypipe_state.bin"))
-    out, found = os.path.join(tmp, "first"), {}
-    for label, resume_from in (("warm_up", None), ("fresh", None), ("resumed", folder)):
+    out = os.path.join(tmp, "first")
+    runs: dict[str, list[float]] = {}
+    kinds = [("fresh", None), ("resumed", folder)]
+    order = [("warm_up", None)]  # Ray Train's first start, not timed
+    for i in range(repeats):
+        order += kinds if i % 2 == 0 else kinds[::-1]
+    for label, resume_from in order:
         t0 = time.time()
         result = train_ddp(config, _first_batch_loop, num_workers=2, cpus_per_worker=0.5,
                            storage_path=os.path.join(tmp, "runs"), resume_from=resume_from,
                            loop_config={"out": out})  # fmt: skip
         assert result.error is None, result.error
-        found[f"{label}_first_batch_s"] = float(Path(out).read_text()) - t0
-        found[f"{label}_loop_start_s"] = float(Path(out + ".start").read_text()) - t0
-    del found["warm_up_first_batch_s"], found["warm_up_loop_start_s"]  # Ray Train's first start
-    return {"workers": 2, **found}
+        if label != "warm_up":
+            runs.setdefault(f"{label}_first_batch_s", []).append(float(Path(out).read_text()) - t0)
+            runs.setdefault(f"{label}_loop_start_s", []).append(
+                float(Path(out + ".start").read_text()) - t0
+            )
+    found = {key: statistics.median(v) for key, v in runs.items()}
+    spread = {key: [min(v), max(v)] for key, v in runs.items()}
+    return {"workers": 2, "repeats": repeats, **found, "range": spread, "runs": runs}
 
 
 def main() -> None:
@@ -169,6 +180,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=IMAGENET)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--resume-repeats", type=int, default=5)
+    parser.add_argument("--train-repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = parser.parse_args()
     machine = {"cpus": os.cpu_count(), "platform": platform.platform()}
@@ -198,12 +210,18 @@ def main() -> None:
             f"{resume['consumed']} consumed {resume['resumed_first_batch_s']:.2f} s "
             f"(median of {resume['repeats']})"
         )
-        train = train_cost(config, tmp)
+        train = train_cost(config, tmp, args.train_repeats)
+        r = train["range"]
         print(
-            f"(3) train_ddp, 2 workers, call to first batch: fresh "
-            f"{train['fresh_first_batch_s']:.2f} s, resumed {train['resumed_first_batch_s']:.2f} s; "
-            f"the train loop started after {train['fresh_loop_start_s']:.2f} s / "
-            f"{train['resumed_loop_start_s']:.2f} s (Ray Train's start-up)"
+            f"(3) train_ddp, 2 workers, call to first batch (median of {train['repeats']}, "
+            f"range): fresh {train['fresh_first_batch_s']:.2f} s "
+            f"({r['fresh_first_batch_s'][0]:.2f}-{r['fresh_first_batch_s'][1]:.2f}), resumed "
+            f"{train['resumed_first_batch_s']:.2f} s ({r['resumed_first_batch_s'][0]:.2f}-"
+            f"{r['resumed_first_batch_s'][1]:.2f}); the train loop started after "
+            f"{train['fresh_loop_start_s']:.2f} s ({r['fresh_loop_start_s'][0]:.2f}-"
+            f"{r['fresh_loop_start_s'][1]:.2f}) / {train['resumed_loop_start_s']:.2f} s "
+            f"({r['resumed_loop_start_s'][0]:.2f}-{r['resumed_loop_start_s'][1]:.2f}) "
+            f"(Ray Train's start-up)"
         )
     localray.shutdown()
     args.out.mkdir(parents=True, exist_ok=True)
