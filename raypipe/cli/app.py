@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from raypipe.cli import jobspec, localray
+from raypipe.cli import jobspec, localray, quiet
 from raypipe.cli.parser import build_parser
 
 BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "ingest.py"
@@ -40,10 +40,12 @@ def _run(args: argparse.Namespace) -> int:
         for section in (cfg.data, cfg.eval):
             if section is not None:
                 list_shards(section)
-        with _ray_session(args.address):
+        verbose = quiet.is_verbose(args.verbose)
+        with _ray_session(args.address, verbose=verbose):
             t0 = time.perf_counter()  # the run's time, not Ray's start-up
             storage = args.storage_path and jobspec.resolve(args.data_root, args.storage_path)
-            result = run(config, epochs=args.epochs, storage_path=storage)
+            result = run(config, epochs=args.epochs, storage_path=storage,
+                         ray_log_level="INFO" if verbose else quiet.TRAIN_LOG_LEVEL)  # fmt: skip
     m = result.metrics or {}
     rows = [("time", f"{time.perf_counter() - t0:.1f} s")]
     if "samples" in m:
@@ -68,7 +70,7 @@ def _convert(args: argparse.Namespace) -> int:
     raw = jobspec.resolve_paths(args.config, args.data_root)
     cfg = ShardsConfig.from_dict(raw[jobspec.convert_section(raw)])
     plan(cfg)  # fail on a bad folder before starting Ray
-    with _ray_session(args.address):
+    with _ray_session(args.address, verbose=quiet.is_verbose(args.verbose)):
         s = convert(cfg)
     _summary(
         "convert",
@@ -126,6 +128,7 @@ def _submit(args: argparse.Namespace) -> int:
         wait=not args.no_wait,
         token_file=args.token_file,
         submission_id=args.submission_id,
+        verbose=quiet.is_verbose(args.verbose),
     )
 
 
@@ -147,14 +150,20 @@ def _ray_address(address: str | None) -> str:
 
 
 @contextlib.contextmanager
-def _ray_session(address: str | None):
+def _ray_session(address: str | None, *, verbose: bool = False):
     """Ray at `_ray_address` for the block, unless this process already has one; a Ray
-    started here is stopped at the end, every process of it (`raypipe.cli.localray`)."""
+    started here is stopped at the end, every process of it (`raypipe.cli.localray`).
+    Unless ``verbose``, Ray prints only what matters (`raypipe.cli.quiet`)."""
     import ray
 
     started = not ray.is_initialized()
     if started:
-        localray.start(_ray_address(address), log_to_driver=True, configure_logging=False)
+        address = _ray_address(address)
+        if not verbose:
+            quiet.quiet_ray(local=address == "local")
+        localray.start(address, log_to_driver=True, configure_logging=False)
+        if not verbose:
+            quiet.filter_worker_logs()
     try:
         yield
     finally:

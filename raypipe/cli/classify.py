@@ -168,8 +168,10 @@ def _epoch_printer():
     return EpochPrinter()
 
 
-def run(config_path: str | Path, *, epochs: int | None = None, storage_path: str | None = None):
-    """Train from a run config on the Ray this process is connected to (or a local one)."""
+def run(config_path: str | Path, *, epochs: int | None = None, storage_path: str | None = None,
+        ray_log_level: str = "INFO"):  # fmt: skip
+    """Train from a run config on the Ray this process is connected to (or a local one);
+    ``ray_log_level`` is Ray Train's own (`raypipe.train_ddp`)."""
     run_cfg = RunConfig.from_yaml(config_path)
     t = run_cfg.trainer
     classes = list_shards(run_cfg.data).classes
@@ -189,6 +191,7 @@ def run(config_path: str | Path, *, epochs: int | None = None, storage_path: str
         cpus_per_worker=t.cpus_per_worker,
         max_failures=t.max_failures,
         callbacks=[_epoch_printer()],
+        ray_log_level=ray_log_level,
     )
     if result.error:
         raise result.error

@@ -16,6 +16,13 @@ def _ray_address_flag(p: argparse.ArgumentParser) -> None:
         default=None,
         help="Ray cluster to join (default: RAY_ADDRESS, else start a local Ray)",
     )
+    _verbose_flag(p)
+
+
+def _verbose_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verbose", action="store_true",
+                   help="show Ray's own logs too (also RAYPIPE_VERBOSE=1); by default only "
+                   "raypipe's lines and Ray's warnings and errors")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file holding the head's auth token (token authentication); "
                    "default: Ray's own RAY_AUTH_MODE=token with RAY_AUTH_TOKEN(_PATH)")  # fmt: skip
     p.add_argument("--submission-id", default=None, help="job id to use (default: Ray picks)")
+    _verbose_flag(p)
 
     p = sub.add_parser("bench", help="measure ingest throughput against torch DataLoader",
                        description="Run benchmarks/ingest.py of the source checkout; arguments "

@@ -25,6 +25,7 @@ from typing import TextIO
 from urllib.parse import urlparse
 
 from raypipe.cli import jobspec
+from raypipe.cli.quiet import QUIET_ENV
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 EXCLUDES = [
@@ -63,7 +64,8 @@ def job_address(address: str | None) -> str:
     return url.rstrip("/")
 
 
-def entrypoint(config: Path, working_dir: Path, data_root: Path) -> tuple[str, str]:
+def entrypoint(config: Path, working_dir: Path, data_root: Path,
+               verbose: bool = False) -> tuple[str, str]:  # fmt: skip
     """The job's command and the config's kind; the config must be inside the working dir."""
     kind = jobspec.check(config)
     try:
@@ -74,7 +76,7 @@ def entrypoint(config: Path, working_dir: Path, data_root: Path) -> tuple[str, s
             "shipped to the cluster: move it there or pass --working-dir"
         ) from None
     args = ["python", "-m", "raypipe", ENTRY[kind], rel.as_posix()]
-    args += ["--data-root", str(data_root.resolve())]
+    args += ["--data-root", str(data_root.resolve())] + ["--verbose"] * verbose
     return shlex.join(args), kind
 
 
@@ -87,17 +89,21 @@ def submit(
     token_file: str | Path | None = None,
     submission_id: str | None = None,
     out: TextIO | None = None,
+    verbose: bool = False,
 ) -> int:
-    """Submit ``config`` as a Ray job; with ``wait``, stream its log and return its exit code."""
+    """Submit ``config`` as a Ray job; with ``wait``, stream its log and return its exit code.
+    Unless ``verbose``, the job's Ray processes print only what matters (`raypipe.cli.quiet`)."""
     out = out or sys.stdout
     config = Path(config)
     working_dir = Path(working_dir) if working_dir else _repo_root()
     if not working_dir.is_dir():
         raise ValueError(f"working dir {str(working_dir)!r} is not a directory")
-    command, kind = entrypoint(config, working_dir, Path.cwd())
+    command, kind = entrypoint(config, working_dir, Path.cwd(), verbose)
     url = job_address(address)
     client = _client(url, token_file)
     runtime_env = {"working_dir": str(working_dir), "excludes": list(EXCLUDES)}
+    if not verbose:
+        runtime_env["env_vars"] = dict(QUIET_ENV)
     job_id = submission_id or f"raypipe_{kind}_{uuid.uuid4().hex[:12]}"
     _call(url, lambda: _submit_once(client, job_id, command, runtime_env))
     print(f"submitted {kind} job {job_id} to {url}: {command}", file=out, flush=True)

@@ -178,9 +178,18 @@ class Pipeline:
 
     def _epoch_stats(self, epoch: int, base: dict[str, Any]) -> dict[str, Any]:
         stalls = {k: round(v, 6) for k, v in self._feeder.stalls(epoch).items()}
-        pool = {"pool": self.follower.summary()} if self.follower is not None else {}
         return {**self._feeder.counts(epoch), "stalls": stalls,
-                "bound": bound(base["wait_fraction"], stalls), **pool}  # fmt: skip
+                "bound": bound(base["wait_fraction"], stalls), **self._pool()}  # fmt: skip
+
+    def _pool(self) -> dict[str, Any]:
+        """``{"pool": ...}``: the follower's summary, or a fixed pool's size (min = max:
+        Ray Data keeps it there); nothing when Ray Data sizes it or there is no pool."""
+        if self.follower is not None:
+            return {"pool": self.follower.summary()}
+        lo, hi = rank_pool(self.config.actors, self.world_size)
+        if self.config.compute != "actors" or lo != hi:
+            return {}
+        return {"pool": {"actors": hi, "target": hi, "min": lo, "max": hi, "changes": 0}}
 
     def close(self) -> None:
         """Stop the feeder thread and the execution (the pool's actors end with it)."""

@@ -106,6 +106,7 @@ def train_ddp(
     callbacks: list | None = None,
     checkpoint_every: int = 0,
     resume_from: str | os.PathLike | None = None,
+    ray_log_level: str = "INFO",
 ):
     """Run ``train_loop(ctx)`` on ``num_workers`` DDP workers fed by raypipe.
 
@@ -118,7 +119,8 @@ def train_ddp(
     starts mid-epoch where that run stopped, with any ``num_workers``.
     ``callbacks`` are ``ray.train.UserCallback`` objects run on the Train controller.
     The samples each dataset skipped (``on_error="skip"``) are written to
-    ``skipped_samples.json`` in the run's folder (``result.path``).
+    ``skipped_samples.json`` in the run's folder (``result.path``). ``ray_log_level`` is
+    Ray Train's own (``ray.train.LoggingConfig``): ``raypipe run`` passes ``"WARNING"``.
     """
     import ray
     import ray.train
@@ -173,6 +175,7 @@ def train_ddp(
             storage_path=storage,
             failure_config=ray.train.FailureConfig(max_failures=max_failures),
             callbacks=callbacks or [],
+            logging_config=ray.train.LoggingConfig(log_level=ray_log_level),
         ),
     )
     result = trainer.fit()

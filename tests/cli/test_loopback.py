@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -24,6 +25,12 @@ from tests.conftest import make_imagefolder, stop_group
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/net"), reason="reads /proc/net")
 BIN = Path(sys.executable).parent
+# what a healthy quiet run must not print: an error-level line of Ray's C++ or Python
+# logs, Ray Train's INFO lines and report dumps, Ray Data's per-execution lines
+QUIET_BREACH = re.compile(
+    r" E \d+ \d+\]|\bERROR\b|Traceback|TrainingReport\(|Execution plan|Starting execution"
+    r"|Started training worker group|Moving model to device|registers for logging"
+)
 
 
 def _listening_sockets() -> dict[str, tuple[str, int]]:
@@ -121,3 +128,14 @@ def test_raypipe_run_listens_on_loopback_only(tmp_path):
     assert sum(name.startswith("ray::RayTrainWo") for _, _, name in seen) >= 3, seen
     wide = sorted(s for s in seen if not is_loopback(s[0]))
     assert not wide, f"listening beyond loopback: {wide}"
+    # and quiet (raypipe.cli.quiet): raypipe's lines, no error-level line, no Ray internals
+    lines = out.splitlines()
+    if "Found multiple active Ray instances" in out:
+        # another Ray on this machine (the test session's): Ray Train's placement-group
+        # cleaner finds its Ray by scanning the machine's processes and dies with a
+        # traceback, a Ray bug a run with one Ray per machine does not meet
+        lines = [line for line in lines if "(PlacementGroupCleaner pid=" not in line]
+    assert any("epoch 0: loss" in line for line in lines), out
+    breaches = [line for line in lines if QUIET_BREACH.search(line)]
+    assert not breaches, out
+    assert len(lines) <= 15, out  # an epoch line and the summary
