@@ -3,6 +3,12 @@ what KubeRay needs (autoscaling on, a CPU group from zero, a GPU group, the job)
 
 from __future__ import annotations
 
+import copy
+import os
+import re
+import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -36,6 +42,172 @@ def test_aws_yaml_survives_rays_preparation_with_cpu_and_gpu_node_types():
     assert gpu["resources"]["GPU"] >= 1 and gpu["labels"]["raypipe-role"] == "train"
     # one logical CPU per GPU: the Train workers (cpus_per_worker 1) leave none for actors
     assert gpu["resources"]["CPU"] == gpu["resources"]["GPU"]
+
+
+AWS_LOCKDOWN = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_USE_TLS", "RAY_TLS_SERVER_CERT",
+                "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")  # fmt: skip
+
+
+def _exported(command: str) -> dict[str, str]:
+    """The NAME=VALUE pairs of a command's ``export`` (up to its ``&&``), or of the
+    ``printf 'export %s\\n' ...`` that writes them to a file."""
+    words = shlex.split(command)
+    starts = [i for i, word in enumerate(words) if word.split(" ")[0] == "export"]
+    if not starts:
+        return {}
+    pairs = {}
+    for word in words[starts[0] + 1 :]:
+        if "=" not in word:
+            break
+        name, value = word.split("=", 1)
+        pairs[name] = value
+    return pairs
+
+
+def _aws_lockdown_problems(config: dict) -> list[str]:
+    """What cluster/aws.yaml's lock-down lacks: token mode and Ray's TLS exported before
+    each ``ray start``, the same in the SSH sessions' env file, the token and CA shipped
+    by file_mounts, the dashboard on the head's loopback."""
+    problems = []
+    envs = {}
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        (start,) = [c for c in config[key] if "ray start" in c]
+        env = envs[key] = _exported(start[: start.rindex("ray start")])
+        if env.get("RAY_AUTH_MODE") != "token":
+            problems.append(f"{key}: RAY_AUTH_MODE is not token")
+        if env.get("RAY_USE_TLS") != "1":
+            problems.append(f"{key}: RAY_USE_TLS is not 1")
+        problems += [f"{key}: {var} unset" for var in AWS_LOCKDOWN if not env.get(var)]
+    if envs["head_start_ray_commands"] != envs["worker_start_ray_commands"]:
+        problems.append("the head and the workers start with different settings")
+    ssh = [_exported(c) for c in config["setup_commands"] if "ray-tls/env" in c]
+    if ssh != [envs["head_start_ray_commands"]]:
+        problems.append("~/ray-tls/env does not set what the start commands set")
+    shipped = {remote.replace("~", "$HOME", 1) for remote in config["file_mounts"]}
+    token = envs["head_start_ray_commands"].get("RAY_AUTH_TOKEN_PATH")
+    if token not in shipped or "$HOME/ray-secrets/ca.crt" not in shipped:
+        problems.append("file_mounts do not ship the token and the CA")
+    (head,) = [c for c in config["head_start_ray_commands"] if "ray start" in c]
+    if re.findall(r"--dashboard-host[= ](\S+)", head) != ["127.0.0.1"]:
+        problems.append("the dashboard is not on 127.0.0.1 only")
+    return problems
+
+
+def _without(config: dict, key: str, old: str, new: str = "") -> dict:
+    changed = copy.deepcopy(config)
+    changed[key] = [c.replace(old, new) for c in changed[key]]
+    assert changed[key] != config[key], (key, old)
+    return changed
+
+
+def test_aws_yaml_is_locked_down():
+    config = _load("aws.yaml")
+    assert _aws_lockdown_problems(config) == []
+    assert _aws_lockdown_problems(prepare_config(_load("aws.yaml"))) == []
+    head, worker = "head_start_ray_commands", "worker_start_ray_commands"
+    broken = [  # each setting taken away is caught
+        _without(config, head, "RAY_AUTH_MODE=token"),
+        _without(config, worker, "RAY_AUTH_MODE=token", "RAY_AUTH_MODE=disabled"),
+        *(_without(config, k, "RAY_USE_TLS=1") for k in (head, worker)),
+        *(_without(config, k, f"{var}=$HOME/ray-tls/") for k in (head, worker)
+          for var in ("RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")),
+        _without(config, worker, "RAY_AUTH_TOKEN_PATH=$HOME/ray-secrets/auth_token"),
+        _without(config, head, "--dashboard-host=127.0.0.1", "--dashboard-host=0.0.0.0"),
+        _without(config, head, " --dashboard-host=127.0.0.1"),
+        _without(config, "setup_commands", "RAY_USE_TLS=1 "),
+        dict(config, file_mounts={}),
+    ]  # fmt: skip
+    for changed in broken:
+        assert _aws_lockdown_problems(changed), changed
+
+
+def _shell(command: str, home: Path) -> subprocess.CompletedProcess:
+    env = {"HOME": str(home), "PATH": os.environ["PATH"]}
+    return subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True)
+
+
+@pytest.mark.skipif(not shutil.which("openssl"), reason="needs openssl")
+def test_aws_yaml_commands_make_the_certificate_and_refuse_a_missing_file(tmp_path):
+    """setup_commands and the start commands as bash runs them on a node (the launcher's
+    file_mounts played by a copy, ``ray start`` by an echo): the node's certificate is
+    signed by the CA for 127.0.0.1 and every address of the node, a worker drops the CA's
+    key, and a missing file stops setup or start in one line naming it."""
+    if _shell("hostname -I", tmp_path).returncode:
+        pytest.skip("needs hostname -I")
+    config = _load("aws.yaml")
+    home, mine = tmp_path / "node", tmp_path / "mine"
+    (mine / ".raypipe/aws").mkdir(parents=True)
+    (home / ".bashrc").parent.mkdir()
+    (home / ".bashrc").write_text("")
+    made = _shell("set -e\n" + DOCS_CA_AND_TOKEN, mine)  # the commands docs/security.md gives
+    assert made.returncode == 0, made.stderr
+
+    def sync():  # what the launcher's file_mounts do before setup_commands run
+        for remote, local in config["file_mounts"].items():
+            dest = home / remote.removeprefix("~/")
+            dest.parent.mkdir(exist_ok=True)
+            shutil.copy(mine / local.removeprefix("~/"), dest)
+
+    sync()
+    setup = [c for c in config["setup_commands"] if not c.startswith("pip install")]
+    for command in setup * 2 + config["worker_setup_commands"]:  # twice: re-runs are fine
+        done = _shell(command, home)
+        assert done.returncode == 0, (command, done.stderr)
+
+    tls = home / "ray-tls"
+    verify = _shell(f"openssl verify -CAfile {tls}/ca.crt {tls}/tls.crt", home)
+    assert verify.returncode == 0 and verify.stdout.strip().endswith("OK"), verify
+    text = _shell(f"openssl x509 -noout -ext subjectAltName -in {tls}/tls.crt", home).stdout
+    addresses = _shell("hostname -I", home).stdout.split() + ["127.0.0.1"]
+    for address in addresses:
+        assert f"IP Address:{address}" in text or address.count(":") > 1, (address, text)
+    assert not (home / "ray-secrets/ca.key").exists(), "a worker keeps the CA's key"
+    assert (home / ".bashrc").read_text().count("ray-tls/env") == 2  # one line: test, source
+    assert "export RAY_USE_TLS=1" in (tls / "env").read_text()
+
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        (start,) = [c for c in config[key] if "ray start" in c]
+        start = start[: start.rindex("ray start")] + "echo started"
+        assert _shell(start, home).stdout == "started\n"
+        for name in ("ray-tls/tls.key", "ray-secrets/auth_token"):
+            (home / name).rename(home / (name + ".away"))
+            done = _shell(start, home)
+            (home / (name + ".away")).rename(home / name)
+            assert done.returncode == 1 and "started" not in done.stdout
+            assert done.stderr.count("\n") == 1 and str(home / name) in done.stderr, done
+    sync()
+    (home / "ray-secrets/auth_token").write_text("")
+    done = _shell(setup[0], home)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1
+    assert str(home / "ray-secrets/auth_token") in done.stderr, done.stderr
+
+
+def test_aws_yaml_with_a_local_file_missing_stops_ray_up_naming_it(tmp_path, monkeypatch):
+    """``ray up`` reads every file_mounts file to hash it before it syncs anything to the
+    head; a missing CA key stops it there, naming the file."""
+    from ray.autoscaler._private.util import hash_runtime_conf
+
+    config = _load("aws.yaml")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    made = _shell("set -e\n" + DOCS_CA_AND_TOKEN, tmp_path)
+    assert made.returncode == 0, made.stderr
+    hash_runtime_conf(config["file_mounts"], None, config, generate_file_mounts_contents_hash=True)
+    (tmp_path / ".raypipe/aws/ca.key").unlink()
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / ".raypipe/aws/ca.key"))):
+        hash_runtime_conf(
+            config["file_mounts"], None, config, generate_file_mounts_contents_hash=True
+        )
+
+
+def _docs_block(marker: str) -> str:
+    """The bash block of docs/security.md holding ``marker``."""
+    text = (CLUSTER.parent / "docs" / "security.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    (block,) = [b for b in blocks if marker in b]
+    return block
+
+
+DOCS_CA_AND_TOKEN = _docs_block("~/.raypipe/aws")
 
 
 def test_local_autoscaling_yaml_is_the_fake_multinode_provider():
@@ -80,6 +252,13 @@ def test_rayjob_runs_train_ddp_on_the_raycluster_with_a_valid_run_config():
     assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob"
     spec = job["spec"]
     assert spec["clusterSelector"]["ray.io/cluster"] == cluster["metadata"]["name"]
+    # a separate submitter Job (the only mode that takes an existing cluster), admitted to
+    # the job API by networkpolicy.yaml under the Job's name, which is the RayJob's
+    assert spec["submissionMode"] == "K8sJobMode"
+    (policy,) = _docs("networkpolicy.yaml")
+    peers = policy["spec"]["ingress"][1]["from"]
+    names = [p["podSelector"]["matchLabels"].get("batch.kubernetes.io/job-name") for p in peers]
+    assert job["metadata"]["name"] in names
     words = spec["entrypoint"].split()
     assert words[:2] == ["python", "jobs/train_ddp.py"]
     assert (CLUSTER.parent / words[1]).is_file()
