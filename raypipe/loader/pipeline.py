@@ -123,6 +123,7 @@ class Pipeline:
         equal = world_size > 1 and drop_last  # the ledger evens batch counts out
         self._gate = Gate(ledger if equal else None, group, rank, config.batch_size)
         self._feeder: Feeder | None = None
+        self._iterated = False
         self.follower = (
             None  # a raypipe.data.follow.Follower once epochs() runs, if the pool follows
         )
@@ -142,23 +143,11 @@ class Pipeline:
         the next one is asked for. Every rank gets the same number of batches per epoch
         (with ``drop_last``; without it, every row).
         """
-        if self._feeder is not None:
+        if self._iterated:
             raise RuntimeError("Pipeline.epochs() runs once; make a new Pipeline for a new run")
+        self._iterated = True
+        feeder = self.start()._feeder
         epochs = range(self.first_epoch, self.num_epochs)
-        ds = rank_dataset(self.config, self.listing, self.plan, epochs, self.skips,
-                          world_size=self.world_size, shared_skips=self._shared_skips)  # fmt: skip
-        demand = Demand()
-        self.follower = follower_for(self.config, self.world_size, demand)
-        self._feeder = feeder = Feeder(
-            _starter(ds, self.follower), self.plan, self._gate, epochs,
-            batch_size=self.config.batch_size, prefetch=self._loader["prefetch_batches"],
-            shuffle_buffer=self.config.shuffle_buffer, seed=self.config.seed, demand=demand,
-            drop_last=self.drop_last,
-        )  # fmt: skip
-        if self._progress_s:
-            self._progress = Progress(self._progress_s, rank=self.rank, demand=demand,
-                                      planned=lambda e: self.plan.sizes(e)[self.rank],
-                                      follower=self.follower)  # fmt: skip
         h2d = None  # one ring and copy stream for the run: no new allocations after epoch 0
         try:
             for e in epochs:
@@ -175,6 +164,29 @@ class Pipeline:
                 feeder.finish(e)
         finally:
             self.close()
+
+    def start(self) -> Pipeline:
+        """Start the run's preprocessing now (once; `epochs` and ``with`` do it too), so
+        that the pool starts and the first blocks are decoded while the trainer gets
+        ready: its model built, moved and wrapped."""
+        if self._feeder is not None:
+            return self
+        epochs = range(self.first_epoch, self.num_epochs)
+        ds = rank_dataset(self.config, self.listing, self.plan, epochs, self.skips,
+                          world_size=self.world_size, shared_skips=self._shared_skips)  # fmt: skip
+        demand = Demand()
+        self.follower = follower_for(self.config, self.world_size, demand)
+        self._feeder = Feeder(
+            _starter(ds, self.follower), self.plan, self._gate, epochs,
+            batch_size=self.config.batch_size, prefetch=self._loader["prefetch_batches"],
+            shuffle_buffer=self.config.shuffle_buffer, seed=self.config.seed, demand=demand,
+            drop_last=self.drop_last,
+        )  # fmt: skip
+        if self._progress_s:
+            self._progress = Progress(self._progress_s, rank=self.rank, demand=demand,
+                                      planned=lambda e: self.plan.sizes(e)[self.rank],
+                                      follower=self.follower)  # fmt: skip
+        return self
 
     def _epoch_stats(self, epoch: int, base: dict[str, Any]) -> dict[str, Any]:
         stalls = {k: round(v, 6) for k, v in self._feeder.stalls(epoch).items()}
@@ -199,7 +211,7 @@ class Pipeline:
             self._feeder.close()
 
     def __enter__(self) -> Pipeline:
-        return self
+        return self.start()
 
     def __exit__(self, *exc) -> None:
         self.close()

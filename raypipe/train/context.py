@@ -69,6 +69,8 @@ class TrainContext:
     eval_skips: SkipLog | None = None
     # this worker's own held-out pipeline and its passes, made on first use
     _eval: Any = dataclasses.field(default=None, init=False, repr=False)
+    # this worker's training pipeline, started by `start` before the loop runs
+    _train: Any = dataclasses.field(default=None, init=False, repr=False)
 
     @property
     def prefetch_batches(self) -> int:
@@ -108,17 +110,32 @@ class TrainContext:
         With ``checkpoint_every``, a checkpoint is saved every that many steps and at each
         epoch's end, holding rank 0's ``state()`` (model, optimizer; see `restored`).
         """
-        first = self.progress.first_epoch()
-        if first >= self.num_epochs:
+        pipeline = self._train or self._training_pipeline()
+        if pipeline is None:
             return
-        pipeline = Pipeline(
-            self.config, epochs=self.num_epochs, rank=self.rank, world_size=self.world_size,
-            ledger=self.ledger, group=_group_id(), listing=self.listing, skips=self.skips, start=self.progress.start,
-        )  # fmt: skip
+        self._train = None  # epochs() owns it now
         with pipeline:
             for epoch, batches in pipeline.epochs():
                 yield epoch, EpochBatches(batches, epoch, self.progress, self.checkpoint_every,
                                           state)  # fmt: skip
+
+    def start(self) -> None:
+        """Start this rank's training pipeline before the loop runs (`train_ddp` does so),
+        so that its pool starts while the loop builds and wraps its model."""
+        if self._train is None:
+            self._train = self._training_pipeline()
+            if self._train is not None:
+                self._train.start()
+
+    def _training_pipeline(self) -> Pipeline | None:
+        """This rank's Pipeline of the run's remaining epochs; None when none remain."""
+        if self.progress.first_epoch() >= self.num_epochs:
+            return None
+        return Pipeline(
+            self.config, epochs=self.num_epochs, rank=self.rank, world_size=self.world_size,
+            ledger=self.ledger, group=_group_id(), listing=self.listing, skips=self.skips,
+            start=self.progress.start,
+        )  # fmt: skip
 
     def restored(self) -> dict[str, Any] | None:
         """The ``state`` saved with the checkpoint this run resumed from, or None."""
@@ -166,6 +183,8 @@ class TrainContext:
         loop returns or raises)."""
         if self._eval is not None:
             self._eval[0].close()
+        if self._train is not None:  # started, never iterated
+            self._train.close()
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Sum numbers over all ranks (e.g. correct / total for accuracy)."""

@@ -157,6 +157,7 @@ def train_ddp(
 
     def per_worker(_: dict) -> None:
         try:
+            ctx.start()  # the pool starts while the loop builds its model
             train_loop(ctx)
         finally:
             ctx.close()
