@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 LOGGED_SKIPS = 20  # per actor; the SkipLog has them all
 SKIPS_PER_SEND = 1024  # records an actor holds at most before sending them
+ACTOR_NICE = 10  # how much lower an actor's CPU priority is than the trainer's
 
 
 def build_dataset(
@@ -133,6 +134,7 @@ class Preprocessor:
 
         self.config = config
         _limit_threads(config.actor_cpus)
+        _yield_to_trainers()
         self.usermap = SampleMap.of(config)
         self.schema = Schema()  # the user transform's fields, for every task of this actor
         self.samples = samples  # the epoch's samples to read, for the skip budget
@@ -252,6 +254,24 @@ class Preprocessor:
                 check_budget(total, epoch=epoch, samples=samples,
                              max_skipped=self.config.max_skipped, skips=skips)  # fmt: skip
         pending.clear()
+
+
+def _yield_to_trainers() -> None:
+    """Run this pool actor at a lower CPU priority (nice +`ACTOR_NICE`): where a trainer
+    shares the node, it gets the CPU its steps need and the pool the rest (epoch 0's
+    read-ahead no longer slows the trainer's first steps); alone on a node, nothing
+    changes."""
+    import contextlib
+    import os
+
+    import ray
+
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return  # a task on a pooled worker (compute="tasks"), or no Ray: left as it is
+    if hasattr(os, "nice") and not getattr(_yield_to_trainers, "done", False):
+        with contextlib.suppress(OSError):
+            os.nice(ACTOR_NICE)
+        _yield_to_trainers.done = True  # once per process: nice adds up
 
 
 def _limit_threads(cpus: float) -> None:
