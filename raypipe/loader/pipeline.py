@@ -3,7 +3,9 @@
 ```
  Pipeline(config, epochs=E, rank=r, world_size=W)
    plan      RankPlan: rank r's keys of every epoch, fixed by (listing, seed, epoch, W)
-   dataset   one Ray Data execution over all E epochs (raypipe.data.warm), started once
+   dataset   one Ray Data execution over all E epochs (raypipe.data.warm), started once:
+             by ``with pipeline:`` or ``start()``, so that the pool warms up while the
+             trainer builds its model, else by ``epochs()``
    feeder    one thread: blocks → epochs → exact batches → equal counts over ranks
    epochs()  yields (epoch, batches); batches are the loader's steps 3-5 (tensors,
              device copy, normalize) over the feeder's batches of that epoch
@@ -124,9 +126,7 @@ class Pipeline:
         self._gate = Gate(ledger if equal else None, group, rank, config.batch_size)
         self._feeder: Feeder | None = None
         self._iterated = False
-        self.follower = (
-            None  # a raypipe.data.follow.Follower once epochs() runs, if the pool follows
-        )
+        self.follower = None  # a raypipe.data.follow.Follower once started, if the pool follows
         if progress_s is None:
             progress_s = PROGRESS_S if rank == 0 else 0
         self._progress_s, self._progress = progress_s, None

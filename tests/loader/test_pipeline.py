@@ -4,6 +4,7 @@ exactly once and equal batches per epoch for every rank, with skips and shufflin
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -114,6 +115,26 @@ def test_the_pool_is_the_same_processes_in_epoch_0_and_epoch_2(ray_session, data
     assert 1 <= len(ever) <= 2, ever
     assert seen[0] & seen[2], seen
     assert not watch.alive(), "the pool should end with the run"
+
+
+def test_the_pool_starts_on_with_before_epochs_is_asked_for(ray_session, datasets):
+    """``with pipeline:`` (or ``start()``) starts the pool and its first tasks, so a trainer's
+    set-up overlaps them; ``start()`` again changes nothing; ``epochs()`` then gives every
+    epoch once, and a second ``epochs()`` is refused."""
+    config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=8, batch_size=4,
+                            actors=(1, 1))  # fmt: skip
+    watch = PoolWatch(match="RankPreprocessor", interval_s=0.05, new_only=True)
+    with watch, Pipeline(config, epochs=2, device="cpu") as pipe:
+        feeder = pipe._feeder
+        assert feeder is not None and pipe.start() is pipe and pipe._feeder is feeder
+        deadline = time.monotonic() + 60
+        while not watch.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watch.alive(), "the pool should start before epochs() is iterated"
+        counts = [sum(1 for _ in batches) for _, batches in pipe.epochs()]
+        assert counts == [61 // 4] * 2
+        with pytest.raises(RuntimeError, match="runs once"):
+            next(pipe.epochs())
 
 
 def test_every_epoch_copies_through_the_first_epochs_ring(ray_session, datasets):
