@@ -26,10 +26,10 @@ import ipaddress
 import os
 
 __all__ = ["CLUSTER_VAR", "LOOPBACK", "RAY_VERSION", "TLS_FILES", "check_ray", "check_tls",
-           "is_loopback", "start"]  # fmt: skip
+           "ensure", "is_loopback", "start"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
-RAY_VERSION = "2.60.0"  # the Ray whose node-address choice this module steers
+RAY_VERSION = "2.60.0"  # the Ray whose internals raypipe uses, here and behind each check_ray
 CLUSTER_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a new node's address is loopback
 LOOPBACK = "127.0.0.1"
 TLS_FILES = ("RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")
@@ -60,6 +60,15 @@ def start(address: str | None = None, **kwargs) -> None:
             os.environ.pop(CLUSTER_VAR, None)
         else:
             os.environ[CLUSTER_VAR] = before_env
+
+
+def ensure() -> None:
+    """A Ray for this process: `start` a local one on loopback unless one is running here,
+    as Ray Data and Ray Train would start one on first use (with the machine's address)."""
+    import ray
+
+    if not ray.is_initialized():
+        start()
 
 
 def check_tls(environ: dict[str, str] | None = None) -> None:

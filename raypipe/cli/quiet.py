@@ -64,7 +64,7 @@ def filter_worker_logs() -> bool:
     changed) when this Ray's printer is not the one it wraps."""
     import ray
 
-    from raypipe.data.autoscale import RAY_VERSION
+    from raypipe.localnode import RAY_VERSION
 
     if ray.__version__ != RAY_VERSION:
         return False

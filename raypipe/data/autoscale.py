@@ -27,12 +27,12 @@ import logging
 import time
 
 from raypipe.data.follow import Follower
+from raypipe.localnode import RAY_VERSION  # the Ray whose executor internals it drives
 
 __all__ = ["FollowingAutoscaler", "FollowingCluster", "RAY_VERSION", "check_ray", "follow"]
 assert __all__ == sorted(__all__)
 
 log = logging.getLogger(__name__)
-RAY_VERSION = "2.60.0"  # the Ray whose executor internals this module drives
 
 
 def check_ray() -> str | None:

@@ -90,8 +90,7 @@ def build_dataset(
     lo, hi = config.actors
     made_here = skips is None  # after listing: a bad source fails before Ray starts
     if made_here:
-        if not ray.is_initialized():  # as Ray Data would on the first operation,
-            localnode.start()  # but a new local Ray listens on loopback only
+        localnode.ensure()
         skips = SkipLog.create()
     config = sized_blocks(config)  # one execution, whatever streaming_split then does
     per_task = listing.shards_per_task(config)
@@ -268,10 +267,9 @@ def _yield_to_trainers() -> None:
 
     if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
         return  # a task on a pooled worker (compute="tasks"), or no Ray: left as it is
-    if hasattr(os, "nice") and not getattr(_yield_to_trainers, "done", False):
+    if hasattr(os, "nice"):  # an actor's process is its own: one Preprocessor, one nice
         with contextlib.suppress(OSError):
             os.nice(ACTOR_NICE)
-        _yield_to_trainers.done = True  # once per process: nice adds up
 
 
 def _limit_threads(cpus: float) -> None:

@@ -99,10 +99,7 @@ class Pipeline:
         self.listing = listing or list_shards(config)
         self._shared_skips = skips is not None and world_size > 1
         if skips is None:
-            import ray
-
-            if not ray.is_initialized():  # as Ray Data would on its first operation,
-                localnode.start()  # but a new local Ray listens on loopback only
+            localnode.ensure()
             skips = SkipLog.create()
         self.skips = skips
         self.config = config = sized_blocks(

@@ -135,8 +135,7 @@ def train_ddp(
     start, start_dir = _resume_point(resume_from, listing, config.seed, epochs)
     if (problem := rendezvous.check_ray()) is not None:
         raise RuntimeError(f"raypipe cannot bind DDP's store to the node's address: {problem}")
-    if not ray.is_initialized():  # as Ray Train would (the skip logs live in an actor),
-        localnode.start()  # but a new local Ray listens on loopback only
+    localnode.ensure()  # the skip logs live in an actor
     name = name or f"raypipe_{uuid.uuid4().hex[:12]}"
     storage = storage_path or DEFAULT_STORAGE_PATH
     storage = storage if "://" in storage else os.path.abspath(storage)

@@ -32,10 +32,11 @@ from datetime import timedelta
 from ray.train.torch import TorchConfig
 from ray.train.torch.config import _set_torch_distributed_env_vars, _TorchBackend
 
+from raypipe.localnode import RAY_VERSION  # the Ray whose torch backend it replaces a step of
+
 __all__ = ["BoundStoreTorchConfig", "RAY_VERSION", "check_ray"]
 assert __all__ == sorted(__all__)
 
-RAY_VERSION = "2.60.0"  # the Ray whose Train torch backend this module replaces a step of
 _listening: list[socket.socket] = []  # rank 0's store socket, from _listen to _join
 
 
