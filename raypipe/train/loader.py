@@ -38,8 +38,8 @@ __all__ = ["Loader"]
 assert __all__ == sorted(__all__)
 
 MISUSE = (
-    "a Loader gives one epoch at a time: epoch {old}'s iterator was used after iter() "
-    "started epoch {new} (the same Loader iterated twice at once: nested or zipped loops?)"
+    "a Loader gives one epoch at a time: an iterator of it was used after a later iter() "
+    "(the same Loader iterated twice at once: nested or zipped loops?)"
 )
 
 
@@ -98,11 +98,14 @@ class Loader:
         self._generation = 0  # pipelines built so far: each reports under its own group
         self._next, self._base = 0, None  # the next epoch and its keys consumed before
         self._running: _Epoch | None = None
+        self._latest: object | None = None  # the newest iter()'s token: older ones are stale
         self._closed = False
 
     # -- the DataLoader shape --------------------------------------------------------
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        """The next epoch's batches; it starts at the first ``next()``, and a later
+        ``iter()`` makes this iterator stale (Lightning asks twice per epoch, uses one)."""
         if self._closed:
             raise RuntimeError("the Loader is closed")
         if self._next >= self.num_epochs:
@@ -110,6 +113,13 @@ class Loader:
                 f"the Loader's epochs={self.num_epochs} were all read: pass a larger epochs= "
                 "(or set_epoch() to read one again)"
             )
+        token = self._latest = object()
+        return self._read(token)
+
+    def _claim(self) -> _Epoch:
+        """Take the next epoch from the pipeline (what is left of the last one is dropped)."""
+        if self._next >= self.num_epochs:
+            raise RuntimeError(f"the Loader's epochs={self.num_epochs} were all read")
         if self._epochs is None:
             self._build()
         epoch, batches = next(self._epochs)
@@ -117,14 +127,17 @@ class Loader:
         most = min(self._pipeline.plan.sizes(epoch)) // self.config.batch_size
         run = _Epoch(epoch, batches, self._base, most if self._drop_last else None)
         self._next, self._base, self._running = epoch + 1, None, run
-        return self._read(run)
+        return run
 
-    def _read(self, run: _Epoch) -> Iterator[dict[str, Any]]:
+    def _read(self, token: object) -> Iterator[dict[str, Any]]:
+        if self._latest is not token:
+            raise RuntimeError(MISUSE)
+        run = self._claim()
         it = iter(run.batches)
         try:
             while True:
-                if self._running is not run:
-                    raise RuntimeError(MISUSE.format(old=run.epoch, new=self.epoch))
+                if self._latest is not token or self._running is not run:
+                    raise RuntimeError(MISUSE)
                 try:
                     batch = next(it)
                 except StopIteration:
@@ -233,7 +246,7 @@ class Loader:
     def _restart(self, epoch: int, base: np.ndarray | None) -> None:
         """The next ``iter()`` reads ``epoch`` (less ``base``) from a new pipeline."""
         self._stop_pipeline()
-        self._next, self._base, self._running = epoch, base, None
+        self._next, self._base, self._running, self._latest = epoch, base, None, None
 
     def _stop_pipeline(self) -> None:
         if self._epochs is not None:
