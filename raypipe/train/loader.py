@@ -18,20 +18,16 @@ with its world size and settings, and a rank that disagrees stops them all in on
 from __future__ import annotations
 
 import dataclasses
-import os
-import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from raypipe import localnode
 from raypipe.config import PipelineConfig
 from raypipe.data.shards import Listing, list_shards
-from raypipe.loader.ledger import named_ledger, wait_for_ranks
 from raypipe.loader.pipeline import Pipeline
 from raypipe.train.checkpoint import any_rank
+from raypipe.train.ranks import join_ranks, leave, resolve_world, run_settings
 from raypipe.train.state import PipelineState, fingerprint, merge_states
 
 __all__ = ["Loader"]
@@ -258,33 +254,19 @@ class Loader:
     def _rank_world(self) -> tuple[int, int]:
         if self._world is None:
             rank, world, _ = self._asked
-            self._world = _resolve_world(rank, world)
+            self._world = resolve_world(rank, world)
         return self._world
 
     def _join(self):
         """The ledger, once: made or found, and every rank joined with the same settings."""
-        rank, world = self._rank_world()
-        asked = self._asked[2]
-        if world == 1 or self._ledger is not None:
-            return self._ledger
-        localnode.ensure()
-        if asked is None or isinstance(asked, str):
-            name = asked if asked is not None else _broadcast_name(world)
-            self._ledger, self._named = named_ledger(name, world), True
-            self._run = f"{name}/{self._group}"
-        else:
-            self._ledger = asked
-        wait_for_ranks(self._ledger, self._run, rank=rank, world_size=world,
-                       settings=self._settings(), timeout_s=self._join_timeout_s)  # fmt: skip
+        if self._ledger is None and self._rank_world()[1] > 1:
+            settings = run_settings(self.config, epochs=self.num_epochs, listing=self.listing,
+                                    drop_last=self._drop_last)  # fmt: skip
+            self._ledger, self._run, self._named = join_ranks(
+                self._asked[2], *self._rank_world(), group=self._group, settings=settings,
+                timeout_s=self._join_timeout_s,
+            )  # fmt: skip
         return self._ledger
-
-    def _settings(self) -> dict[str, str]:
-        """What every rank must agree on, as text: the config, the epochs, the data."""
-        out = {f.name: _text(getattr(self.config, f.name))
-               for f in dataclasses.fields(self.config)}  # fmt: skip
-        out.update(epochs=str(self.num_epochs), dataset=fingerprint(self.listing),
-                   drop_last=str(self._drop_last))  # fmt: skip
-        return out
 
     @staticmethod
     def _collective_device():
@@ -302,63 +284,10 @@ class Loader:
         self._closed = True
         self._stop_pipeline()
         if self._named and self._ledger is not None:
-            _leave(self._ledger, self._run, self._rank_world()[0])
+            leave(self._ledger, self._run, self._rank_world()[0])
 
     def __enter__(self) -> Loader:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """The asked rank and world size, else torch.distributed's, else torchrun's variables."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        found = dist.get_rank(), dist.get_world_size()
-    else:
-        found = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    rank = found[0] if rank is None else rank
-    world = found[1] if world_size is None else world_size
-    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-        raise ValueError(f"world_size={world!r} must be an integer >= 1")
-    if not isinstance(rank, int) or not 0 <= rank < world:
-        raise ValueError(f"{rank=} must be an integer in 0..{world - 1} (world_size={world})")
-    return rank, world
-
-
-def _broadcast_name(world: int) -> str:
-    """A ledger name from rank 0, over torch.distributed (the ranks need no other channel)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(
-            f"world_size={world} needs ledger=: a Pipeline.ledger({world}) handle or a name "
-            "every rank passes, or torch.distributed initialized before the first iter()"
-        )
-    names = [uuid.uuid4().hex[:16]]
-    dist.broadcast_object_list(names, src=0)
-    return names[0]
-
-
-def _text(value: Any) -> str:
-    """A setting as text every process writes the same way (a callable by its name)."""
-    if callable(value) and not isinstance(value, type):
-        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"
-    return repr(value)
-
-
-def _leave(ledger, run: str, rank: int, timeout_s: float = 60.0) -> None:
-    """Leave a named ledger and wait until every rank did: it ends with the process that
-    made it, and a rank still reading needs it."""
-    import ray
-
-    deadline = time.monotonic() + timeout_s
-    try:
-        remaining = ray.get(ledger.leave.remote(run, rank))
-        while remaining > 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-            remaining = ray.get(ledger.leave.remote(run, rank))
-    except ray.exceptions.RayActorError:  # its maker is gone: nobody waits on it
-        return
