@@ -1,6 +1,7 @@
 """`raypipe.Loader` as a Lightning ``Trainer``'s train and val dataloaders, in one process:
 Lightning's own epoch loop over two epochs, and its checkpoints (mid-epoch and at an
-epoch's last step) resuming the loader's position without repeating a sample."""
+epoch's last step) resuming the loader's position without repeating a sample; and under
+Ray Train's Lightning integration, two workers, equal batches and exactly once."""
 
 from __future__ import annotations
 
@@ -84,3 +85,55 @@ def test_lightning_fits_two_epochs_and_resumes_from_its_checkpoints(
     assert [e for e, _ in resumed.trained] == [1] * 15
     assert [k for _, k in resumed.trained] == [k for e, k in first.trained if e == 1]
     assert np.array_equal(sorted(_keys(resumed.validated)), sorted(_keys(first.validated[-16:])))
+
+
+def ray_lightning_func(cfg: dict) -> None:
+    """A train function of Ray Train's Lightning integration, with the Loader as its data."""
+    import json
+    from pathlib import Path
+
+    import ray.train
+    from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, prepare_trainer
+
+    from raypipe import Loader, PipelineConfig
+
+    model = Tiny()
+    trainer = L.Trainer(max_epochs=2, accelerator="cpu", devices="auto", logger=False,
+                        strategy=RayDDPStrategy(), plugins=[RayLightningEnvironment()],
+                        enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)  # fmt: skip
+    trainer = prepare_trainer(trainer)
+    with Loader(PipelineConfig(**cfg["data"]), epochs=2, device="cpu") as loader:
+        assert len(loader) == 61 // 2 // B
+        trainer.fit(model, train_dataloaders=loader)  # rank, world, ledger: the process group's
+    rank = ray.train.get_context().get_world_rank()
+    Path(cfg["out"], f"r{rank}.json").write_text(json.dumps(model.trained))
+
+
+@pytest.mark.slow
+def test_under_ray_train_lightning_integration_two_ranks_equal_and_exactly_once(
+    ray_session, datasets, tmp_path
+):
+    import json
+
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from raypipe.train.rendezvous import BoundStoreTorchConfig
+
+    data = {"source": str(datasets["webdataset"]), "image_size": 8, "batch_size": B,
+            "actors": (2, 2), "actor_cpus": 0.5}  # fmt: skip
+    trainer = TorchTrainer(
+        ray_lightning_func,
+        train_loop_config={"data": data, "out": str(tmp_path)},
+        torch_config=BoundStoreTorchConfig(),
+        scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+        run_config=ray.train.RunConfig(name="lightning", storage_path=str(tmp_path / "runs")),
+    )
+    assert trainer.fit().error is None
+    ranks = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
+    for epoch in range(2):
+        batches = [[keys for e, keys in steps if e == epoch] for steps in ranks]
+        keys = check_exactly_once_and_equal(batches, batch_size=B, good=range(61),
+                                            left_over=2 * B - 1)  # fmt: skip
+        assert len(batches[0]) == 7 and len(keys) == 56
