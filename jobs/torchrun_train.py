@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
                     _log(args.keys_out, rank, epoch, step, batch["key"].tolist())
                 if args.checkpoint and every and step % every == 0:
                     _save(args.checkpoint, rank, net, opt, loader.state_dict())  # all ranks
+                if args.stop_at and (epoch, step) == (0, args.stop_at):
+                    return  # as if the job died here (the tests); no process group teardown
                 if args.state_at and (epoch, step) == (0, args.state_at):
                     state = loader.state_dict()  # a collective: every rank calls it
                     if rank == 0:
@@ -94,11 +96,14 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("config", help="a YAML file with data: and trainer: sections")
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
-                   help="the Ray cluster to join (default: RAY_ADDRESS)")  # fmt: skip
+                   required="RAY_ADDRESS" not in os.environ,
+                   help="the Ray cluster every rank joins (default: RAY_ADDRESS)")  # fmt: skip
     p.add_argument("--checkpoint", help="save to (and resume from) this file")
     p.add_argument("--keys-out", help="a folder: the keys of every batch, per epoch and rank")
     p.add_argument("--state-at", type=int, default=0,
                    help="write the loader's state at this step of epoch 0 into --keys-out")  # fmt: skip
+    p.add_argument("--stop-at", type=int, default=0,
+                   help="stop after this step of epoch 0, as if the job died (tests)")  # fmt: skip
     return p
 
 

@@ -1,6 +1,7 @@
 """For tests/train/test_torchrun.py, inside a network namespace of its own (``unshare -n``):
 a ``ray start --head`` on 127.0.0.1 (token authentication, a token of its own), then
-``torchrun --nproc_per_node=2`` ranks that join it.
+``torchrun --nproc_per_node=2`` ranks that join it, once per entry of ``runs`` (the job's
+arguments after the config and ``--address``).
 
 Run as ``python -m tests.torchrun_head SPEC_JSON``. The namespace has only a loopback
 interface, so neither the head nor torchrun's rendezvous store can listen beyond it. The
@@ -44,15 +45,17 @@ def main(spec: dict) -> int:
                                 start_new_session=True)  # fmt: skip
     try:
         _wait_started(head, log, timeout_s=120)
-        ranks = subprocess.run(
-            [str(BIN / "torchrun"), "--nproc_per_node=2", "--master_addr=127.0.0.1",
-             "--master_port=29500", "jobs/torchrun_train.py", spec["config"],
-             "--address", f"127.0.0.1:{PORT}", "--keys-out", spec["out"],
-             "--state-at", str(spec["state_at"])],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=spec.get("timeout_s", 300),
-        )  # fmt: skip
-        print(ranks.stdout[-4000:], ranks.stderr[-6000:], sep="\n", flush=True)
-        return ranks.returncode
+        for args in spec["runs"]:  # one torchrun after the other, on the same head
+            ranks = subprocess.run(
+                [str(BIN / "torchrun"), "--nproc_per_node=2", "--master_addr=127.0.0.1",
+                 "--master_port=29500", "jobs/torchrun_train.py", spec["config"],
+                 "--address", f"127.0.0.1:{PORT}", *args],
+                cwd=ROOT, env=env, capture_output=True, text=True, timeout=spec.get("timeout_s", 300),
+            )  # fmt: skip
+            print(ranks.stdout[-4000:], ranks.stderr[-6000:], sep="\n", flush=True)
+            if ranks.returncode != 0:
+                return ranks.returncode
+        return 0
     finally:
         stop_group(head, grace_s=15)
         shutil.rmtree(temp, ignore_errors=True)
