@@ -20,7 +20,7 @@ import functools
 
 import numpy as np
 
-from raypipe.data.shards import Listing
+from raypipe.data.shards import Listing, shard_permutation
 
 __all__ = ["RankPlan", "epoch_keys"]
 assert __all__ == sorted(__all__)
@@ -32,7 +32,7 @@ def epoch_keys(
     """Every key of the epoch in reading order: shards in a ``(seed, epoch)`` permutation
     (the one `raypipe.data.shards.epoch_order` uses), members of a shard in key order."""
     if shuffle:
-        perm = np.random.default_rng([seed, epoch, 0x5EED]).permutation(len(first))
+        perm = shard_permutation(len(first), seed=seed, epoch=epoch)
         first, counts = first[perm], counts[perm]
     total = int(counts.sum())
     offsets = np.cumsum(counts) - counts
@@ -122,8 +122,8 @@ def _rank_keys(plan: RankPlan, epoch: int) -> np.ndarray:
     first, counts = plan.first, plan.counts
     resumed = epoch == plan.resume_epoch and plan.consumed is not None
     left = counts - _consumed_per_shard(plan.consumed, counts) if resumed else counts
-    if plan.shuffle:  # the permutation of `epoch_keys`
-        perm = np.random.default_rng([plan.seed, epoch, 0x5EED]).permutation(len(first))
+    if plan.shuffle:
+        perm = shard_permutation(len(first), seed=plan.seed, epoch=epoch)
         first, counts, left = first[perm], counts[perm], left[perm]
     # left: (shards,) samples each shard still holds this epoch, in reading order
     ends = np.cumsum(left)
