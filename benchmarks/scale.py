@@ -15,6 +15,8 @@ way it was done before so that a change shows as a pair of numbers.
           step: messages per rank per second and the wait on the ledger per step. The
           ranks are driven round-robin from one thread: every rank's block of a step is
           reported before any rank asks for its batch. With --ledger-steps steps.
+          Then the reports per second one ledger actor serves, sent as fast as one
+          driver can: the ranks it can serve at that many messages each.
 
     python benchmarks/scale.py [--ranks 8 64 256 1024] [--samples 1e9] [--shards 1e5]
 
@@ -137,6 +139,22 @@ def ledger_point(world: int, steps: int) -> dict:
             "simulated_s_per_wall_s": steps * STEP_S / wall}  # fmt: skip
 
 
+def ledger_capacity(reports: int) -> dict:
+    """Reports one `EpochLedger` actor serves per second, sent as fast as one driver can."""
+    import ray
+
+    from raypipe.loader.ledger import create_ledger
+
+    ledger = create_ledger(1024)
+    ray.get(ledger.report.remote("warm", 0, 0, 0, False))
+    t0 = time.perf_counter()
+    refs = [ledger.report.remote("full", 0, i % 1024, i, False) for i in range(reports)]
+    ray.get(refs)
+    wall = time.perf_counter() - t0
+    ray.kill(ledger)
+    return {"reports": reports, "served_per_s": reports / wall}
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -203,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
         start_ray()
         try:
             result["ledger"] = [ledger_point(w, args.ledger_steps) for w in args.ranks]
+            result["ledger_capacity"] = ledger_capacity(20_000)
         finally:
             localray.shutdown()
         print(f"\nthe ledger on clean data, {args.ledger_steps} steps of {STEP_S * 1e3:.0f} ms")
@@ -212,6 +231,10 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{r['ranks']:6d} {r['messages_per_rank_s']:12.1f} {r['wait_per_step_ms']:13.3f} "
                   f"{r['wait_per_step_max_ms']:8.2f} {100 * r['wait_share_of_step']:10.2f} "
                   f"{r['simulated_s_per_wall_s']:15.2f}")  # fmt: skip
+        cap = result["ledger_capacity"]["served_per_s"]
+        print(f"one ledger actor serves {cap:,.0f} reports/s: at "
+              f"{result['ledger'][-1]['messages_per_rank_s']:.0f} per rank per second, "
+              f"{cap / result['ledger'][-1]['messages_per_rank_s']:,.0f} ranks")  # fmt: skip
         plot(result, args.out / "scale.png")
     (args.out / "scale.json").write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out / 'scale.json'}")
