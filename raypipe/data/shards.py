@@ -83,12 +83,17 @@ def list_shards(config: PipelineConfig) -> Listing:
     return Listing(fmt, tuple(shards), classes, reader, labels)
 
 
+def shard_permutation(count: int, *, seed: int, epoch: int) -> np.ndarray:
+    """The order an epoch reads ``count`` shards in, seeded by (seed, epoch): the one rule
+    every plan of an epoch (the driver's, each rank's, each actor's) follows."""
+    return np.random.default_rng([seed, epoch, 0x5EED]).permutation(count)
+
+
 def epoch_order(shards: tuple[Shard, ...], *, seed: int, epoch: int, shuffle: bool) -> list[Shard]:
-    """The shards in the order this epoch reads them: a permutation seeded by (seed, epoch)."""
+    """The shards in the order this epoch reads them: `shard_permutation`."""
     if not shuffle:
         return list(shards)
-    perm = np.random.default_rng([seed, epoch, 0x5EED]).permutation(len(shards))
-    return [shards[i] for i in perm]
+    return [shards[i] for i in shard_permutation(len(shards), seed=seed, epoch=epoch)]
 
 
 def _files_with(paths: list[str], ext: str, storage: Storage) -> Iterator[str]:
