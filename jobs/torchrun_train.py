@@ -69,9 +69,7 @@ def main(argv: list[str] | None = None) -> None:
                 if args.state_at and (epoch, step) == (0, args.state_at):
                     state = loader.state_dict()  # a collective: every rank calls it
                     if rank == 0:
-                        consumed = state["consumed"].numpy()
-                        Path(args.keys_out, "state.json").write_text(json.dumps(
-                            {"epoch": state["epoch"], "bits": consumed.tolist()}))  # fmt: skip
+                        _write_state(Path(args.keys_out, "state.json"), state)
             print(f"rank {rank} epoch {epoch}: {steps} steps, loss {loss_sum / max(steps, 1):.4f}",
                   flush=True)  # fmt: skip
     dist.destroy_process_group()
@@ -85,6 +83,17 @@ def _save(path: str, rank: int, net, opt, loader_state: dict) -> None:
         torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "loader": loader_state},
                    tmp)  # fmt: skip
         os.replace(tmp, path)
+
+
+def _write_state(path: Path, state: dict) -> None:
+    """The keys a `raypipe.Loader.state_dict()` marks consumed, as JSON (the tests)."""
+    import numpy as np
+
+    from raypipe.train.state import PipelineState
+
+    consumed = PipelineState.from_bytes(state["state"].numpy().tobytes()).consumed
+    keys = np.flatnonzero(consumed).tolist()
+    path.write_text(json.dumps({"epoch": state["epoch"], "consumed": keys}))
 
 
 def _log(folder: str, rank: int, epoch: int, step: int, keys: list[int]) -> None:

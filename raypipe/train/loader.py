@@ -5,8 +5,8 @@
    iter(loader)  ──► next(pipeline.epochs())  one Pipeline, one pool, for the whole run:
    iter(loader)  ──► the next epoch ...      what an epoch left unread is dropped
    len(loader)      this rank's batches of a whole epoch (every rank the same)
-   state_dict()     PipelineState as a dict: the epoch, the keys consumed over all ranks
-                    (one all_reduce when torch.distributed is up: every rank calls it)
+   state_dict()     {"epoch", "state"}: PipelineState's bytes, the keys consumed over all
+                    ranks (one all_reduce when torch.distributed is up: every rank calls it)
    load_state_dict  the next iter() resumes there: the rest of that epoch, then whole ones
 ```
 
@@ -169,8 +169,9 @@ class Loader:
     # -- resume state -----------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the run stands over all ranks: the epoch being read with the keys handed
-        out so far (or the next epoch, none), as plain values and a tensor of packed bits.
+        """Where the run stands over all ranks: ``epoch``, the one being read (or the next
+        one), and ``state``, the `raypipe.train.state.PipelineState` that `train_ddp`
+        checkpoints (the keys handed out so far), as the bytes of its file in a tensor.
 
         With torch.distributed initialized this is a collective: every rank calls it
         together (Lightning does, on every rank, when it checkpoints)."""
@@ -184,21 +185,19 @@ class Loader:
         n = self.listing.num_samples
         mine = merge_states([{"keys": keys}], n, base)
         consumed = any_rank(mine, device=self._collective_device())
-        return {"epoch": epoch, "seed": self.config.seed, "num_samples": n,
-                "fingerprint": fingerprint(self.listing),
-                "consumed": torch.from_numpy(np.packbits(consumed))}  # fmt: skip
+        state = PipelineState(epoch, self.config.seed, n, fingerprint(self.listing), consumed)
+        return {"epoch": epoch, "state": torch.frombuffer(bytearray(state.to_bytes()),
+                                                          dtype=torch.uint8)}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at ``state`` (a `state_dict`, of any world size): the next ``iter()``
         gives the rest of its epoch, exactly once over the ranks, then whole epochs."""
-        try:
-            n = int(state["num_samples"])
-            bits = np.asarray(state["consumed"], dtype=np.uint8)
-            resumed = PipelineState(int(state["epoch"]), int(state["seed"]), n,
-                                    str(state["fingerprint"]),
-                                    np.unpackbits(bits, count=n).astype(bool))  # fmt: skip
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"not a Loader.state_dict(): {e!r}") from None
+        data = state.get("state") if isinstance(state, dict) else None
+        if data is None:
+            raise ValueError(f"not a Loader.state_dict(): {type(state).__name__} without 'state'")
+        data = data.cpu().numpy() if hasattr(data, "cpu") else data  # a tensor: any device
+        resumed = PipelineState.from_bytes(np.asarray(data, dtype=np.uint8).tobytes(),
+                                           source="the Loader state")  # fmt: skip
         resumed.check(self.listing, self.config.seed)
         if not 0 <= resumed.epoch <= self.num_epochs:
             raise ValueError(f"the state is at epoch {resumed.epoch}: epochs={self.num_epochs}")

@@ -68,12 +68,31 @@ class PipelineState:
                 f"got {self.consumed.dtype} {self.consumed.shape}"
             )
 
-    def save(self, path: str | os.PathLike) -> int:
-        """Write the state atomically (temp file + rename); returns the bytes written."""
+    def to_bytes(self) -> bytes:
+        """The state as `save` writes it: magic, header, deflated bits (`raypipe.Loader`
+        carries these bytes in its ``state_dict()``)."""
         fields = {k: getattr(self, k) for k in ("epoch", "seed", "num_samples", "fingerprint")}
         header = json.dumps({**fields, "bits": "deflate"}).encode()
         bits = zlib.compress(np.packbits(self.consumed), _LEVEL)
-        data = b"".join((_MAGIC, len(header).to_bytes(4, "little"), header, bits))
+        return b"".join((_MAGIC, len(header).to_bytes(4, "little"), header, bits))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, source: str = "the data") -> PipelineState:
+        """The state `to_bytes` made; ValueError naming ``source`` for anything else."""
+        if not data.startswith(_MAGIC):
+            raise ValueError(f"{source} is not a raypipe pipeline checkpoint")
+        size = int.from_bytes(data[8:12], "little")
+        header = json.loads(data[12 : 12 + size])
+        bits = memoryview(data)[12 + size :]
+        if header.pop("bits", None) == "deflate":
+            bits = zlib.decompress(bits)
+        bits = np.frombuffer(bits, dtype=np.uint8)
+        consumed = np.unpackbits(bits, count=header["num_samples"]).astype(bool)
+        return cls(consumed=consumed, **header)
+
+    def save(self, path: str | os.PathLike) -> int:
+        """Write the state atomically (temp file + rename); returns the bytes written."""
+        data = self.to_bytes()
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "wb") as f:
             f.write(data)
@@ -86,17 +105,7 @@ class PipelineState:
         if os.path.isdir(path):
             path = os.path.join(path, STATE_FILE)
         with open(path, "rb") as f:
-            data = f.read()
-        if not data.startswith(_MAGIC):
-            raise ValueError(f"{str(path)!r} is not a raypipe pipeline checkpoint")
-        size = int.from_bytes(data[8:12], "little")
-        header = json.loads(data[12 : 12 + size])
-        bits = memoryview(data)[12 + size :]
-        if header.pop("bits", None) == "deflate":
-            bits = zlib.decompress(bits)
-        bits = np.frombuffer(bits, dtype=np.uint8)
-        consumed = np.unpackbits(bits, count=header["num_samples"]).astype(bool)
-        return cls(consumed=consumed, **header)
+            return cls.from_bytes(f.read(), source=repr(str(path)))
 
     def check(self, listing: Listing, seed: int) -> None:
         """Refuse to resume on other data or another seed (the keys would mean other samples)."""

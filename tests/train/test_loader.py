@@ -8,10 +8,12 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from raypipe import Loader, Pipeline, PipelineConfig
 from raypipe.loader.ledger import RanksDisagree
 from raypipe.train.loader import MISUSE
+from raypipe.train.state import PipelineState
 from tests.properties import check_exactly_once_and_equal, keys_of
 from tests.ranks import in_threads
 
@@ -99,8 +101,10 @@ def test_resume_mid_epoch_from_state_dict_with_another_world_size(ray_session, d
     (seen0, st0), (seen1, st1) = _ranks(body)
     before = np.concatenate(seen0 + seen1)
     assert st0["epoch"] == st1["epoch"] == 0
-    merged = dict(st0, consumed=st0["consumed"] | st1["consumed"])
-    consumed = np.unpackbits(merged["consumed"].numpy(), count=61).astype(bool)
+    a, b = (PipelineState.from_bytes(s["state"].numpy().tobytes()) for s in (st0, st1))
+    consumed = a.consumed | b.consumed  # what the all_reduce of a process group does
+    both = PipelineState(a.epoch, a.seed, a.num_samples, a.fingerprint, consumed)
+    merged = {"epoch": 0, "state": torch.frombuffer(bytearray(both.to_bytes()), dtype=torch.uint8)}
     assert sorted(np.flatnonzero(consumed).tolist()) == sorted(before.tolist())
 
     with Loader(config, epochs=2, world_size=1, rank=0, device="cpu") as loader:
