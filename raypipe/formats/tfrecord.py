@@ -179,7 +179,7 @@ def read(reader, path: str, first_key: int, label: int,
                 yield RawSample(key, -1, None, file if offset == 0 else where, why[1], why[0])
                 return
             skip = done is not None and done[i]
-            sample = _record(f, key, where, length, skip, reader)
+            sample = _record(f, key, offset, file, length, skip, reader)
             if sample is not None:
                 yield sample
                 if sample.reason == "truncated_shard":
@@ -188,8 +188,10 @@ def read(reader, path: str, first_key: int, label: int,
             i += 1
 
 
-def _record(f, key: int, where: str, length: int, skip: bool, reader) -> RawSample | None:
-    """The sample of one record whose header was read; None when ``skip`` (consumed)."""
+def _record(f, key: int, offset: int, file: str, length: int, skip: bool,
+            reader) -> RawSample | None:  # fmt: skip
+    """The sample of the record at ``offset`` whose header was read; None when ``skip``."""
+    where = f"{file}@{offset}"
     if skip and not isinstance(f, gzip.GzipFile):
         f.seek(length + 4, os.SEEK_CUR)  # a consumed record's bytes are not read
         return None
@@ -198,14 +200,14 @@ def _record(f, key: int, where: str, length: int, skip: bool, reader) -> RawSamp
     except (OSError, EOFError) as e:
         return RawSample(key, -1, None, where, os_error(e), "truncated_shard")
     if len(body) < length + 4:
-        return RawSample(key, -1, None, where, f"the file ends inside the record at {where}",
-                         "truncated_shard")  # fmt: skip
+        detail = f"the file ends inside the record at byte {offset}"
+        return RawSample(key, -1, None, where, detail, "truncated_shard")
     if skip:
         return None
     data = body[:length]
     if masked_crc(data) != struct.unpack("<I", body[length:])[0]:
-        return RawSample(key, -1, None, where, f"data CRC fails for the record at {where}",
-                         "bad_checksum")  # fmt: skip
+        detail = f"data CRC fails for the record at byte {offset}"
+        return RawSample(key, -1, None, where, detail, "bad_checksum")
     return _sample(data, key, where, reader)
 
 
