@@ -20,6 +20,7 @@ from raypipe.formats import pieces
 from raypipe.formats.storage import Storage
 from raypipe.formats.tfrecord import scan
 from tests.formats.test_formats import labels_of, png, run_epoch
+from tests.formats.test_storage import BUCKET, keys_and_labels, s3  # noqa: F401 (a fixture)
 from tests.properties import check_exactly_once_and_equal
 from tests.ranks import run_ranks
 
@@ -200,3 +201,33 @@ def test_convert_writes_tfrecord_that_the_tfrecord_package_reads(ray_session, tm
     report = capsys.readouterr().out
     assert "tfrecord (inferred)" in report and "feature 'label' (int64)" in report
     assert "TFDS" in report and "4 good" in report
+
+
+# --- object storage -------------------------------------------------------------------
+
+
+def test_a_tfrecord_source_in_s3_reads_as_its_local_copy(ray_session, tmp_path, s3, monkeypatch):  # noqa: F811
+    """Shards on the loopback S3 server, one with a ``.index`` beside it, the other's offsets
+    read from its record headers with ranged reads; in pieces, exactly once, labels kept."""
+    import boto3
+    from tfrecord.tools.tfrecord2idx import create_index
+
+    labels = labels_of(40, seed=21)
+    root = tf_shards(tmp_path / "tf", labels, per_shard=20)
+    first = sorted(root.iterdir())[0]
+    create_index(str(first), str(first) + ".index")
+    opts = s3["options"]
+    client = boto3.client("s3", endpoint_url=s3["url"], region_name="us-east-1",
+                          aws_access_key_id=opts["access_key"],
+                          aws_secret_access_key=opts["secret_key"])  # fmt: skip
+    for path in root.iterdir():
+        client.upload_file(str(path), BUCKET, f"tfrecord/{path.name}")
+    monkeypatch.setattr(pieces, "PIECE_BYTES", 5 * len(png(0)))
+    local = PipelineConfig(source=str(root), image_size=8, batch_size=4, actors=(1, 1))
+    remote = local.replace(source=f"s3://{BUCKET}/tfrecord/", storage_options=opts)
+    a, b = list_shards(local), list_shards(remote)
+    assert b.format == "tfrecord" and b.reader.storage.remote and len(b.shards) >= 6
+    assert [(s.path.split("/tfrecord/")[1], s.first_key, s.num_samples) for s in b.shards] == [
+        (s.path.split("/tf/")[1], s.first_key, s.num_samples) for s in a.shards
+    ]
+    assert keys_and_labels(remote) == dict(enumerate(labels))
