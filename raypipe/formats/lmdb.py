@@ -41,13 +41,18 @@ def is_shard(path: str) -> bool:
     return base == "data.mdb" or base.lower().endswith(".lmdb")
 
 
-@functools.lru_cache(maxsize=64)
-def _env(path: str):
-    """The environment of a shard file, opened once per process (LMDB's rule)."""
+def _lmdb():
     try:
         import lmdb
     except ImportError:
         raise ImportError(MISSING) from None
+    return lmdb
+
+
+@functools.lru_cache(maxsize=64)
+def _env(path: str):
+    """The environment of a shard file, opened once per process (LMDB's rule)."""
+    lmdb = _lmdb()
     subdir = os.path.basename(path) == "data.mdb"
     where = os.path.dirname(path) if subdir else path
     return lmdb.open(where, subdir=subdir, readonly=True, lock=False, readahead=False,
@@ -69,6 +74,7 @@ def _check_local(reader) -> None:
 def pieces(reader, path: str, listed: frozenset[str] = frozenset()) -> list[tuple[str, int]]:
     """The environment's keys cut into pieces of about ``PIECE_BYTES`` of values."""
     _check_local(reader)
+    _lmdb()  # a missing library fails the listing, naming the extra
     try:
         with _env(path).begin(buffers=True) as txn:
             items = [(bytes(k), len(v)) for k, v in txn.cursor() if not _is_meta(bytes(k))]
