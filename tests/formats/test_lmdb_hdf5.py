@@ -147,3 +147,18 @@ def test_bad_input(tmp_path):
     with pytest.raises(ValueError) as e:
         list_shards(PipelineConfig(source="memory://envs/train", format="lmdb"))
     assert "\n" not in str(e.value) and "memory-maps" in str(e.value)
+
+
+def test_hdf5_from_object_storage_reads_as_its_local_copy(tmp_path):
+    """Through a remote file system (fsspec's in-memory one here): ranged reads of the file."""
+    import fsspec
+
+    labels = labels_of(12, seed=35)
+    h5_file(tmp_path / "a.h5", labels, raw=True)
+    fsspec.filesystem("memory").pipe("/h5/a.h5", (tmp_path / "a.h5").read_bytes())
+    local, remote = (PipelineConfig(source=s) for s in (str(tmp_path / "a.h5"), "memory://h5"))
+    got = [list_shards(c) for c in (local, remote)]
+    assert got[1].reader.storage.remote
+    a, b = ([(r.key, r.label, r.data) for s in g.shards for r in g.reader.read(s.path, s.first_key, -1)]
+            for g in got)  # fmt: skip
+    assert a == b and [r[1] for r in a] == labels

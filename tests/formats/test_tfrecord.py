@@ -12,7 +12,7 @@ import shutil
 import numpy as np
 import pytest
 
-from raypipe import PipelineConfig, SampleError, SkipLog, build_dataset
+from raypipe import PipelineConfig, SampleError, SkipBudgetError, SkipLog, build_dataset
 from raypipe.cli import main
 from raypipe.data.rankplan import RankPlan
 from raypipe.data.shards import list_shards
@@ -115,6 +115,8 @@ def test_a_flipped_byte_skips_exactly_that_record_with_its_offset(ray_session, t
     assert report["records"][0]["where"] == f"{shard}@{offsets[4]}"
     with pytest.raises(SampleError, match=rf"{shard}@{offsets[4]} \(key 14\): bad_checksum"):
         run_epoch(config.replace(on_error="raise"))
+    with pytest.raises(SkipBudgetError, match="bad_checksum"):  # 1 of 20 > 1 %
+        run_epoch(config.replace(max_skipped=0.01))
 
 
 def test_truncation_other_files_and_unknown_names(tmp_path):
