@@ -142,10 +142,9 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     roots = write_formats(make_corpus(args.out, args.images), args.out)
     reads = {fmt: read_only(roots[fmt], fmt) for fmt in FORMATS}
-    import ray
-
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False,
-             log_to_driver=False, configure_logging=False)  # fmt: skip
+    # raypipe's own local Ray: every server on 127.0.0.1 (docs/security.md)
+    localray.start("local", num_cpus=os.cpu_count(), include_dashboard=False,
+                   log_to_driver=False, configure_logging=False)  # fmt: skip
     rounds: list[dict[str, dict]] = []
     try:
         for r in range(args.rounds):
