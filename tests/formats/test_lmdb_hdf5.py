@@ -7,6 +7,7 @@ grays whose level encodes the label (`test_formats`)."""
 from __future__ import annotations
 
 import pickle
+import sys
 
 import numpy as np
 import pytest
@@ -162,3 +163,26 @@ def test_hdf5_from_object_storage_reads_as_its_local_copy(tmp_path):
     a, b = ([(r.key, r.label, r.data) for s in g.shards for r in g.reader.read(s.path, s.first_key, -1)]
             for g in got)  # fmt: skip
     assert a == b and [r[1] for r in a] == labels
+
+
+@pytest.mark.parametrize(
+    "fmt, modules, extra",
+    [("tfrecord", ["crc32c", "google_crc32c"], "tfrecord"), ("lmdb", ["lmdb"], "lmdb"),
+     ("hdf5", ["h5py"], "hdf5")],
+)  # fmt: skip
+def test_a_missing_library_names_its_extra(tmp_path, monkeypatch, fmt, modules, extra):
+    from raypipe.formats import tfexample
+    from tests.formats.test_tfrecord import tf_shards
+
+    if fmt == "tfrecord":
+        tf_shards(tmp_path / fmt, [1, 2])
+    elif fmt == "lmdb":
+        lmdb_env(tmp_path / fmt, [1, 2])
+    else:
+        (tmp_path / fmt).mkdir()
+        h5_file(tmp_path / fmt / "a.h5", [1, 2], chunk=1)
+    monkeypatch.setattr(tfexample, "_crc32c", None)  # CRC32C's library is looked up again
+    for name in modules:
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` raises ImportError
+    with pytest.raises(ImportError, match=rf"pip install 'raypipe\[{extra}\]'"):
+        list_shards(PipelineConfig(source=str(tmp_path / fmt)))
