@@ -128,14 +128,21 @@ def _load(value: bytes):
         return pickle.loads(value)
 
 
-def _fields(value) -> tuple[object, object, list[str]] | tuple[None, None, list[str]]:
-    """``(image, label, field names)`` of a loaded value, by the reader's names for a dict."""
-    if isinstance(value, (tuple, list)):
-        names = [f"[{i}]" for i in range(len(value))]
-        return (value[0], value[1], names) if len(value) >= 2 else (None, None, names)
+def _image_label(value, reader) -> tuple[object, object, str | None]:
+    """``(image, label, None)`` of a loaded value: a tuple's first two items, or a dict's
+    ``image_column`` / ``label_column``; ``(None, None, why)`` when it has neither."""
+    if isinstance(value, (tuple, list)) and len(value) >= 2:
+        return value[0], value[1], None
     if isinstance(value, dict):
-        return None, None, [str(k) for k in value]
-    return None, None, [type(value).__name__]
+        if reader.image_column in value and reader.label_column in value:
+            return value[reader.image_column], value[reader.label_column], None
+        names = [str(k) for k in value]
+        return (
+            None,
+            None,
+            unknown_fields("the value", names, reader.image_column, reader.label_column),
+        )
+    return None, None, f"a {type(value).__name__} value, not an (image, label) tuple or a dict"
 
 
 def _sample(raw: bytes, key: int, where: str, reader) -> RawSample:
@@ -144,15 +151,9 @@ def _sample(raw: bytes, key: int, where: str, reader) -> RawSample:
     except Exception as e:
         return RawSample(key, -1, None, where, f"not pickle or msgpack: {type(e).__name__}: {e}",
                          "bad_record")  # fmt: skip
-    image, label, names = _fields(value)
-    if isinstance(value, dict):
-        if reader.image_column not in value or reader.label_column not in value:
-            detail = unknown_fields("the value", names, reader.image_column, reader.label_column)
-            return RawSample(key, -1, None, where, detail, "missing_column")
-        image, label = value[reader.image_column], value[reader.label_column]
-    elif image is None:
-        return RawSample(key, -1, None, where, f"a value of {names}, not (image, label)",
-                         "missing_column")  # fmt: skip
+    image, label, why = _image_label(value, reader)
+    if why is not None:
+        return RawSample(key, -1, None, where, why, "missing_column")
     if isinstance(image, (bytearray, memoryview)):
         image = bytes(image)
     if not isinstance(image, bytes):

@@ -26,6 +26,7 @@ import gzip
 import os
 import re
 import struct
+import zlib
 from collections.abc import Iterator
 
 import numpy as np
@@ -47,6 +48,7 @@ CONVENTIONS = (
 SUFFIXES = (".tfrecord", ".tfrecords", ".tfrecord.gz", ".tfrecords.gz")
 INDEX_SUFFIXES = (".index", ".tfindex", ".idx")  # beside the shard, with or without its suffix
 _SHARDED = re.compile(r"-\d+-of-\d+$")
+READ_ERRORS = (OSError, EOFError, zlib.error)  # zlib.error: a damaged GZIP stream
 
 
 def is_shard(path: str) -> bool:
@@ -64,7 +66,7 @@ def _open(storage: Storage, path: str):
 
 def scan(storage: Storage, path: str, listed: frozenset[str] = frozenset()):
     """``(offsets, sizes, tail)`` of a shard's records; ``tail`` (None, or a ``(reason,
-    detail)`` at the end) is a lost rest counted as one more sample. Raises OSError."""
+    detail)`` at the end) is a lost rest counted as one more sample. Raises `READ_ERRORS`."""
     index = _index(storage, path, listed)
     if index is not None:
         return index[0], index[1], None
@@ -130,7 +132,7 @@ def pieces(reader, path: str, listed: frozenset[str] = frozenset()) -> list[tupl
     (a GZIP file, or a file that fits one piece, stays whole)."""
     try:
         offsets, sizes, tail = scan(reader.storage, path, listed)
-    except OSError:
+    except READ_ERRORS:
         return [(path, 1)]  # the reader yields one unreadable_shard sample for it
     total = len(offsets) + (tail is not None)
     runs = cut(sizes + ([0] if tail is not None else []))
@@ -160,23 +162,23 @@ def read(reader, path: str, first_key: int, label: int,
         f = _open(reader.storage, file)
         if offset:
             f.seek(offset)
-    except OSError as e:
+    except READ_ERRORS as e:
         yield RawSample(first_key, -1, None, file, os_error(e), "unreadable_shard")
         return
     with f:
         i = 0
         while n is None or i < n:
-            key, where = first_key + i, f"{file}@{offset}"
+            key, where = first_key + i, f"{file}@{offset}" if offset else file
             try:
                 head = f.read(HEADER)
-            except (OSError, EOFError) as e:
+            except READ_ERRORS as e:
                 yield RawSample(key, -1, None, where, os_error(e), "unreadable_shard")
                 return
             if not head and n is None:
                 return
             length, why = _length(head, offset)
             if why is not None:
-                yield RawSample(key, -1, None, file if offset == 0 else where, why[1], why[0])
+                yield RawSample(key, -1, None, where, why[1], why[0])
                 return
             skip = done is not None and done[i]
             sample = _record(f, key, offset, file, length, skip, reader)
@@ -197,7 +199,7 @@ def _record(f, key: int, offset: int, file: str, length: int, skip: bool,
         return None
     try:
         body = f.read(length + 4)
-    except (OSError, EOFError) as e:
+    except READ_ERRORS as e:
         return RawSample(key, -1, None, where, os_error(e), "truncated_shard")
     if len(body) < length + 4:
         detail = f"the file ends inside the record at byte {offset}"
@@ -253,7 +255,7 @@ def labels(reader, paths: list[str]) -> tuple[tuple[str, ...], str]:
                 head = f.read(HEADER)
                 length, why = _length(head, 0)
                 features = parse_example(f.read(length)) if why is None else None
-        except (OSError, EOFError, ValueError, IndexError, UnicodeDecodeError):
+        except (*READ_ERRORS, ValueError, IndexError, UnicodeDecodeError):
             continue  # an unreadable shard: its samples are skipped by the reader
         if not features:
             continue

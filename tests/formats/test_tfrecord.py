@@ -130,9 +130,11 @@ def test_truncation_other_files_and_unknown_names(tmp_path):
     assert [r.label for r in got[:7]] == labels[:7]
     assert got[7].reason == "truncated_shard" and f"byte {offsets[7]}" in got[7].error
     (root / "notes-00001-of-00002.tfrecord").write_bytes(png(1))  # not TFRecord at all
+    (root / "notes.tfrecord.gz").write_bytes(b"not GZIP")
     odd = [r for r in records(PipelineConfig(source=str(root))) if r.where.startswith(str(root / "notes"))]  # fmt: skip
     assert [(r.reason, r.where) for r in odd] == [
-        ("unreadable_shard", str(root / "notes-00001-of-00002.tfrecord"))
+        ("unreadable_shard", str(root / "notes-00001-of-00002.tfrecord")),
+        ("unreadable_shard", str(root / "notes.tfrecord.gz")),
     ]
     with pytest.raises(ValueError) as e:
         list_shards(PipelineConfig(source=str(root), image_column="jpg", label_column="y"))
