@@ -14,7 +14,7 @@ import pytest
 
 from raypipe import PipelineConfig
 from raypipe.data.shards import list_shards
-from raypipe.formats import pieces
+from raypipe.formats import infer_format, pieces
 from tests.formats.test_formats import labels_of, level, png, run_epoch
 from tests.properties import check_exactly_once_and_equal
 from tests.ranks import run_ranks
@@ -186,3 +186,16 @@ def test_a_missing_library_names_its_extra(tmp_path, monkeypatch, fmt, modules, 
         monkeypatch.setitem(sys.modules, name, None)  # `import name` raises ImportError
     with pytest.raises(ImportError, match=rf"pip install 'raypipe\[{extra}\]'"):
         list_shards(PipelineConfig(source=str(tmp_path / fmt)))
+
+
+@pytest.mark.parametrize(
+    "name, fmt",
+    [("train-00000-of-01024", "tfrecord"), ("a.tfrecords", "tfrecord"),
+     ("a.tfrecord.gz", "tfrecord"), ("env/data.mdb", "lmdb"), ("train.lmdb", "lmdb"),
+     ("a.h5", "hdf5"), ("a.HDF5", "hdf5"), ("train-00000-of-00004.tar", "webdataset")],
+)  # fmt: skip
+def test_file_names_give_the_format(tmp_path, name, fmt):
+    (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / name).write_bytes(b"")
+    (tmp_path / "train-00000-of-01024.index").write_bytes(b"")  # an index is no shard
+    assert infer_format([str(tmp_path)]) == fmt
