@@ -1,6 +1,7 @@
 """LMDB environments as the common PyTorch LMDB recipes write them: a directory holding
 ``data.mdb`` (or a single ``*.lmdb`` file, ``subdir=False``), one sample per key, each value
-a pickled (or msgpack) ``(image_bytes, label)`` tuple or ``{"image": ..., "label": ...}`` dict.
+a pickled (or msgpack) ``(image_bytes, label)`` tuple or ``{"image": ..., "label": ...}`` dict
+(the image encoded bytes, or a uint8 H×W×3 pixel array: it reaches the decoder as a PPM).
 
 ```
  driver: keys in LMDB's order (metadata keys like ``__keys__`` / ``__len__`` left out)
@@ -27,7 +28,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from raypipe.formats.pieces import cut, piece_path, split_piece
-from raypipe.formats.records import as_label, unknown_fields
+from raypipe.formats.records import as_label, pixels_to_pnm, unknown_fields
 from raypipe.formats.sample import RawSample
 
 __all__ = ["count", "is_shard", "labels", "pieces", "read"]
@@ -145,6 +146,15 @@ def _image_label(value, reader) -> tuple[object, object, str | None]:
     return None, None, f"a {type(value).__name__} value, not an (image, label) tuple or a dict"
 
 
+def _image_bytes(image) -> bytes:
+    """Encoded bytes as they are; a uint8 pixel array (H×W, H×W×1, H×W×3) as a PPM / PGM."""
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return bytes(image)
+    if isinstance(image, np.ndarray):
+        return image.tobytes() if image.ndim == 1 else pixels_to_pnm(image)
+    raise ValueError(f"the image is {type(image).__name__}, not bytes or a uint8 array")
+
+
 def _sample(raw: bytes, key: int, where: str, reader) -> RawSample:
     try:
         value = _load(raw)
@@ -154,11 +164,10 @@ def _sample(raw: bytes, key: int, where: str, reader) -> RawSample:
     image, label, why = _image_label(value, reader)
     if why is not None:
         return RawSample(key, -1, None, where, why, "missing_column")
-    if isinstance(image, (bytearray, memoryview)):
-        image = bytes(image)
-    if not isinstance(image, bytes):
-        return RawSample(key, -1, None, where, f"the image is {type(image).__name__}, not bytes",
-                         "wrong_type")  # fmt: skip
+    try:
+        image = _image_bytes(image)
+    except ValueError as e:
+        return RawSample(key, -1, None, where, str(e), "wrong_type")
     number = as_label(label)
     if number is None:
         return RawSample(

@@ -21,8 +21,9 @@ from tests.ranks import run_ranks
 
 
 def lmdb_env(path, labels: list[int], *, codec="pickle", names=("image", "label")):
-    """One environment directory (``data.mdb``): ``{i:08d}`` → ``(png, label)`` pickled, or
-    a msgpack dict with ``names``; plus the recipes' ``__keys__`` and ``__len__`` entries."""
+    """One environment directory (``data.mdb``): ``{i:08d}`` → ``(png, label)`` pickled (or
+    ``(pixels, label)``), or a msgpack dict with ``names``; plus the recipes' ``__keys__`` and
+    ``__len__`` entries."""
     import lmdb
     import msgpack
 
@@ -32,6 +33,8 @@ def lmdb_env(path, labels: list[int], *, codec="pickle", names=("image", "label"
         for key, label in zip(keys, labels, strict=True):
             if codec == "pickle":
                 value = pickle.dumps((png(label), label))
+            elif codec == "pixels":  # a decoded H×W×3 array, as some recipes keep
+                value = pickle.dumps((np.full((10, 12, 3), level(label), np.uint8), label))
             else:
                 value = msgpack.packb({names[0]: png(label), names[1]: label, "src": "gen"})
             txn.put(key, value)
@@ -57,10 +60,10 @@ def h5_file(path, labels: list[int], *, raw=False, names=("images", "labels"), c
     return path
 
 
-@pytest.mark.parametrize("codec", ["pickle", "msgpack"])
+@pytest.mark.parametrize("codec", ["pickle", "msgpack", "pixels"])
 def test_lmdb_every_sample_once_with_its_label(ray_session, tmp_path, codec):
     labels = labels_of(20, seed=31)
-    names = ("image", "label") if codec == "pickle" else ("img", "target")
+    names = ("img", "target") if codec == "msgpack" else ("image", "label")
     lmdb_env(tmp_path / "train.lmdb", labels, codec=codec, names=names)
     config = PipelineConfig(source=str(tmp_path / "train.lmdb"), image_size=8, batch_size=4,
                             image_column=names[0], label_column=names[1], actors=(1, 1))  # fmt: skip
