@@ -2,8 +2,10 @@
 
 The bottom of the data path: `raypipe.formats.storage` (local disk or object storage),
 and one module per format, `imagefolder`, `webdataset` (tar shards), `parquet`, and the
-record formats `tfrecord`, `lmdb` and `hdf5`, each registered once in `FORMATS`. A `Reader` holds one source's read settings and is what
-the preprocessing actors get; everything else looks a format up by name.
+record formats `tfrecord`, `lmdb` and `hdf5` (large files listed in pieces,
+`raypipe.formats.pieces`), each registered once in `FORMATS`. A `Reader` holds one
+source's read settings and is what the preprocessing actors get; everything else looks a
+format up by name.
 
 Bad data never raises in a reader: a sample that cannot be read is yielded with a
 ``reason`` (one of ``raypipe.data.skips.REASONS``) for the skip policy to act on.
@@ -73,15 +75,27 @@ FORMATS: dict[str, Format] = {
         tfrecord.count,
         tfrecord.labels,
         tfrecord.write,
-        tfrecord.is_shard,
-        tfrecord.pieces,
-    ),  # fmt: skip
+        names=tfrecord.is_shard,
+        pieces=tfrecord.pieces,
+    ),
     "lmdb": Format(
-        "lmdb", ".lmdb", lmdb.read, lmdb.count, lmdb.labels, None, lmdb.is_shard, lmdb.pieces
-    ),  # fmt: skip
+        "lmdb",
+        ".lmdb",
+        lmdb.read,
+        lmdb.count,
+        lmdb.labels,
+        names=lmdb.is_shard,
+        pieces=lmdb.pieces,
+    ),
     "hdf5": Format(
-        "hdf5", ".h5", hdf5.read, hdf5.count, hdf5.labels, None, hdf5.is_shard, hdf5.pieces
-    ),  # fmt: skip
+        "hdf5",
+        ".h5",
+        hdf5.read,
+        hdf5.count,
+        hdf5.labels,
+        names=hdf5.is_shard,
+        pieces=hdf5.pieces,
+    ),
 }
 assert tuple(FORMATS) == FORMAT_NAMES
 
