@@ -94,7 +94,9 @@ def format_survey(report: dict[str, Any]) -> list[tuple[str, str]]:
 def _pieces(report: dict[str, Any]) -> str:
     """How many files the shards are pieces of, where large record files were cut."""
     files = report.get("files", report["shards"])
-    return "" if files == report["shards"] else f" (pieces of {files:,} files)"
+    if files == report["shards"]:
+        return ""
+    return f" (pieces of {files:,} file{'' if files == 1 else 's'})"
 
 
 def _spread(listing: Listing, n: int):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from raypipe import PipelineConfig
+from raypipe.cli import main
 from raypipe.data.shards import list_shards
 from raypipe.formats import infer_format, pieces
 from tests.formats.test_formats import labels_of, level, png, run_epoch
@@ -202,3 +203,17 @@ def test_file_names_give_the_format(tmp_path, name, fmt):
     (tmp_path / name).write_bytes(b"")
     (tmp_path / "train-00000-of-01024.index").write_bytes(b"")  # an index is no shard
     assert infer_format([str(tmp_path)]) == fmt
+
+
+def test_inspect_shows_where_images_and_labels_are(tmp_path, capsys, monkeypatch):
+    lmdb_env(tmp_path / "db", labels_of(6, seed=36))
+    (tmp_path / "h5").mkdir()
+    h5_file(tmp_path / "h5" / "a.h5", labels_of(9, seed=37), raw=True)
+    monkeypatch.setattr(pieces, "PIECE_BYTES", 3 * 10 * 12 * 3)  # pieces of 4 rows (a chunk)
+    assert main(["inspect", str(tmp_path / "db"), "--samples", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "lmdb (inferred)" in out and "(image, label) tuples" in out and "4 good" in out
+    assert main(["inspect", str(tmp_path / "h5"), "--samples", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "hdf5 (inferred)" in out and "dataset 'labels', images 'images' (raw pixels" in out
+    assert "3 (pieces of 1 file)" in out and "12x10 RGB" in out
