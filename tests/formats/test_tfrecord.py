@@ -142,6 +142,18 @@ def test_truncation_other_files_and_unknown_names(tmp_path):
     assert "\n" not in message and "'image/format'" in message and "'label'" in message
 
 
+def test_a_file_that_is_not_tfrecord_is_a_skip_or_an_error_naming_it(ray_session, tmp_path):
+    labels = labels_of(8, seed=17)
+    root = tf_shards(tmp_path / "tf", labels)
+    odd = root / "train-00001-of-00002.tfrecord"
+    odd.write_bytes(png(2))
+    config = PipelineConfig(source=str(root), image_size=8, batch_size=4, actors=(1, 1),
+                            max_skipped=None)  # fmt: skip
+    assert run_epoch(config) == dict(enumerate(labels))  # the odd file: one skipped key
+    with pytest.raises(SampleError, match=rf"{odd} \(key 8\): unreadable_shard: not a TFRecord"):
+        run_epoch(config.replace(on_error="raise"))
+
+
 def test_a_big_shard_is_read_by_several_tasks_exactly_once(ray_session, tmp_path, monkeypatch):
     """One 64-record shard in pieces of ~6 records: both ranks read it in several tasks,
     every epoch exactly once with equal batches, the same keys per rank with the same seed."""
