@@ -60,7 +60,8 @@ def list_shards(config: PipelineConfig) -> Listing:
     paths = storage.expand(config.source)
     fmt = config.format or infer_format(paths, storage)
     reader = Reader(fmt, storage, config.image_column, config.label_column,
-                    config.label_member, config.label_key, extras=config.transform is not None)  # fmt: skip
+                    config.label_member, config.label_key,
+                    extras=config.transform is not None or config.image_column is None)  # fmt: skip
     suffix = get_format(fmt).suffix
     if get_format(fmt).one_per_file:
         return _list_imagefolder(paths, reader)

@@ -39,6 +39,7 @@ assert __all__ == sorted(__all__)
 
 # Why a sample was dropped: the keys of ``counts()``.
 REASONS = (
+    "bad_audio",  # an audio member libsndfile cannot decode (samples with no image)
     "bad_label",  # a label that is not an integer
     "decode_error",  # the decoder failed for another reason
     "decompression_bomb",  # more pixels than PipelineConfig.max_image_pixels
