@@ -96,6 +96,11 @@ class RankPlan:
         q, r = divmod(total, self.world_size)
         return [q + (i < r) for i in range(self.world_size)]
 
+    def split(self, epoch: int) -> list[np.ndarray]:
+        """Every rank's keys of ``epoch``: the epoch's keys in ``world_size`` contiguous
+        slices whose sizes differ by at most one."""
+        return np.array_split(self.all_keys(epoch), self.world_size)
+
     def keys(self, epoch: int) -> np.ndarray:
         """This rank's keys of ``epoch``, in reading order (cached: actors ask per task)."""
         return _rank_keys(self, epoch)
@@ -117,6 +122,6 @@ class RankPlan:
 
 @functools.lru_cache(maxsize=4)
 def _rank_keys(plan: RankPlan, epoch: int) -> np.ndarray:
-    keys = np.array_split(plan.all_keys(epoch), plan.world_size)[plan.rank]
+    keys = plan.split(epoch)[plan.rank]
     keys.setflags(write=False)
     return keys

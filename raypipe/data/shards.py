@@ -19,6 +19,7 @@ import numpy as np
 
 from raypipe.config import PipelineConfig
 from raypipe.formats import Reader, get_format, imagefolder, infer_format
+from raypipe.formats.lengths import sequence_lengths
 from raypipe.formats.storage import Storage
 
 PROGRESS_S = 5.0  # a listing longer than this says how far it is, every PROGRESS_S
@@ -39,6 +40,8 @@ class Listing:
     classes: tuple[str, ...] = ()
     reader: Reader | None = None  # None: the format's defaults on local files
     labels: str = ""  # where the labels come from, in words (for ``raypipe inspect``)
+    # tokens per key of PipelineConfig.pack's column (packing plans rows from them), or None
+    lengths: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.reader is None:
@@ -81,7 +84,18 @@ def list_shards(config: PipelineConfig) -> Listing:
         raise ValueError(f"the {fmt} shards in {config.source!r} hold no samples")
     classes, labels = get_format(fmt).labels(reader, files)
     reader = dataclasses.replace(reader, classes=classes)
-    return Listing(fmt, tuple(shards), classes, reader, labels)
+    return Listing(fmt, tuple(shards), classes, reader, labels, _lengths(config, reader, shards))
+
+
+def _lengths(config: PipelineConfig, reader: Reader, shards: list[Shard]) -> np.ndarray | None:
+    """Each key's document length in ``config.pack``'s column (Parquet only), else None."""
+    if config.pack is None:
+        return None
+    if reader.format != "parquet":
+        raise ValueError(f"PipelineConfig.pack={config.pack!r}: packing reads document lengths "
+                         f"from a Parquet list column; the source is {reader.format}")  # fmt: skip
+    return sequence_lengths(reader.storage, [(s.path, s.first_key, s.num_samples) for s in shards],
+                            config.pack)  # fmt: skip
 
 
 def epoch_order(shards: tuple[Shard, ...], *, seed: int, epoch: int, shuffle: bool) -> list[Shard]:

@@ -35,11 +35,13 @@ from raypipe.data.shards import Listing, list_shards
 from raypipe.data.skips import SkipLog
 from raypipe.data.warm import rank_dataset, rank_pool
 from raypipe.loader.blocks import execute
+from raypipe.loader.buckets import Bucketing
 from raypipe.loader.collate import collate_for
 from raypipe.loader.device import resolve_device
 from raypipe.loader.feeder import Feeder
 from raypipe.loader.iterator import TorchBatches
 from raypipe.loader.ledger import Gate, create_ledger
+from raypipe.loader.packing import Packing
 from raypipe.loader.progress import Progress
 from raypipe.loader.stats import bound
 
@@ -177,7 +179,7 @@ class Pipeline:
             _starter(ds, self.follower), self.plan, self._gate, epochs,
             batch_size=self.config.batch_size, prefetch=self._loader["prefetch_batches"],
             shuffle_buffer=self.config.shuffle_buffer, seed=self.config.seed, demand=demand,
-            drop_last=self.drop_last,
+            drop_last=self.drop_last, form=batch_form(self.config, self.listing, self.drop_last),
         )  # fmt: skip
         if self._progress_s:
             self._progress = Progress(self._progress_s, rank=self.rank, demand=demand,
@@ -212,6 +214,16 @@ class Pipeline:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def batch_form(config: PipelineConfig, listing: Listing, drop_last: bool):
+    """Step 3 of the feeder for ``config``: packing, bucketing, or None (re-batching)."""
+    if config.pack is not None:
+        return Packing(config.pack, config.seq_len, config.batch_size, drop_last, listing.lengths)
+    if config.bucket_by is not None:
+        return Bucketing(config.bucket_by, config.buckets, config.bucket_window,
+                         config.batch_size, config.seed, drop_last)  # fmt: skip
+    return None
 
 
 def _starter(ds, follower):
