@@ -44,7 +44,7 @@ def pad_collate(batch: dict[str, np.ndarray], *, pad_value: int = 0) -> dict[str
             with warnings.catch_warnings():  # Ray's arrays may be read-only views
                 warnings.filterwarnings("ignore", message=".*not writable.*")
                 out[field] = torch.from_numpy(np.ascontiguousarray(column))
-        elif all(isinstance(v, np.ndarray) for v in column):
+        elif len(column) and all(isinstance(v, np.ndarray) for v in column):
             out[field], out[f"{field}_mask"] = _pad([np.asarray(v) for v in column], pad_value)
         else:
             out[field] = list(column)

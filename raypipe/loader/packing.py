@@ -17,8 +17,9 @@ yields the same ``n`` batches:
 
 - ``drop_last=False``: ``n = max_r ceil(rows_r / B)``; a rank with fewer rows ends with
   padding rows (segment 0): every token of every document once per epoch over the ranks.
-- ``drop_last=True``: ``n = min_r rows_r // B``; a rank's rows after its ``n·B``-th are
-  its tail, dropped and counted (``stats()["dropped_tokens"]``).
+- ``drop_last=True``: ``n = min_r full_r // B`` (``full_r = tokens_r // seq_len``, no
+  padding at all); a rank's tokens after its ``n·B``-th row are its tail, dropped and
+  counted (``stats()["dropped_tokens"]``).
 
 A skipped (bad) document leaves its rows to padding: the count stays the plan's. The
 packing is a function of the plan and the skips, so the same seed packs the same rows.
@@ -50,9 +51,11 @@ class Packing:
     gated = False  # the plan fixes the batch counts: no ledger round trips
 
     def rows(self, plan, epoch: int) -> list[int]:
-        """Rows each rank's documents of ``epoch`` fill (the last one partly)."""
-        L = self.seq_len
-        return [-(-int(self.lengths[keys].sum()) // L) for keys in plan.split(epoch)]
+        """Rows each rank's documents of ``epoch`` fill: the last one partly, or, with
+        ``drop_last``, full rows only."""
+        L, drop = self.seq_len, self.drop_last
+        tokens = [int(self.lengths[keys].sum()) for keys in plan.split(epoch)]
+        return [t // L if drop else -(-t // L) for t in tokens]
 
     def batches(self, plan, epoch: int) -> int:
         """The batches every rank yields in ``epoch``."""
