@@ -128,3 +128,15 @@ def test_pack_refuses_a_column_that_is_not_integer_sequences(tmp_path):
         list_shards(packed(tmp_path))
     with pytest.raises(ValueError, match=r"pack='ids'.*has no such column"):
         list_shards(packed(tmp_path).replace(pack="ids"))
+
+
+def test_iter_torch_batches_refuses_packing():
+    from raypipe import iter_torch_batches
+
+    class Source:  # what iter_torch_batches checks a source for
+        def iter_batches(self, **kwargs):
+            return iter(())
+
+    config = PipelineConfig(source="d", image_column=None, pack="tokens", seq_len=8)
+    with pytest.raises(ValueError, match=r"PipelineConfig.pack='tokens': packing and bucketing"):
+        iter_torch_batches(Source(), config)
