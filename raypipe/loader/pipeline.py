@@ -114,6 +114,7 @@ class Pipeline:
             per_task=self.listing.shards_per_task(config),
             resume_epoch=self.first_epoch if start is not None else -1,
             consumed=start.consumed if start is not None else None,
+            weights=self.listing.lengths if config.pack is not None else None,
         )  # fmt: skip
         self._loader = {
             "device": resolve_device(loader.device), "pin_memory": loader.pin_memory,

@@ -89,3 +89,20 @@ def test_tasks_cover_the_rank_keys_and_hold_per_task_shard_pieces(per_task):
 def test_bad_rank_is_refused():
     with pytest.raises(ValueError, match="rank=2"):
         RankPlan.of(listing([3]), seed=0, shuffle=True, rank=2, world_size=2, per_task=1)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_weights_even_out_the_slices_weight(world):
+    lst = listing([40, 37, 24])
+    weights = np.random.default_rng(0).integers(1, 100, lst.num_samples)
+    ranks = plans(lst, world, weights=weights)
+    for epoch in (0, 1):
+        parts = ranks[0].split(epoch)
+        np.testing.assert_array_equal(np.concatenate(parts), ranks[0].all_keys(epoch))
+        for r, plan in enumerate(ranks):
+            np.testing.assert_array_equal(plan.keys(epoch), parts[r])
+            assert plan.sizes(epoch) == [len(p) for p in parts]
+        sums = [int(weights[p].sum()) for p in parts]
+        assert max(sums) - min(sums) <= 2 * weights.max(), sums
+    with pytest.raises(ValueError, match="weights has shape"):
+        plans(lst, world, weights=weights[:-1])
