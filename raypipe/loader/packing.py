@@ -32,10 +32,23 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-__all__ = ["Packing", "documents", "pack"]
+__all__ = ["MAX_DOCUMENTS_PER_BLOCK", "Packing", "documents", "documents_per_block", "pack"]
 assert __all__ == sorted(__all__)
 
 Columns = dict[str, np.ndarray]
+MAX_DOCUMENTS_PER_BLOCK = 4096
+
+
+def documents_per_block(config, listing):
+    """``config`` with ``rows_per_block`` (documents per actor block), when unset, as many
+    documents as fill one batch of packed rows on average: ``batch_size`` counts rows of
+    ``seq_len`` tokens, not documents, and blocks of ``batch_size`` short documents would
+    cost a block each for a fraction of a batch."""
+    if config.pack is None or config.rows_per_block is not None or listing.lengths is None:
+        return config
+    mean = max(1.0, float(np.mean(listing.lengths))) if len(listing.lengths) else 1.0
+    docs = int(np.ceil(config.batch_size * config.seq_len / mean))
+    return config.replace(rows_per_block=min(MAX_DOCUMENTS_PER_BLOCK, max(config.batch_size, docs)))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

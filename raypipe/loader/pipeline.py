@@ -41,7 +41,7 @@ from raypipe.loader.device import resolve_device
 from raypipe.loader.feeder import Feeder
 from raypipe.loader.iterator import TorchBatches
 from raypipe.loader.ledger import Gate, create_ledger
-from raypipe.loader.packing import Packing
+from raypipe.loader.packing import Packing, documents_per_block
 from raypipe.loader.progress import Progress
 from raypipe.loader.stats import bound
 
@@ -105,8 +105,9 @@ class Pipeline:
             skips = SkipLog.create()
         self.skips = skips
         self.config = config = sized_blocks(
-            config, world_size=world_size, actors=rank_pool(config.actors, world_size)[1]
-        )
+            documents_per_block(config, self.listing), world_size=world_size,
+            actors=rank_pool(config.actors, world_size)[1],
+        )  # fmt: skip
         self.first_epoch = start.epoch if start is not None else 0
         self.plan = RankPlan.of(
             self.listing, seed=config.seed, shuffle=config.shuffle_files, rank=rank,
