@@ -165,3 +165,22 @@ def test_an_audio_member_that_does_not_decode_is_bad_audio():
     assert e.value.reason == "bad_audio"
     assert decode_member("cls", b" 3\n") == {"cls": 3}
     assert decode_member("tokens", [1, 2]) == {"tokens": [1, 2]}
+
+
+def test_a_field_whose_type_changes_stops_the_run(ray_session, tmp_path):
+    from raypipe.data.usermap import TransformOutputError
+
+    for f, dtype in enumerate((pa.int32(), pa.int64())):
+        table = pa.table({"tokens": pa.array([[1, 2], [3]] * 4, pa.list_(dtype))})
+        pq.write_table(table, tmp_path / f"part-{f}.parquet")
+    cfg = config(tmp_path, shuffle_files=False, batch_size=2)
+    with pytest.raises(TransformOutputError, match=r"field 'tokens' is int64 .* but int32"):
+        run_ranks(cfg, 1, 1, drop_last=False)
+
+
+def test_npy_and_json_members_are_fields():
+    buf = io.BytesIO()
+    np.save(buf, np.arange(5, dtype=np.int16))
+    np.testing.assert_array_equal(decode_member("ids.npy", buf.getvalue())["ids"], np.arange(5))
+    assert decode_member("json", b'{"a": 1}') == {"json": {"a": 1}}
+    assert decode_member("txt", b"hello") == {"txt": "hello"}

@@ -140,3 +140,23 @@ def test_iter_torch_batches_refuses_packing():
     config = PipelineConfig(source="d", image_column=None, pack="tokens", seq_len=8)
     with pytest.raises(ValueError, match=r"PipelineConfig.pack='tokens': packing and bucketing"):
         iter_torch_batches(Source(), config)
+
+
+def test_a_resumed_epoch_packs_the_documents_it_had_left_once(ray_session, tokens):
+    from raypipe.data.shards import list_shards
+    from raypipe.train.state import PipelineState, fingerprint
+
+    root, docs = tokens
+    config = packed(root)
+    listing = list_shards(config)
+    consumed = np.random.default_rng(3).random(len(docs)) < 0.4  # keys a run delivered
+    state = PipelineState(0, config.seed, len(docs), fingerprint(listing), consumed)
+    out, stats = run_ranks(config, 2, 1, drop_last=False, start=state)
+    ranks = [r[0] for r in out]
+    assert len(ranks[0]) == len(ranks[1])
+    delivered = np.concatenate([b["tokens"][b["segment_ids"] > 0] for r in ranks for b in r])
+    left = np.concatenate([docs[k] for k in np.flatnonzero(~consumed)])
+    np.testing.assert_array_equal(np.sort(delivered), np.sort(left))
+    assert (
+        sorted(k for r in ranks for b in r for k in b["key"]) == np.flatnonzero(~consumed).tolist()
+    )
