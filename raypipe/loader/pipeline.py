@@ -73,7 +73,9 @@ class Pipeline:
         drop_last: True: every rank the same number of ``batch_size`` batches per epoch,
             the rows beyond them dropped (training). False: every row of the rank's share,
             the epoch's last batch short, counts per rank unequal by a batch or so, and
-            no ledger needed (evaluation, where nothing may be left out).
+            no ledger needed (evaluation, where nothing may be left out). With
+            ``config.pack`` the counts are equal either way, fixed by the plan
+            (`raypipe.loader.packing`); ``config.bucket_by`` batches as re-batching does.
 
     Each rank's pool is its share of ``config.actors`` (the run's total), at least one
     actor: ``(max(1, min // W), max(that, ceil(max / W)))``.
