@@ -17,6 +17,10 @@ Public contract:
   shard member, reason).
 - `PoolWatch()`: preprocessing actors and nodes alive over time (elastic runs);
   ``iter_torch_batches(..., watch=)`` reports it in ``stats()["pool"]``.
+- `Loader(config, epochs=)`: a DataLoader-shaped loader over one rank's warm `Pipeline`:
+  each ``iter()`` the next epoch, ``len()``, ``set_epoch()``, ``state_dict()`` /
+  ``load_state_dict()`` for mid-epoch resume; for plain loops, your own Ray Train
+  ``TorchTrainer``, Lightning and torchrun (docs/trainers.md).
 - `train_ddp(config, train_loop, num_workers=...)`: DDP on Ray Train in one call;
   ``train_loop`` receives a `TrainContext`. Its checkpoints hold the pipeline's
   position (``checkpoint_every=``); ``resume_from=`` resumes mid-epoch, exactly
@@ -33,8 +37,10 @@ from raypipe.formats.storage import StorageError
 from raypipe.loader.iterator import iter_torch_batches
 from raypipe.loader.pipeline import Pipeline
 from raypipe.train.ddp import TrainContext, train_ddp
+from raypipe.train.loader import Loader
 
 __all__ = [
+    "Loader",
     "LoaderConfig",
     "Pipeline",
     "PipelineConfig",

@@ -13,7 +13,7 @@ def test_defaults_and_list_coercion(tmp_path):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("format", "tfrecord"),
+        ("format", "recordio"),
         ("image_size", 0),
         ("image_size", 3.5),
         ("batch_size", -1),

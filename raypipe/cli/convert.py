@@ -1,4 +1,4 @@
-"""Preprocess an image folder into WebDataset or Parquet shards with Ray tasks.
+"""Preprocess an image folder into WebDataset, Parquet or TFRecord shards with Ray tasks.
 
 ```
  driver: list the folder (sorted, dense keys) → plan S contiguous shards → index.json
@@ -6,7 +6,7 @@
  driver: as each task ends, record its counts in index.json and print progress
 ```
 
-Shards are named ``{prefix}-00003-of-00016.tar`` (or ``.parquet``) and hold samples in
+Shards are named ``{prefix}-00003-of-00016.tar`` (or ``.parquet``, ``.tfrecord``) and hold samples in
 key order, so reading the shards back gives every sample the key and label it had in
 the folder. ``index.json`` holds per-shard sample counts and a fingerprint of the plan;
 a rerun with the same plan skips the shards already finished.
@@ -39,7 +39,7 @@ class ShardsConfig:
     Args:
         source: the image folder (class sub-folders).
         out: the output folder for the shards and ``index.json``.
-        format: ``"webdataset"`` (tar) or ``"parquet"``.
+        format: ``"webdataset"`` (tar), ``"parquet"`` or ``"tfrecord"``.
         shards: number of shards; or leave it None and set ``samples_per_shard``.
         samples_per_shard: samples per shard when ``shards`` is None.
         prefix: shard name prefix, e.g. ``train`` → ``train-00000-of-00008.tar``.

@@ -56,9 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the current one; raypipe submit passes yours)")  # fmt: skip
 
     p = sub.add_parser("convert", aliases=["preprocess"],
-                       help="turn an image folder into WebDataset or Parquet shards",
+                       help="turn an image folder into WebDataset, Parquet or TFRecord shards",
                        description="Write the image folder of a convert config as shards "
-                       "named like train-00003-of-00016.tar (or .parquet) with Ray tasks, plus "
+                       "named like train-00003-of-00016.tar (or .parquet, .tfrecord) with Ray tasks, plus "
                        "index.json with per-shard sample counts. Shards already finished by an "
                        "earlier run are kept; each new shard is read back and checked.")  # fmt: skip
     p.add_argument("config", help="convert config YAML, e.g. jobs/configs/digits-shards.yaml "
@@ -79,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--samples", type=int, default=32, help="samples to decode (default: %(default)s)"
     )
-    for flag, default, what in (("--image-column", "image", "Parquet image column"),
-                                ("--label-column", "label", "Parquet label column"),
+    for flag, default, what in (("--image-column", "image", "Parquet column, TFRecord feature, LMDB key or HDF5 dataset of the image"),
+                                ("--label-column", "label", "the same, of the label"),
                                 ("--label-key", "label", "key of the label in .json")):  # fmt: skip
         p.add_argument(flag, default=default, help=f"{what} (default: %(default)s)")
     p.add_argument("--label-member", default=None,

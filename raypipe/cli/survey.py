@@ -18,6 +18,7 @@ from raypipe.config import PipelineConfig
 from raypipe.data.dataset import Preprocessor
 from raypipe.data.shards import Listing, list_shards
 from raypipe.data.skips import detail_of, reason_of
+from raypipe.formats.pieces import split_piece
 
 __all__ = ["format_survey", "survey"]
 assert __all__ == sorted(__all__)
@@ -49,6 +50,7 @@ def survey(config: PipelineConfig, *, samples: int = 32) -> dict[str, Any]:
         "format_inferred": config.format is None,
         "storage": storage.scheme + "://" if storage.remote else "local",
         "shards": len(listing.shards),
+        "files": len({split_piece(s.path)[0] for s in listing.shards}),
         "samples": listing.num_samples,
         "classes": list(listing.classes),
         "labels": listing.labels,
@@ -68,7 +70,7 @@ def format_survey(report: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [
         ("format", report["format"] + (" (inferred)" if report["format_inferred"] else "")),
         ("storage", report["storage"]),
-        ("shards", f"{report['shards']:,}"),
+        ("shards", f"{report['shards']:,}" + _pieces(report)),
         ("samples", f"{report['samples']:,}"),
         ("classes", f"{len(classes)}: {shown}" if classes else "none named (integer labels)"),
         ("labels from", report["labels"]),
@@ -87,6 +89,14 @@ def format_survey(report: dict[str, Any]) -> list[tuple[str, str]]:
         first = next(s for s in report["skipped"] if s["reason"] == reason)
         rows.append((f"skip: {reason}", f"{n}, e.g. {first['where']}: {first['detail']}"))
     return rows
+
+
+def _pieces(report: dict[str, Any]) -> str:
+    """How many files the shards are pieces of, where large record files were cut."""
+    files = report.get("files", report["shards"])
+    if files == report["shards"]:
+        return ""
+    return f" (pieces of {files:,} file{'' if files == 1 else 's'})"
 
 
 def _spread(listing: Listing, n: int):

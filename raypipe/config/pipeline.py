@@ -11,13 +11,13 @@ from raypipe.config.checks import check_keys, is_int, is_num, is_pair, load_yaml
 from raypipe.config.loader import IMAGENET_MEAN, IMAGENET_STD, LoaderConfig, check_loader
 from raypipe.config.samples import check_samples
 
-FORMATS = ("imagefolder", "webdataset", "parquet")
+FORMATS = ("imagefolder", "webdataset", "parquet", "tfrecord", "lmdb", "hdf5")
 ON_ERROR = ("skip", "raise")
 COMPUTE = ("actors", "tasks")
 INPUTS = ("numpy", "pil", "torch")  # what a user transform's image is
 DECODE = ("cpu", "gpu")
 
-Format = Literal["imagefolder", "webdataset", "parquet"]
+Format = Literal["imagefolder", "webdataset", "parquet", "tfrecord", "lmdb", "hdf5"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,15 +27,19 @@ class PipelineConfig:
     Args:
         source: a directory, a glob, a file, or a list of those; local, or URIs of object
             storage (``s3://bucket/prefix/``, ``gs://...``, any fsspec protocol).
-        format: ``"imagefolder"``, ``"webdataset"`` or ``"parquet"``; inferred when None.
+        format: ``"imagefolder"``, ``"webdataset"``, ``"parquet"``, ``"tfrecord"``, ``"lmdb"``
+            or ``"hdf5"`` (`raypipe.formats`); inferred from the file names when None.
         storage_options: settings of a remote source's file system, e.g. ``endpoint_url``,
             ``access_key``/``secret_key``, ``region``, ``anonymous`` for S3 (pyarrow's
             ``S3FileSystem`` names, or s3fs's); None: the environment and config files.
         image_column, label_column: Parquet columns of the image (binary, or a struct
             with ``bytes`` as Hugging Face ``datasets`` writes) and of the label
-            (integers, or strings mapped through their sorted set). ``image_column=None``:
-            samples with no image (tokens, audio, tables): a sample is its fields, every
-            Parquet column or WebDataset member (`raypipe.data.samples`); see docs/samples.md.
+            (integers, or strings mapped through their sorted set); the TFRecord features,
+            LMDB dict keys or HDF5 datasets of the image and the label (left at their
+            defaults, each format's conventions are tried: docs/formats.md).
+            ``image_column=None``: samples with no image (tokens, audio, tables): a sample
+            is its fields, every Parquet column or WebDataset member
+            (`raypipe.data.samples`); see docs/samples.md.
         label_member: the WebDataset member holding the label: ``"cls"``, ``"txt"``
             (an integer) or ``"json"``; None: the first of those a sample has.
         label_key: the key of the label in a ``.json`` member.

@@ -23,7 +23,7 @@ import functools
 
 import numpy as np
 
-from raypipe.data.shards import Listing
+from raypipe.data.shards import Listing, shard_permutation
 
 __all__ = ["RankPlan", "epoch_keys"]
 assert __all__ == sorted(__all__)
@@ -35,7 +35,7 @@ def epoch_keys(
     """Every key of the epoch in reading order: shards in a ``(seed, epoch)`` permutation
     (the one `raypipe.data.shards.epoch_order` uses), members of a shard in key order."""
     if shuffle:
-        perm = np.random.default_rng([seed, epoch, 0x5EED]).permutation(len(first))
+        perm = shard_permutation(len(first), seed=seed, epoch=epoch)
         first, counts = first[perm], counts[perm]
     total = int(counts.sum())
     offsets = np.cumsum(counts) - counts
@@ -144,6 +144,49 @@ class RankPlan:
 
 @functools.lru_cache(maxsize=4)
 def _rank_keys(plan: RankPlan, epoch: int) -> np.ndarray:
-    keys = plan.split(epoch)[plan.rank]
+    """``np.array_split(plan.all_keys(epoch), world_size)[rank]``, built from the shards
+    the rank's slice touches only: O(shards + the rank's keys), not O(the epoch's keys).
+    With weights (packing), the weighted `RankPlan.split`'s slice."""
+    if plan.weights is not None:
+        return _frozen(plan.split(epoch)[plan.rank].copy())
+    first, counts = plan.first, plan.counts
+    resumed = epoch == plan.resume_epoch and plan.consumed is not None
+    left = counts - _consumed_per_shard(plan.consumed, counts) if resumed else counts
+    if plan.shuffle:
+        perm = shard_permutation(len(first), seed=plan.seed, epoch=epoch)
+        first, counts, left = first[perm], counts[perm], left[perm]
+    # left: (shards,) samples each shard still holds this epoch, in reading order
+    ends = np.cumsum(left)
+    q, r = divmod(int(ends[-1]) if len(ends) else 0, plan.world_size)
+    lo = plan.rank * q + min(plan.rank, r)  # the rank's positions [lo, hi) in that order
+    hi = lo + q + (plan.rank < r)
+    if hi == lo:
+        return _frozen(np.zeros(0, dtype=np.int64))
+    a = int(np.searchsorted(ends, lo, side="right"))  # the shards holding lo .. hi-1
+    b = int(np.searchsorted(ends, hi - 1, side="right")) + 1
+    first, counts, left = first[a:b], counts[a:b], left[a:b]
+    if resumed:
+        pieces = [np.flatnonzero(~plan.consumed[f : f + c]) + f
+                  for f, c in zip(first.tolist(), counts.tolist(), strict=True)]  # fmt: skip
+        keys = np.concatenate(pieces).astype(np.int64, copy=False)
+    else:  # as `epoch_keys`, over the touched shards
+        offsets = np.cumsum(left) - left
+        keys = np.arange(int(left.sum()), dtype=np.int64) + np.repeat(first - offsets, left)
+    skip = lo - int(ends[a] - left[0])  # positions before lo in the first touched shard
+    return _frozen(keys[skip : skip + hi - lo].copy())
+
+
+def _frozen(keys: np.ndarray) -> np.ndarray:
     keys.setflags(write=False)
     return keys
+
+
+def _consumed_per_shard(consumed: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Consumed keys in each shard, shards in key order (dense keys: each shard's keys
+    follow the last one's), summed in place over the per-key mask."""
+    out = np.zeros(len(counts), dtype=np.int64)
+    full = counts > 0
+    starts = (np.cumsum(counts) - counts)[full]
+    if len(starts):  # reduceat sums from each start to the next: one shard each
+        out[full] = np.add.reduceat(consumed.view(np.uint8), starts, dtype=np.int64)
+    return out

@@ -1,9 +1,10 @@
 """Shards: list them with dense, stable keys, order them per epoch, cut them into the
 rows the actors read.
 
-A shard is one file, local or in object storage (`raypipe.formats.storage`). An image-folder
-shard holds one sample; a WebDataset tar or a Parquet file holds many. Keys are dense:
-shards are sorted by path and sample ``i`` of a shard whose first key is ``k`` gets key
+A shard is one file, local or in object storage (`raypipe.formats.storage`), or a piece of
+a large record file (`raypipe.formats.pieces`). An image-folder shard holds one sample; a
+WebDataset tar, a Parquet file or a piece of a TFRecord, LMDB or HDF5 file holds many.
+Keys are dense: shards are sorted by path and sample ``i`` of a shard whose first key is ``k`` gets key
 ``k + i``, so a key names the same sample in every epoch and run as long as the files do
 not change. Counting and reading are the format's (`raypipe.formats`).
 """
@@ -65,21 +66,21 @@ def list_shards(config: PipelineConfig) -> Listing:
     reader = Reader(fmt, storage, config.image_column, config.label_column,
                     config.label_member, config.label_key,
                     extras=config.transform is not None or config.image_column is None)  # fmt: skip
-    suffix = get_format(fmt).suffix
     if get_format(fmt).one_per_file:
         return _list_imagefolder(paths, reader)
-    files = sorted(set(_files_with(paths, suffix, storage)))
+    listed = frozenset(_files_under(paths, storage))
+    files = sorted(f for f in listed if get_format(fmt).matches(f))
     if not files:
-        raise ValueError(f"no {suffix} shards found in source {config.source!r}")
+        raise ValueError(f"no {fmt} shards found in source {config.source!r}")
     shards, key, shown = [], 0, time.monotonic()
     for i, f in enumerate(files):
         if time.monotonic() - shown > PROGRESS_S:  # a remote listing reads every header
             print(f"raypipe: listing {config.source}: {i}/{len(files)} shards counted, "
                   f"{key} samples so far", file=sys.stderr, flush=True)  # fmt: skip
             shown = time.monotonic()
-        n = reader.count(f)
-        shards.append(Shard(f, key, n))
-        key += n
+        for piece, n in reader.pieces(f, listed):  # a large record file: several pieces
+            shards.append(Shard(piece, key, n))
+            key += n
     if key == 0:
         raise ValueError(f"the {fmt} shards in {config.source!r} hold no samples")
     classes, labels = get_format(fmt).labels(reader, files)
@@ -98,19 +99,24 @@ def _lengths(config: PipelineConfig, reader: Reader, shards: list[Shard]) -> np.
                             config.pack)  # fmt: skip
 
 
+def shard_permutation(count: int, *, seed: int, epoch: int) -> np.ndarray:
+    """The order an epoch reads ``count`` shards in, seeded by (seed, epoch): the one rule
+    every plan of an epoch (the driver's, each rank's, each actor's) follows."""
+    return np.random.default_rng([seed, epoch, 0x5EED]).permutation(count)
+
+
 def epoch_order(shards: tuple[Shard, ...], *, seed: int, epoch: int, shuffle: bool) -> list[Shard]:
-    """The shards in the order this epoch reads them: a permutation seeded by (seed, epoch)."""
+    """The shards in the order this epoch reads them: `shard_permutation`."""
     if not shuffle:
         return list(shards)
-    perm = np.random.default_rng([seed, epoch, 0x5EED]).permutation(len(shards))
-    return [shards[i] for i in perm]
+    return [shards[i] for i in shard_permutation(len(shards), seed=seed, epoch=epoch)]
 
 
-def _files_with(paths: list[str], ext: str, storage: Storage) -> Iterator[str]:
+def _files_under(paths: list[str], storage: Storage) -> Iterator[str]:
     for p in paths:
         if storage.kind(p) == "dir":
-            yield from (f for f in storage.walk(p) if f.endswith(ext))
-        elif p.endswith(ext):
+            yield from storage.walk(p)
+        else:
             yield p
 
 

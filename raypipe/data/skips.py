@@ -41,20 +41,22 @@ assert __all__ == sorted(__all__)
 # Why a sample was dropped: the keys of ``counts()``.
 REASONS = (
     "bad_audio",  # an audio member libsndfile cannot decode (samples with no image)
+    "bad_checksum",  # a TFRecord record whose CRC32C fails (its file and byte offset)
     "bad_label",  # a label that is not an integer
+    "bad_record",  # a record that is not a tf.train.Example, an LMDB value not pickle/msgpack
     "decode_error",  # the decoder failed for another reason
     "decompression_bomb",  # more pixels than PipelineConfig.max_image_pixels
     "empty_file",  # zero bytes
-    "missing_column",  # a Parquet shard without an ``image`` or ``label`` column
+    "missing_column",  # a Parquet column, TFRecord feature, LMDB or HDF5 field that is missing
     "missing_label",  # a WebDataset sample without its .cls member
     "not_an_image",  # bytes no decoder recognises (text, random bytes, ...)
     "null_value",  # a Parquet row whose image or label is null
     "transform_error",  # the user's transform (PipelineConfig.transform) raised
     "truncated_image",  # the image data ends early
-    "truncated_shard",  # a tar shard that ends early; its lost tail counts as one sample
+    "truncated_shard",  # a tar or TFRecord shard that ends early; its lost tail is one sample
     "unreadable",  # the file or member could not be read (permissions, vanished, I/O)
     "unreadable_shard",  # a shard that could not be opened or read to its end
-    "wrong_type",  # a Parquet column of the wrong type
+    "wrong_type",  # a column, feature or dataset of the wrong type
 )
 
 ACTOR_NAME = "raypipe-skip-store"

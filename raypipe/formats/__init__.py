@@ -1,9 +1,11 @@
 """Formats: where samples live and how each kind of shard is listed, read and written.
 
 The bottom of the data path: `raypipe.formats.storage` (local disk or object storage),
-and one module per format, `imagefolder`, `webdataset` (tar shards) and `parquet`, each
-registered once in `FORMATS`. A `Reader` holds one source's read settings and is what
-the preprocessing actors get; everything else looks a format up by name.
+and one module per format, `imagefolder`, `webdataset` (tar shards), `parquet`, and the
+record formats `tfrecord`, `lmdb` and `hdf5` (large files listed in pieces,
+`raypipe.formats.pieces`), each registered once in `FORMATS`. A `Reader` holds one
+source's read settings and is what the preprocessing actors get; everything else looks a
+format up by name.
 
 Bad data never raises in a reader: a sample that cannot be read is yielded with a
 ``reason`` (one of ``raypipe.data.skips.REASONS``) for the skip policy to act on.
@@ -18,7 +20,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from raypipe.config import FORMATS as FORMAT_NAMES
-from raypipe.formats import imagefolder, parquet, webdataset
+from raypipe.formats import hdf5, imagefolder, lmdb, parquet, tfrecord, webdataset
 from raypipe.formats.sample import RawSample
 from raypipe.formats.storage import Storage
 
@@ -32,7 +34,10 @@ class Format:
 
     ``count(reader, path)`` is None when a file is one sample (image folders);
     ``labels(reader, files)`` gives the class names and how labels are read, in words;
-    ``write(path, samples)`` is None when raypipe does not write the format.
+    ``write(path, samples)`` is None when raypipe does not write the format;
+    ``names(path)`` accepts shard files the suffix does not (``train-00000-of-01024``);
+    ``pieces(reader, path, listed)`` cuts a large file into ``(piece path, count)`` pieces,
+    each a shard of its own (`raypipe.formats.pieces`; ``listed``: the source's files).
     """
 
     name: str
@@ -41,10 +46,18 @@ class Format:
     count: Callable[[Reader, str], int] | None = None
     labels: Callable[[Reader, list[str]], tuple[tuple[str, ...], str]] | None = None
     write: Callable[[str, list], None] | None = None
+    names: Callable[[str], bool] | None = None
+    pieces: Callable[[Reader, str, frozenset[str]], list[tuple[str, int]]] | None = None
 
     @property
     def one_per_file(self) -> bool:
         return self.count is None
+
+    def matches(self, path: str) -> bool:
+        """Whether ``path`` is a shard file of this format (image folders: never)."""
+        if self.suffix and path.lower().endswith(self.suffix):
+            return True
+        return self.names is not None and self.names(path)
 
 
 FORMATS: dict[str, Format] = {
@@ -55,6 +68,34 @@ FORMATS: dict[str, Format] = {
     "parquet": Format(
         "parquet", ".parquet", parquet.read, parquet.count, parquet.labels, parquet.write
     ),  # fmt: skip
+    "tfrecord": Format(
+        "tfrecord",
+        ".tfrecord",
+        tfrecord.read,
+        tfrecord.count,
+        tfrecord.labels,
+        tfrecord.write,
+        names=tfrecord.is_shard,
+        pieces=tfrecord.pieces,
+    ),
+    "lmdb": Format(
+        "lmdb",
+        ".lmdb",
+        lmdb.read,
+        lmdb.count,
+        lmdb.labels,
+        names=lmdb.is_shard,
+        pieces=lmdb.pieces,
+    ),
+    "hdf5": Format(
+        "hdf5",
+        ".h5",
+        hdf5.read,
+        hdf5.count,
+        hdf5.labels,
+        names=hdf5.is_shard,
+        pieces=hdf5.pieces,
+    ),
 }
 assert tuple(FORMATS) == FORMAT_NAMES
 
@@ -86,6 +127,12 @@ class Reader:
         count = get_format(self.format).count
         return 1 if count is None else count(self, path)
 
+    def pieces(self, path: str, listed: frozenset[str] = frozenset()) -> list[tuple[str, int]]:
+        """``(shard path, samples)`` of one file: itself, or the pieces a large one is cut
+        into (TFRecord, LMDB, HDF5); ``listed`` holds the source's other files."""
+        pieces = get_format(self.format).pieces
+        return [(path, self.count(path))] if pieces is None else pieces(self, path, listed)
+
     def read(self, path: str, first_key: int, label: int,
              done: np.ndarray | None = None) -> Iterator[RawSample]:  # fmt: skip
         """The raw samples of one shard in key order; members marked in ``done`` (a bool
@@ -108,7 +155,7 @@ def infer_format(paths: list[str], storage: Storage | None = None) -> str:
             files.append(p)
     exts = {os.path.splitext(f)[1].lower() for f in files}
     for fmt in FORMATS.values():
-        if fmt.suffix and fmt.suffix in exts:
+        if any(fmt.matches(f) for f in files):
             return fmt.name
     if exts & set(imagefolder.IMAGE_EXTS) or dirs:
         return "imagefolder"

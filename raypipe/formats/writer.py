@@ -1,4 +1,4 @@
-"""Write one WebDataset tar or Parquet shard atomically, then read it back to verify it.
+"""Write one WebDataset tar, Parquet or TFRecord shard atomically, then read it back to verify it.
 
 A shard is written under a hidden temporary name in the output folder and renamed to
 its final name only after it was read back and matched what was meant to be in it, so

@@ -21,16 +21,34 @@ With no bad samples the answer settles every batch before it is asked for, and
 
 A rank whose data fails (``on_error="raise"``, a skip budget spent) tells the ledger
 (`Gate.fail`); a rank waiting on it then raises the same error instead of waiting forever.
+
+Ranks that build their pipelines themselves (`raypipe.Loader`: torchrun, a user's own
+trainer) first `join` the ledger with their rank, world size and settings, and wait there
+until every rank did (`wait_for_ranks`); a rank that disagrees stops them all before any
+work, with one line naming the difference. Such ranks may share the ledger by name
+(`named_ledger`) instead of a handle passed around.
 """
 
 from __future__ import annotations
 
 import time
 
-__all__ = ["EpochLedger", "Gate", "create_ledger"]
+__all__ = [
+    "EpochLedger",
+    "Gate",
+    "RanksDisagree",
+    "create_ledger",
+    "named_ledger",
+    "wait_for_ranks",
+]
 assert __all__ == sorted(__all__)
 
 _INF = float("inf")
+NAMESPACE = "raypipe"  # named ledgers live here: drivers of ray.init(address=) get their own
+
+
+class RanksDisagree(ValueError):
+    """Ranks of one run were started with different world sizes, ranks or settings."""
 
 
 class EpochLedger:
@@ -41,6 +59,44 @@ class EpochLedger:
         self._rows: dict[tuple[str, int], list[int]] = {}
         self._final: dict[tuple[str, int], list[float]] = {}
         self._failed: dict[str, BaseException] = {}
+        self._joined: dict[str, dict[int, dict[str, str]]] = {}  # run -> rank -> settings
+        self._left: dict[str, set[int]] = {}
+
+    def join(self, run: str, rank: int, world_size: int, settings: dict[str, str]):
+        """Rank ``rank`` of ``run`` starts with ``world_size`` ranks and ``settings`` (name:
+        value as text); returns `joined`. The first disagreement fails the run."""
+        ranks = self._joined.setdefault(run, {})
+        problem = None
+        if world_size != self.world_size:
+            problem = (f"rank {rank} has world_size={world_size}, the ledger's ranks "
+                       f"{self.world_size}")  # fmt: skip
+        elif not 0 <= rank < world_size:
+            problem = f"rank={rank} is not in 0..{world_size - 1}"
+        elif rank in ranks:
+            problem = f"two ranks have rank={rank}"
+        elif ranks:
+            first, theirs = next(iter(ranks.items()))
+            differ = [k for k in sorted(set(theirs) | set(settings))
+                      if theirs.get(k) != settings.get(k)]  # fmt: skip
+            if differ:
+                k = differ[0]
+                problem = (f"rank {rank} has {k}={settings.get(k)}, rank {first} "
+                           f"{k}={theirs.get(k)}")  # fmt: skip
+        if problem is not None:
+            self.fail(run, RanksDisagree(f"the ranks of one run disagree: {problem}"))
+        else:
+            ranks[rank] = settings
+        return self.joined(run)
+
+    def joined(self, run: str) -> tuple[int, BaseException | None]:
+        """Ranks of ``run`` joined so far, and the error that stopped it (or None)."""
+        return len(self._joined.get(run, ())), self._failed.get(run)
+
+    def leave(self, run: str, rank: int) -> int:
+        """``rank`` is done with ``run``; returns how many of its ranks are not."""
+        left = self._left.setdefault(run, set())
+        left.add(rank)
+        return self.world_size - len(left)
 
     def fail(self, run: str, error: BaseException) -> None:
         """A rank of ``run`` stopped with ``error`` (the first one is kept)."""
@@ -153,3 +209,46 @@ def create_ledger(world_size: int):
         )  # fmt: skip
         .remote(world_size)
     )
+
+
+def named_ledger(name: str, world_size: int):
+    """The `EpochLedger` actor called ``name``, made by the first rank that asks (no CPUs).
+
+    It belongs to that rank's process and ends with it: every rank leaves it
+    (`EpochLedger.leave`) and waits for the others before its process ends (`raypipe.Loader.close` does)."""
+    import ray
+
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"ledger={name!r} must be a non-empty name or a Pipeline.ledger handle")
+    return (
+        ray.remote(EpochLedger)
+        .options(
+            name=f"raypipe-ledger-{name}",
+            namespace=NAMESPACE,
+            get_if_exists=True,
+            num_cpus=0,
+            max_restarts=0,
+        )  # fmt: skip
+        .remote(world_size)
+    )
+
+
+def wait_for_ranks(ledger, run: str, *, rank: int, world_size: int, settings: dict[str, str],
+                   timeout_s: float) -> None:  # fmt: skip
+    """Join ``run`` and return once all ``world_size`` ranks did; `RanksDisagree` (on every
+    rank) when one differs, TimeoutError when they do not all come in ``timeout_s``."""
+    import ray
+
+    count, failed = ray.get(ledger.join.remote(run, rank, world_size, settings))
+    deadline, pause = time.monotonic() + timeout_s, Gate.POLL_S[0]
+    while failed is None and count < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{count} of world_size={world_size} ranks started in {timeout_s:.0f} s: "
+                "is every rank running, with the same world size?"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
+        count, failed = ray.get(ledger.joined.remote(run))
+    if failed is not None:
+        raise failed

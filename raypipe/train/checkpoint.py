@@ -27,7 +27,7 @@ import numpy as np
 
 from raypipe.train.state import STATE_FILE, PipelineState, merge_states
 
-__all__ = ["EpochBatches", "Progress", "load_checkpoint"]
+__all__ = ["EpochBatches", "Progress", "any_rank", "load_checkpoint"]
 assert __all__ == sorted(__all__)
 
 USER_STATE = "state.pt"
@@ -127,7 +127,8 @@ class Progress:
         where = self._where
         keys = where.batches.state_dict()["keys"] if where.batches is not None else []
         mine = merge_states([{"keys": keys}], self.num_samples, where.base)
-        return PipelineState(where.epoch, self.seed, self.num_samples, self.fingerprint, _or(mine))
+        return PipelineState(where.epoch, self.seed, self.num_samples, self.fingerprint,
+                             any_rank(mine))  # fmt: skip
 
     def save(self, metrics: dict[str, Any], user_state: dict[str, Any] | None) -> None:
         """``ray.train.report`` on every rank; rank 0 adds the checkpoint when ``user_state``."""
@@ -154,18 +155,21 @@ class Progress:
         return _read(checkpoint, USER_STATE, lambda path: torch.load(path, weights_only=False))
 
 
-def _or(consumed: np.ndarray) -> np.ndarray:
+def any_rank(consumed: np.ndarray, device=None) -> np.ndarray:
     """OR of every rank's mask in one all_reduce: BOR of the packed bits (N/8 bytes) on
-    gloo; NCCL has no bitwise ops, so MAX of one byte per key there, on the device."""
+    gloo; NCCL has no bitwise ops, so MAX of one byte per key there, on ``device`` (None:
+    Ray Train's device of this worker). A collective: every rank calls it together."""
     import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return consumed
     if dist.get_backend() == "nccl":
-        import ray.train.torch
+        if device is None:
+            import ray.train.torch
 
-        flags = torch.from_numpy(consumed.view(np.uint8)).to(ray.train.torch.get_device())
+            device = ray.train.torch.get_device()
+        flags = torch.from_numpy(consumed.view(np.uint8)).to(device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return flags.cpu().numpy().astype(bool)
     bits = torch.from_numpy(np.packbits(consumed))

@@ -439,7 +439,7 @@ def test_skip_store_counts_exactly_dedupes_and_caps():
 
 INVALID = {
     "source": [123, "", (), ("ok", "")],
-    "format": ["tfrecord"],
+    "format": ["recordio"],
     "image_size": [0, 2.5, True],
     "train": ["yes"],
     "batch_size": [0, -1, True],

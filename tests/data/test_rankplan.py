@@ -91,6 +91,27 @@ def test_bad_rank_is_refused():
         RankPlan.of(listing([3]), seed=0, shuffle=True, rank=2, world_size=2, per_task=1)
 
 
+def split_of_all_keys(plan: RankPlan, epoch: int) -> np.ndarray:
+    """What a rank's keys are by definition: its slice of every key of the epoch."""
+    return np.array_split(plan.all_keys(epoch), plan.world_size)[plan.rank]
+
+
+@pytest.mark.parametrize("trial", range(40))
+def test_a_rank_builds_its_slice_alone_as_the_split_of_the_whole_epoch(trial):
+    rng = np.random.default_rng(trial)
+    sizes = rng.integers(0, 9, rng.integers(1, 30)).tolist()  # empty shards too
+    sizes[rng.integers(len(sizes))] += 1  # at least one sample
+    world = int(rng.integers(1, 12))
+    kw = {"shuffle": bool(rng.integers(2)), "resume_epoch": -1, "consumed": None}
+    if rng.integers(2):  # a resumed epoch: any keys consumed, even all of them
+        kw["resume_epoch"] = 1
+        kw["consumed"] = rng.random(sum(sizes)) < rng.choice([0.0, 0.3, 0.9, 1.0])
+    for plan in plans(listing(sizes), world, **kw):
+        for epoch in range(3):
+            assert np.array_equal(plan.keys(epoch), split_of_all_keys(plan, epoch)), (sizes, world)
+            assert plan.keys(epoch).dtype == np.int64 and not plan.keys(epoch).flags.writeable
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
 def test_weights_even_out_the_slices_weight(world):
     lst = listing([40, 37, 24])

@@ -93,3 +93,20 @@ def test_a_rank_waiting_on_a_peer_that_failed_raises_the_peers_error(ray_session
     waiter.join(timeout=10)
     assert not waiter.is_alive(), "the rank kept waiting on a peer that stopped"
     assert isinstance(outcome[0], ValueError) and "key 3" in str(outcome[0])
+
+
+def test_join_names_the_first_disagreement_and_fails_the_run():
+    ledger = EpochLedger(2)
+    same = {"batch_size": "4", "seed": "0"}
+    assert ledger.join("a", 0, 2, same) == (1, None)
+    count, failed = ledger.join("a", 1, 2, {**same, "seed": "1"})
+    assert count == 1 and "rank 1 has seed=1, rank 0 seed=0" in str(failed)
+    assert ledger.report("a", 0, 0, 4, False)[2] is failed  # a waiting rank raises it too
+    for rank, world, why in ((1, 3, "rank 1 has world_size=3, the ledger's ranks 2"),
+                             (0, 2, "two ranks have rank=0")):  # fmt: skip
+        fresh = EpochLedger(2)
+        fresh.join("b", 0, 2, same)
+        assert why in str(fresh.join("b", rank, world, same)[1])
+    fresh = EpochLedger(2)
+    assert fresh.join("c", 1, 2, same) == (1, None) and fresh.join("c", 0, 2, same) == (2, None)
+    assert fresh.leave("c", 0) == 1 and fresh.leave("c", 0) == 1 and fresh.leave("c", 1) == 0

@@ -1,0 +1,120 @@
+"""torchrun entry point: DDP ranks that torchrun (or Slurm's srun) launches, fed by raypipe's
+preprocessing pools on an existing Ray cluster; no Ray Train.
+
+    ray start --head --node-ip-address=127.0.0.1 --dashboard-host=127.0.0.1   # or a cluster
+    torchrun --nproc_per_node=2 jobs/torchrun_train.py jobs/configs/torchrun.yaml \\
+        --address 127.0.0.1:6379 --checkpoint demo-data/torchrun.pt
+
+Each rank joins the cluster as a Ray driver, takes its rank and world size from
+torch.distributed, and reads its share of every epoch through a `raypipe.Loader`; the ranks
+share one ledger by a name rank 0 broadcasts. With ``--checkpoint`` the model, the
+optimizer and the loader's position are saved every ``checkpoint_every`` steps, and a rerun
+resumes from them mid-epoch. ``--keys-out`` writes the keys of every batch (the tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import yaml
+
+    from raypipe import Loader, PipelineConfig, localnode
+    from raypipe.cli.classify import small_cnn
+
+    spec = yaml.safe_load(Path(args.config).read_text())
+    config, trainer = PipelineConfig.from_dict(spec["data"]), spec["trainer"]
+    localnode.start(args.address, log_to_driver=False)  # this rank joins as a driver
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.manual_seed(config.seed)
+    net = small_cnn(trainer["num_classes"]).to(device)
+    model = torch.nn.parallel.DistributedDataParallel(net, device_ids=[device] if cuda else None)
+    opt = torch.optim.Adam(model.parameters(), lr=trainer["lr"])
+    loader = Loader(config, epochs=trainer["epochs"], device=device)  # rank, world: dist's
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        saved = torch.load(args.checkpoint, map_location=device)
+        net.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        loader.load_state_dict(saved["loader"])
+    every = trainer.get("checkpoint_every", 0)
+    with loader:
+        for epoch in range(loader.epoch, trainer["epochs"]):
+            loader.set_epoch(epoch)
+            steps, loss_sum = 0, 0.0
+            for step, batch in enumerate(loader, 1):
+                loss = F.cross_entropy(model(batch["image"]), batch["label"])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                steps, loss_sum = step, loss_sum + loss.item()
+                if args.keys_out:
+                    _log(args.keys_out, rank, epoch, step, batch["key"].tolist())
+                if args.checkpoint and every and step % every == 0:
+                    _save(args.checkpoint, rank, net, opt, loader.state_dict())  # all ranks
+                if args.stop_at and (epoch, step) == (0, args.stop_at):
+                    return  # as if the job died here (the tests); no process group teardown
+                if args.state_at and (epoch, step) == (0, args.state_at):
+                    state = loader.state_dict()  # a collective: every rank calls it
+                    if rank == 0:
+                        _write_state(Path(args.keys_out, "state.json"), state)
+            print(f"rank {rank} epoch {epoch}: {steps} steps, loss {loss_sum / max(steps, 1):.4f}",
+                  flush=True)  # fmt: skip
+    dist.destroy_process_group()
+
+
+def _save(path: str, rank: int, net, opt, loader_state: dict) -> None:
+    import torch
+
+    if rank == 0:
+        tmp = f"{path}.tmp"
+        torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "loader": loader_state},
+                   tmp)  # fmt: skip
+        os.replace(tmp, path)
+
+
+def _write_state(path: Path, state: dict) -> None:
+    """The keys a `raypipe.Loader.state_dict()` marks consumed, as JSON (the tests)."""
+    import numpy as np
+
+    from raypipe.train.state import PipelineState
+
+    consumed = PipelineState.from_bytes(state["state"].numpy().tobytes()).consumed
+    keys = np.flatnonzero(consumed).tolist()
+    path.write_text(json.dumps({"epoch": state["epoch"], "consumed": keys}))
+
+
+def _log(folder: str, rank: int, epoch: int, step: int, keys: list[int]) -> None:
+    with open(os.path.join(folder, f"e{epoch}-r{rank}.jsonl"), "a") as f:
+        f.write(json.dumps({"step": step, "keys": keys}) + "\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("config", help="a YAML file with data: and trainer: sections")
+    p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
+                   required="RAY_ADDRESS" not in os.environ,
+                   help="the Ray cluster every rank joins (default: RAY_ADDRESS)")  # fmt: skip
+    p.add_argument("--checkpoint", help="save to (and resume from) this file")
+    p.add_argument("--keys-out", help="a folder: the keys of every batch, per epoch and rank")
+    p.add_argument("--state-at", type=int, default=0,
+                   help="write the loader's state at this step of epoch 0 into --keys-out")  # fmt: skip
+    p.add_argument("--stop-at", type=int, default=0,
+                   help="stop after this step of epoch 0, as if the job died (tests)")  # fmt: skip
+    return p
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Pieces of one large shard file, so that several tasks read it at once.
+
+A TFRecord, LMDB or HDF5 file is listed as runs of its records, each a shard of its own
+(its own first key and count) that one actor task reads::
+
+    train-00000-of-01024.tfrecord  (140 MB)
+      ├─ train-00000-of-01024.tfrecord#0+290          keys k .. k+289
+      ├─ train-00000-of-01024.tfrecord#33555012+287    keys k+290 .. k+576
+      └─ ...
+
+A piece's path is the file's with ``#<start>+<count>`` appended: ``start`` is a byte offset
+(TFRecord), a row (HDF5) or a hex key (LMDB); the format's reader parses it back with
+`split_piece`. A file listed whole keeps its plain path.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+__all__ = ["PIECE_BYTES", "cut", "piece_path", "rows_per_piece", "split_piece"]
+assert __all__ == sorted(__all__)
+
+PIECE_BYTES = 32 << 20  # about how many bytes of records one piece (one task) reads
+_PIECE = re.compile(r"#([0-9a-f]*)\+(\d+)$")
+
+
+def piece_path(path: str, start: int | str, count: int) -> str:
+    """The path of the ``count`` records from ``start`` (an int, or a hex string) of ``path``."""
+    return f"{path}#{start}+{count}"
+
+
+def split_piece(path: str) -> tuple[str, str | None, int | None]:
+    """``(file, start, count)`` of a piece path; ``(path, None, None)`` for a whole file."""
+    m = _PIECE.search(path)
+    if m is None:
+        return path, None, None
+    return path[: m.start()], m.group(1), int(m.group(2))
+
+
+def cut(sizes: Sequence[int], budget: int | None = None) -> list[tuple[int, int]]:
+    """``(first, count)`` runs of consecutive items of ``sizes`` bytes, each run ending at the
+    first item that brings it to ``budget`` (`PIECE_BYTES`) bytes; at least one item a run."""
+    budget = PIECE_BYTES if budget is None else budget
+    runs: list[tuple[int, int]] = []
+    first, total = 0, 0
+    for i, size in enumerate(sizes):
+        total += size
+        if total >= budget:
+            runs.append((first, i + 1 - first))
+            first, total = i + 1, 0
+    if first < len(sizes):
+        runs.append((first, len(sizes) - first))
+    return runs
+
+
+def rows_per_piece(bytes_per_row: int, chunk: int) -> int:
+    """Rows of about `PIECE_BYTES`, a whole number of ``chunk``-row chunks (at least one)."""
+    return max(chunk, PIECE_BYTES // max(1, bytes_per_row) // chunk * chunk)

@@ -1,0 +1,292 @@
+"""`Loader`: one rank's warm `raypipe.Pipeline` in the shape of a ``torch`` DataLoader.
+
+```
+ Loader(config, epochs=E)                 rank / world size: given, or torch.distributed's
+   iter(loader)  ──► next(pipeline.epochs())  one Pipeline, one pool, for the whole run:
+   iter(loader)  ──► the next epoch ...      what an epoch left unread is dropped
+   len(loader)      this rank's batches of a whole epoch (every rank the same)
+   state_dict()     {"epoch", "state"}: PipelineState's bytes, the keys consumed over all
+                    ranks (one all_reduce when torch.distributed is up: every rank calls it)
+   load_state_dict  the next iter() resumes there: the rest of that epoch, then whole ones
+```
+
+With ``world_size > 1`` the ranks share an `raypipe.loader.ledger` actor (a handle, a name,
+or a name rank 0 broadcasts over torch.distributed); before any work each rank joins it
+with its world size and settings, and a rank that disagrees stops them all in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from raypipe.config import PipelineConfig
+from raypipe.data.shards import Listing, list_shards
+from raypipe.loader.pipeline import Pipeline
+from raypipe.train.checkpoint import any_rank
+from raypipe.train.ranks import join_ranks, leave, resolve_world, run_settings
+from raypipe.train.state import PipelineState, fingerprint, merge_states
+
+__all__ = ["Loader"]
+assert __all__ == sorted(__all__)
+
+MISUSE = (
+    "a Loader gives one epoch at a time: an iterator of it was used after a later iter() "
+    "(the same Loader iterated twice at once: nested or zipped loops?)"
+)
+
+
+@dataclasses.dataclass
+class _Epoch:
+    """The epoch being read: its batches, the keys consumed before a resume, and whether it
+    is over for the consumer (read to the end, or left)."""
+
+    epoch: int
+    batches: Any  # a TorchBatches: state_dict()["keys"] are the keys handed out
+    base: np.ndarray | None
+    most: int | None  # batches the epoch has at most (drop_last); reached: it is over
+    count: int = 0
+    over: bool = False
+
+
+class Loader:
+    """This rank's batches, an epoch per ``iter()``, from one preprocessing pool per run.
+
+    Args:
+        config: the dataset's `raypipe.PipelineConfig`.
+        epochs: the run's number of epochs (the pool works ahead across them).
+        rank, world_size: this rank; None: torch.distributed's when it is initialized,
+            else ``RANK`` and ``WORLD_SIZE`` (torchrun and Ray Train set them), else 0 and 1.
+        ledger: with ``world_size > 1``: a `raypipe.Pipeline.ledger` handle, or a name every
+            rank passes; None: a name rank 0 picks and broadcasts over torch.distributed.
+        group: names this loader's ranks in a ledger handle that other loaders share.
+        join_timeout_s: how long a rank waits for the others to start.
+        options: `raypipe.Pipeline`'s other keywords (``device``, ``prefetch_batches``,
+            ``drop_last``, ``progress_s``, ``skips`` ...).
+
+    ``set_epoch(e)`` picks the epoch the next ``iter()`` gives, as a DistributedSampler's;
+    another than the next one starts the pool anew there. ``close()`` (or ``with``) ends the
+    pool; with a named ledger, it waits for the other ranks to be done with it.
+    """
+
+    def __init__(self, config: PipelineConfig, *, epochs: int, rank: int | None = None,
+                 world_size: int | None = None, ledger: Any = None, group: str = "",
+                 join_timeout_s: float = 300.0, **options: Any):  # fmt: skip
+        if not isinstance(config, PipelineConfig):
+            raise TypeError(f"config must be a PipelineConfig, got {type(config).__name__}")
+        if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+            raise ValueError(f"{epochs=} must be an integer >= 1")
+        for name in ("rank", "world_size", "ledger", "group", "start", "listing", "epochs"):
+            if name in options:
+                raise TypeError(f"Loader() sets {name}= itself")
+        self.config, self.num_epochs = config, epochs
+        self._asked = (rank, world_size, ledger)
+        self._group, self._join_timeout_s, self._options = group, join_timeout_s, options
+        self._drop_last = options.get("drop_last", True)
+        self._world: tuple[int, int] | None = None
+        self._ledger, self._named, self._run = None, False, group
+        self._listing: Listing | None = None
+        self._pipeline: Pipeline | None = None
+        self._epochs: Iterator | None = None  # the pipeline's epochs() generator
+        self._generation = 0  # pipelines built so far: each reports under its own group
+        self._next, self._base = 0, None  # the next epoch and its keys consumed before
+        self._running: _Epoch | None = None
+        self._latest: object | None = None  # the newest iter()'s token: older ones are stale
+        self._closed = False
+
+    # -- the DataLoader shape --------------------------------------------------------
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """The next epoch's batches; it starts at the first ``next()``, and a later
+        ``iter()`` makes this iterator stale (Lightning asks twice per epoch, uses one)."""
+        if self._closed:
+            raise RuntimeError("the Loader is closed")
+        if self._next >= self.num_epochs:
+            raise RuntimeError(
+                f"the Loader's epochs={self.num_epochs} were all read: pass a larger epochs= "
+                "(or set_epoch() to read one again)"
+            )
+        token = self._latest = object()
+        return self._read(token)
+
+    def _claim(self) -> _Epoch:
+        """Take the next epoch from the pipeline (what is left of the last one is dropped)."""
+        if self._next >= self.num_epochs:
+            raise RuntimeError(f"the Loader's epochs={self.num_epochs} were all read")
+        if self._epochs is None:
+            self._build()
+        epoch, batches = next(self._epochs)
+        assert epoch == self._next, (epoch, self._next)
+        most = min(self._pipeline.plan.sizes(epoch)) // self.config.batch_size
+        run = _Epoch(epoch, batches, self._base, most if self._drop_last else None)
+        self._next, self._base, self._running = epoch + 1, None, run
+        return run
+
+    def _read(self, token: object) -> Iterator[dict[str, Any]]:
+        if self._latest is not token:
+            raise RuntimeError(MISUSE)
+        run = self._claim()
+        it = iter(run.batches)
+        try:
+            while True:
+                if self._latest is not token or self._running is not run:
+                    raise RuntimeError(MISUSE)
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    return
+                run.count += 1
+                run.over = run.most is not None and run.count >= run.most
+                yield batch
+        finally:  # read to the end, or left (break, an error): the next iter() is the next epoch
+            run.over = True
+
+    def __len__(self) -> int:
+        """This rank's batches in a whole epoch: the same on every rank (with ``drop_last``;
+        fewer when samples are skipped). A resumed epoch gives what is left of it."""
+        rank, world = self._rank_world()
+        q, r = divmod(self.listing.num_samples, world)
+        if self._drop_last:
+            return q // self.config.batch_size
+        return -(-(q + (rank < r)) // self.config.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The next ``iter()`` gives ``epoch``; the next epoch anyway: nothing changes."""
+        if not isinstance(epoch, int) or not 0 <= epoch < self.num_epochs:
+            raise ValueError(f"{epoch=} must be an integer in 0..{self.num_epochs - 1}")
+        if epoch != self._next:
+            self._restart(epoch, None)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being read, or the one the next ``iter()`` gives."""
+        run = self._running
+        return run.epoch if run is not None and not run.over else self._next
+
+    # -- resume state -----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the run stands over all ranks: ``epoch``, the one being read (or the next
+        one), and ``state``, the `raypipe.train.state.PipelineState` that `train_ddp`
+        checkpoints (the keys handed out so far), as the bytes of its file in a tensor.
+
+        With torch.distributed initialized this is a collective: every rank calls it
+        together (Lightning does, on every rank, when it checkpoints)."""
+        import torch
+
+        run = self._running
+        if run is not None and not run.over:
+            epoch, keys, base = run.epoch, run.batches.state_dict()["keys"], run.base
+        else:
+            epoch, keys, base = self._next, [], self._base
+        n = self.listing.num_samples
+        mine = merge_states([{"keys": keys}], n, base)
+        consumed = any_rank(mine, device=self._collective_device())
+        state = PipelineState(epoch, self.config.seed, n, fingerprint(self.listing), consumed)
+        return {"epoch": epoch, "state": torch.frombuffer(bytearray(state.to_bytes()),
+                                                          dtype=torch.uint8)}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at ``state`` (a `state_dict`, of any world size): the next ``iter()``
+        gives the rest of its epoch, exactly once over the ranks, then whole epochs."""
+        data = state.get("state") if isinstance(state, dict) else None
+        if data is None:
+            raise ValueError(f"not a Loader.state_dict(): {type(state).__name__} without 'state'")
+        data = data.cpu().numpy() if hasattr(data, "cpu") else data  # a tensor: any device
+        resumed = PipelineState.from_bytes(np.asarray(data, dtype=np.uint8).tobytes(),
+                                           source="the Loader state")  # fmt: skip
+        resumed.check(self.listing, self.config.seed)
+        if not 0 <= resumed.epoch <= self.num_epochs:
+            raise ValueError(f"the state is at epoch {resumed.epoch}: epochs={self.num_epochs}")
+        self._restart(resumed.epoch, resumed.consumed)
+
+    # -- the pipeline underneath -------------------------------------------------------
+
+    @property
+    def listing(self) -> Listing:
+        """The source's shards, listed once, on first use."""
+        if self._listing is None:
+            self._listing = list_shards(self.config)
+        return self._listing
+
+    def start(self) -> Loader:
+        """Start the pool now, so that it warms up while the model is built (``with`` and
+        the first ``iter()`` do it too); with several ranks, wait for all of them first."""
+        if self._epochs is None and self._next < self.num_epochs:
+            self._build()
+        if self._pipeline is not None:
+            self._pipeline.start()
+        return self
+
+    def _build(self) -> None:
+        rank, world = self._rank_world()
+        ledger = self._join()
+        n = self.listing.num_samples
+        start = None
+        if self._next > 0 or self._base is not None:
+            consumed = self._base if self._base is not None else np.zeros(n, dtype=bool)
+            start = PipelineState(self._next, self.config.seed, n, fingerprint(self.listing),
+                                  consumed)  # fmt: skip
+        self._generation += 1
+        self._pipeline = Pipeline(
+            self.config, epochs=self.num_epochs, rank=rank, world_size=world, ledger=ledger,
+            group=f"{self._run}/{self._generation}", listing=self.listing, start=start,
+            **self._options,
+        )  # fmt: skip
+        self._epochs = self._pipeline.epochs()
+
+    def _restart(self, epoch: int, base: np.ndarray | None) -> None:
+        """The next ``iter()`` reads ``epoch`` (less ``base``) from a new pipeline."""
+        self._stop_pipeline()
+        self._next, self._base, self._running, self._latest = epoch, base, None, None
+
+    def _stop_pipeline(self) -> None:
+        if self._epochs is not None:
+            self._epochs.close()
+        if self._pipeline is not None:
+            self._pipeline.close()
+        self._epochs = self._pipeline = None
+
+    def _rank_world(self) -> tuple[int, int]:
+        if self._world is None:
+            rank, world, _ = self._asked
+            self._world = resolve_world(rank, world)
+        return self._world
+
+    def _join(self):
+        """The ledger, once: made or found, and every rank joined with the same settings."""
+        if self._ledger is None and self._rank_world()[1] > 1:
+            settings = run_settings(self.config, epochs=self.num_epochs, listing=self.listing,
+                                    drop_last=self._drop_last)  # fmt: skip
+            self._ledger, self._run, self._named = join_ranks(
+                self._asked[2], *self._rank_world(), group=self._group, settings=settings,
+                timeout_s=self._join_timeout_s,
+            )  # fmt: skip
+        return self._ledger
+
+    @staticmethod
+    def _collective_device():
+        """Where NCCL's all_reduce of `state_dict` runs: this process's CUDA device."""
+        import torch
+
+        return (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        )
+
+    def close(self) -> None:
+        """End the pool; with a named ledger, leave it and wait (a while) for the others."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_pipeline()
+        if self._named and self._ledger is not None:
+            leave(self._ledger, self._run, self._rank_world()[0])
+
+    def __enter__(self) -> Loader:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

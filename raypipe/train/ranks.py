@@ -1,0 +1,105 @@
+"""The ranks of a run that start themselves (`raypipe.Loader` under torchrun, a user's own
+``TorchTrainer``, Lightning): who they are, and one ledger they all joined.
+
+```
+ resolve_world   rank, world size: given, else torch.distributed's, else RANK / WORLD_SIZE
+ join_ranks      the ledger: a handle, a name, or a name rank 0 broadcasts over
+                 torch.distributed; every rank joins it with its settings and waits for
+                 the others (raypipe.loader.ledger.wait_for_ranks): one that disagrees
+                 stops them all before work
+ leave           a named ledger ends with the process that made it: ranks wait for each other
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import uuid
+from typing import Any
+
+from raypipe import localnode
+from raypipe.config import PipelineConfig
+from raypipe.data.shards import Listing
+from raypipe.loader.ledger import named_ledger, wait_for_ranks
+from raypipe.train.state import fingerprint
+
+__all__ = ["join_ranks", "leave", "resolve_world", "run_settings"]
+assert __all__ == sorted(__all__)
+
+
+def join_ranks(asked: Any, rank: int, world: int, *, group: str, settings: dict[str, str],
+               timeout_s: float) -> tuple[Any, str, bool]:  # fmt: skip
+    """``(ledger, run, named)``: the ledger ``asked`` for (a handle, a name, or None: a name
+    from rank 0), once every rank joined ``run`` in it with the same ``settings``."""
+    localnode.ensure()
+    if asked is None or isinstance(asked, str):
+        name = asked if asked is not None else _broadcast_name(world)
+        ledger, run, named = named_ledger(name, world), f"{name}/{group}", True
+    else:
+        ledger, run, named = asked, group, False
+    wait_for_ranks(ledger, run, rank=rank, world_size=world, settings=settings,
+                   timeout_s=timeout_s)  # fmt: skip
+    return ledger, run, named
+
+
+def run_settings(config: PipelineConfig, *, epochs: int, listing: Listing,
+                 drop_last: bool) -> dict[str, str]:  # fmt: skip
+    """What every rank must agree on, as text: the config, the epochs, the data."""
+    out = {f.name: _text(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    out.update(epochs=str(epochs), dataset=fingerprint(listing), drop_last=str(drop_last))
+    return out
+
+
+def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """The asked rank and world size, else torch.distributed's, else torchrun's variables."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        found = dist.get_rank(), dist.get_world_size()
+    else:
+        found = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank = found[0] if rank is None else rank
+    world = found[1] if world_size is None else world_size
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise ValueError(f"world_size={world!r} must be an integer >= 1")
+    if not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"{rank=} must be an integer in 0..{world - 1} (world_size={world})")
+    return rank, world
+
+
+def _broadcast_name(world: int) -> str:
+    """A ledger name from rank 0, over torch.distributed (the ranks need no other channel)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"world_size={world} needs ledger=: a Pipeline.ledger({world}) handle or a name "
+            "every rank passes, or torch.distributed initialized before the first iter()"
+        )
+    names = [uuid.uuid4().hex[:16]]
+    dist.broadcast_object_list(names, src=0)
+    return names[0]
+
+
+def _text(value: Any) -> str:
+    """A setting as text every process writes the same way (a callable by its name)."""
+    if callable(value) and not isinstance(value, type):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"
+    return repr(value)
+
+
+def leave(ledger, run: str, rank: int, timeout_s: float = 60.0) -> None:
+    """Leave a named ledger and wait until every rank did: it ends with the process that
+    made it, and a rank still reading needs it."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        remaining = ray.get(ledger.leave.remote(run, rank))
+        while remaining > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            remaining = ray.get(ledger.leave.remote(run, rank))
+    except ray.exceptions.RayActorError:  # its maker is gone: nobody waits on it
+        return

@@ -1,0 +1,219 @@
+"""LMDB environments as the PyTorch LMDB recipes write them with ``lmdb`` (pickled tuples,
+msgpack dicts, their ``__keys__``/``__len__`` entries) and HDF5 files as ``h5py`` writes
+them (encoded bytes or raw pixels, chunked): every sample once with its label, large ones
+in pieces over several tasks and ranks, a user transform, and bad input. Images are flat
+grays whose level encodes the label (`test_formats`)."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+
+import numpy as np
+import pytest
+
+from raypipe import PipelineConfig
+from raypipe.cli import main
+from raypipe.data.shards import list_shards
+from raypipe.formats import infer_format, pieces
+from tests.formats.test_formats import labels_of, level, png, run_epoch
+from tests.properties import check_exactly_once_and_equal
+from tests.ranks import run_ranks
+
+
+def lmdb_env(path, labels: list[int], *, codec="pickle", names=("image", "label")):
+    """One environment directory (``data.mdb``): ``{i:08d}`` → ``(png, label)`` pickled (or
+    ``(pixels, label)``), or a msgpack dict with ``names``; plus the recipes' ``__keys__`` and
+    ``__len__`` entries."""
+    import lmdb
+    import msgpack
+
+    env = lmdb.open(str(path), map_size=1 << 26)
+    keys = [f"{i:08d}".encode() for i in range(len(labels))]
+    with env.begin(write=True) as txn:
+        for key, label in zip(keys, labels, strict=True):
+            if codec == "pickle":
+                value = pickle.dumps((png(label), label))
+            elif codec == "pixels":  # a decoded H×W×3 array, as some recipes keep
+                value = pickle.dumps((np.full((10, 12, 3), level(label), np.uint8), label))
+            else:
+                value = msgpack.packb({names[0]: png(label), names[1]: label, "src": "gen"})
+            txn.put(key, value)
+        txn.put(b"__keys__", pickle.dumps(keys))
+        txn.put(b"__len__", pickle.dumps(len(keys)))
+    env.close()
+    return path
+
+
+def h5_file(path, labels: list[int], *, raw=False, names=("images", "labels"), chunk=4):
+    import h5py
+
+    with h5py.File(path, "w") as f:
+        if raw:
+            pixels = np.stack([np.full((10, 12, 3), level(v), np.uint8) for v in labels])
+            f.create_dataset(names[0], data=pixels, chunks=(chunk, 10, 12, 3))
+        else:
+            images = f.create_dataset(names[0], (len(labels),), h5py.vlen_dtype(np.uint8),
+                                      chunks=(chunk,))  # fmt: skip
+            for i, v in enumerate(labels):
+                images[i] = np.frombuffer(png(v), np.uint8)
+        f.create_dataset(names[1], data=np.asarray(labels, np.int64).reshape(-1, 1))
+    return path
+
+
+@pytest.mark.parametrize("codec", ["pickle", "msgpack", "pixels"])
+def test_lmdb_every_sample_once_with_its_label(ray_session, tmp_path, codec):
+    labels = labels_of(20, seed=31)
+    names = ("img", "target") if codec == "msgpack" else ("image", "label")
+    lmdb_env(tmp_path / "train.lmdb", labels, codec=codec, names=names)
+    config = PipelineConfig(source=str(tmp_path / "train.lmdb"), image_size=8, batch_size=4,
+                            image_column=names[0], label_column=names[1], actors=(1, 1))  # fmt: skip
+    listing = list_shards(config)
+    assert listing.format == "lmdb" and listing.num_samples == 20  # __keys__, __len__ left out
+    assert run_epoch(config) == dict(enumerate(labels))
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["encoded", "pixels"])
+def test_hdf5_every_sample_once_with_its_label(ray_session, tmp_path, raw):
+    labels = labels_of(30, seed=32)
+    root = tmp_path / "h5"
+    root.mkdir()
+    names = ("x", "y") if raw else ("images", "labels")
+    h5_file(root / "a.h5", labels[:18], raw=raw, names=names)
+    h5_file(root / "b.hdf5", labels[18:], raw=raw, names=names)
+    config = PipelineConfig(source=str(root), image_size=8, batch_size=5, actors=(1, 1))
+    if raw:
+        config = config.replace(image_column="x", label_column="y")
+    listing = list_shards(config)
+    assert listing.format == "hdf5" and [s.num_samples for s in listing.shards] == [18, 12]
+    assert ("raw pixels" if raw else "encoded bytes") in listing.labels
+    assert run_epoch(config) == dict(enumerate(labels))
+
+
+def test_large_lmdb_and_hdf5_in_pieces_over_two_ranks(ray_session, tmp_path, monkeypatch):
+    """Pieces of a few samples (LMDB by key ranges, HDF5 by whole chunks): two ranks, two
+    epochs, exactly once with equal batches."""
+    labels = labels_of(36, seed=33)
+    lmdb_env(tmp_path / "db", labels)
+    (tmp_path / "h5").mkdir()
+    h5_file(tmp_path / "h5" / "big.h5", labels)
+    monkeypatch.setattr(pieces, "PIECE_BYTES", 5 * len(png(0)))
+    for source in (tmp_path / "db", tmp_path / "h5"):
+        config = PipelineConfig(source=str(source), image_size=8, batch_size=3, actors=(2, 2))
+        listing = list_shards(config)
+        assert len(listing.shards) >= 4 and listing.num_samples == 36
+        if source.name == "h5":  # pieces start on chunk boundaries (chunks of 4 rows)
+            assert all(int(s.path.split("#")[1].split("+")[0]) % 4 == 0 for s in listing.shards)
+        out, _ = run_ranks(config, 2, 2, listing=listing)
+        for epoch in range(2):
+            check_exactly_once_and_equal([r[epoch] for r in out], batch_size=3, good=range(36))
+            got = {int(k): int(v) for r in out for b in r[epoch]
+                   for k, v in zip(b["key"], b["label"], strict=True)}  # fmt: skip
+            assert got == dict(enumerate(labels)) and len(got) == 36
+
+
+def test_a_user_transform_gets_the_other_fields(ray_session, tmp_path):
+    labels = labels_of(8, seed=34)
+    lmdb_env(tmp_path / "db", labels, codec="msgpack")
+    config = PipelineConfig(source=str(tmp_path / "db"), batch_size=4, actors=(1, 1),
+                            transform="tests.formats.test_lmdb_hdf5:with_source")  # fmt: skip
+    out, _ = run_ranks(config, 1, 1)
+    rows = [(int(k), int(v), int(n)) for b in out[0][0]
+            for k, v, n in zip(b["key"], b["label"], b["source_len"], strict=True)]  # fmt: skip
+    assert sorted(rows) == [(k, labels[k], 3) for k in range(8)]
+
+
+def with_source(sample: dict) -> dict:
+    """The sample's image at 4×4, its label, and the length of its ``src`` field."""
+    image = sample["image"][:4, :4].transpose(2, 0, 1).copy()
+    return {"image": image, "label": sample["label"], "source_len": len(sample["src"])}
+
+
+def test_bad_input(tmp_path):
+    import fsspec
+
+    lmdb_env(tmp_path / "db", [1, 2], codec="msgpack", names=("img", "target"))
+    with pytest.raises(ValueError) as e:
+        list_shards(PipelineConfig(source=str(tmp_path / "db")))
+    assert "\n" not in str(e.value) and "['img', 'src', 'target']" in str(e.value)
+    h5_file(tmp_path / "h.h5", [1, 2], names=("pics", "ids"), chunk=1)
+    with pytest.raises(ValueError) as e:
+        list_shards(PipelineConfig(source=str(tmp_path / "h.h5")))
+    assert "\n" not in str(e.value) and "['ids', 'pics']" in str(e.value)
+    # files that are not what their names say: one skip each, naming the file
+    for name in ("odd/data.mdb", "odd.h5"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(png(0))
+        listing = list_shards(PipelineConfig(source=str(tmp_path / name)))
+        raws = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
+        assert [(r.reason, r.where) for r in raws] == [("unreadable_shard", str(tmp_path / name))]
+    # LMDB memory-maps its file: object storage is refused in one line
+    fsspec.filesystem("memory").pipe("/envs/train/data.mdb", (tmp_path / "db" / "data.mdb").read_bytes())  # fmt: skip
+    with pytest.raises(ValueError) as e:
+        list_shards(PipelineConfig(source="memory://envs/train", format="lmdb"))
+    assert "\n" not in str(e.value) and "memory-maps" in str(e.value)
+
+
+def test_hdf5_from_object_storage_reads_as_its_local_copy(tmp_path):
+    """Through a remote file system (fsspec's in-memory one here): ranged reads of the file."""
+    import fsspec
+
+    labels = labels_of(12, seed=35)
+    h5_file(tmp_path / "a.h5", labels, raw=True)
+    fsspec.filesystem("memory").pipe("/h5/a.h5", (tmp_path / "a.h5").read_bytes())
+    local, remote = (PipelineConfig(source=s) for s in (str(tmp_path / "a.h5"), "memory://h5"))
+    got = [list_shards(c) for c in (local, remote)]
+    assert got[1].reader.storage.remote
+    a, b = ([(r.key, r.label, r.data) for s in g.shards for r in g.reader.read(s.path, s.first_key, -1)]
+            for g in got)  # fmt: skip
+    assert a == b and [r[1] for r in a] == labels
+
+
+@pytest.mark.parametrize(
+    "fmt, modules, extra",
+    [("tfrecord", ["crc32c", "google_crc32c"], "tfrecord"), ("lmdb", ["lmdb"], "lmdb"),
+     ("hdf5", ["h5py"], "hdf5")],
+)  # fmt: skip
+def test_a_missing_library_names_its_extra(tmp_path, monkeypatch, fmt, modules, extra):
+    from raypipe.formats import tfexample
+    from tests.formats.test_tfrecord import tf_shards
+
+    if fmt == "tfrecord":
+        tf_shards(tmp_path / fmt, [1, 2])
+    elif fmt == "lmdb":
+        lmdb_env(tmp_path / fmt, [1, 2])
+    else:
+        (tmp_path / fmt).mkdir()
+        h5_file(tmp_path / fmt / "a.h5", [1, 2], chunk=1)
+    monkeypatch.setattr(tfexample, "_crc32c", None)  # CRC32C's library is looked up again
+    for name in modules:
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` raises ImportError
+    with pytest.raises(ImportError, match=rf"pip install 'raypipe\[{extra}\]'"):
+        list_shards(PipelineConfig(source=str(tmp_path / fmt)))
+
+
+@pytest.mark.parametrize(
+    "name, fmt",
+    [("train-00000-of-01024", "tfrecord"), ("a.tfrecords", "tfrecord"),
+     ("a.tfrecord.gz", "tfrecord"), ("env/data.mdb", "lmdb"), ("train.lmdb", "lmdb"),
+     ("a.h5", "hdf5"), ("a.HDF5", "hdf5"), ("train-00000-of-00004.tar", "webdataset")],
+)  # fmt: skip
+def test_file_names_give_the_format(tmp_path, name, fmt):
+    (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / name).write_bytes(b"")
+    (tmp_path / "train-00000-of-01024.index").write_bytes(b"")  # an index is no shard
+    assert infer_format([str(tmp_path)]) == fmt
+
+
+def test_inspect_shows_where_images_and_labels_are(tmp_path, capsys, monkeypatch):
+    lmdb_env(tmp_path / "db", labels_of(6, seed=36))
+    (tmp_path / "h5").mkdir()
+    h5_file(tmp_path / "h5" / "a.h5", labels_of(9, seed=37), raw=True)
+    monkeypatch.setattr(pieces, "PIECE_BYTES", 3 * 10 * 12 * 3)  # pieces of 4 rows (a chunk)
+    assert main(["inspect", str(tmp_path / "db"), "--samples", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "lmdb (inferred)" in out and "(image, label) tuples" in out and "4 good" in out
+    assert main(["inspect", str(tmp_path / "h5"), "--samples", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "hdf5 (inferred)" in out and "dataset 'labels', images 'images' (raw pixels" in out
+    assert "3 (pieces of 1 file)" in out and "12x10 RGB" in out

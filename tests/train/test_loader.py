@@ -1,0 +1,170 @@
+"""`raypipe.Loader` in a plain ``for epoch: for batch in loader:`` loop through a real local
+Ray: two ranks (threads sharing a ledger handle), exactly once and equal batches per epoch,
+``len()``, leaving an epoch early, resuming from ``state_dict()``, and misuse refused."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from raypipe import Loader, Pipeline, PipelineConfig
+from raypipe.loader.ledger import RanksDisagree
+from raypipe.train.loader import MISUSE
+from raypipe.train.state import PipelineState
+from tests.properties import check_exactly_once_and_equal, keys_of
+from tests.ranks import in_threads
+
+B = 4
+
+
+def _config(datasets) -> PipelineConfig:
+    return PipelineConfig(source=str(datasets["webdataset"]), image_size=8, batch_size=B,
+                          actors=(2, 2), rows_per_block=4)  # fmt: skip
+
+
+def _ranks(body, world: int = 2) -> list:
+    """``body(r)`` on ``world`` threads; returns their results, raises the first error."""
+    out, errors = [None] * world, []
+
+    def rank(r: int) -> None:
+        try:
+            out[r] = body(r)
+        except BaseException as e:
+            errors.append(e)
+
+    in_threads(rank, world, timeout=300)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def test_two_ranks_two_epochs_exactly_once_equal_and_len(ray_session, datasets):
+    config, ledger = _config(datasets), Pipeline.ledger(2)
+
+    def body(r: int):
+        with Loader(config, epochs=2, rank=r, world_size=2, ledger=ledger, device="cpu") as loader:
+            lens = len(loader)
+            epochs = []
+            for epoch in range(2):
+                loader.set_epoch(epoch)  # the next one anyway: nothing changes
+                epochs.append([keys_of(b) for b in loader])
+            return lens, epochs
+
+    (len0, a), (len1, b) = _ranks(body)
+    assert len0 == len1 == 61 // 2 // B == 7
+    for epoch in range(2):
+        keys = check_exactly_once_and_equal([a[epoch], b[epoch]], batch_size=B, good=range(61),
+                                            left_over=2 * B - 1)  # fmt: skip
+        assert len(a[epoch]) == len0
+    assert [k.tolist() for k in a[0]] != [k.tolist() for k in a[1]]  # a new order per epoch
+    assert len(keys) == 56
+
+
+def test_leaving_an_epoch_early_then_a_whole_next_epoch(ray_session, datasets):
+    config, ledger = _config(datasets), Pipeline.ledger(2)
+
+    def body(r: int):
+        loader = Loader(config, epochs=3, rank=r, world_size=2, ledger=ledger, device="cpu")
+        first = []
+        for batch in loader:
+            first.append(keys_of(batch))
+            if len(first) == 2:
+                break
+        after_break = loader.state_dict()["epoch"]
+        second = [keys_of(b) for b in loader]
+        loader.close()
+        return first, after_break, second
+
+    (f0, e0, s0), (f1, e1, s1) = _ranks(body)
+    assert len(f0) == len(f1) == 2 and e0 == e1 == 1
+    keys = check_exactly_once_and_equal([s0, s1], batch_size=B, good=range(61))
+    assert len(keys) == 56 and len(s0) == 7
+
+
+def test_resume_mid_epoch_from_state_dict_with_another_world_size(ray_session, datasets):
+    """Two ranks stop after 3 batches of epoch 0; their states, ORed as the all_reduce of a
+    process group would, resume one rank: the rest of epoch 0 once, then a whole epoch 1."""
+    config, ledger = _config(datasets), Pipeline.ledger(2)
+
+    def body(r: int):
+        loader = Loader(config, epochs=2, rank=r, world_size=2, ledger=ledger, device="cpu")
+        it, seen = iter(loader), []
+        for _ in range(3):
+            seen.append(keys_of(next(it)))
+        state = loader.state_dict()
+        loader.close()
+        return seen, state
+
+    (seen0, st0), (seen1, st1) = _ranks(body)
+    before = np.concatenate(seen0 + seen1)
+    assert st0["epoch"] == st1["epoch"] == 0
+    a, b = (PipelineState.from_bytes(s["state"].numpy().tobytes()) for s in (st0, st1))
+    consumed = a.consumed | b.consumed  # what the all_reduce of a process group does
+    both = PipelineState(a.epoch, a.seed, a.num_samples, a.fingerprint, consumed)
+    merged = {"epoch": 0, "state": torch.frombuffer(bytearray(both.to_bytes()), dtype=torch.uint8)}
+    assert sorted(np.flatnonzero(consumed).tolist()) == sorted(before.tolist())
+
+    with Loader(config, epochs=2, world_size=1, rank=0, device="cpu") as loader:
+        loader.load_state_dict(merged)
+        assert loader.epoch == 0
+        rest = [keys_of(b) for b in loader]
+        whole = [keys_of(b) for b in loader]
+        assert loader.state_dict()["epoch"] == 2
+    epoch0 = np.concatenate([before, *rest])
+    assert len(set(epoch0.tolist())) == len(epoch0) and 61 - len(epoch0) < B
+    check_exactly_once_and_equal([whole], batch_size=B, good=range(61), left_over=B - 1)
+
+
+def test_iterated_twice_at_once_is_refused(ray_session, datasets):
+    with Loader(_config(datasets), epochs=3, device="cpu") as loader:
+        with pytest.raises(RuntimeError, match="iterated twice at once"):
+            for _ in zip(loader, loader, strict=True):
+                pass
+        assert MISUSE.startswith("a Loader gives one epoch at a time")
+        assert loader.epoch == 0  # neither of zip's iterators started an epoch
+        stale, fresh = iter(loader), iter(loader)  # Lightning asks twice, uses the second
+        assert sum(len(keys_of(b)) for b in fresh) == 60  # epoch 0, whole
+        with pytest.raises(RuntimeError, match="iterated twice at once"):
+            next(stale)
+        for epoch in (1, 2):
+            assert sum(len(keys_of(b)) for b in loader) == 60 and loader.epoch == epoch + 1
+        with pytest.raises(RuntimeError, match="were all read"):
+            iter(loader)
+        loader.set_epoch(0)  # back to the start: a new pool, a whole epoch
+        assert sum(len(keys_of(b)) for b in loader) == 60
+        with pytest.raises(ValueError, match="epoch=3"):
+            loader.set_epoch(3)
+
+
+@pytest.mark.parametrize(
+    "other,match",
+    [
+        ({"world_size": 3}, "rank 1 has world_size=3, the ledger's ranks 2"),
+        ({"batch_size": 6}, "rank 1 has batch_size=6, rank 0 batch_size=4"),
+    ],
+)
+def test_ranks_that_disagree_fail_before_work_in_one_line(ray_session, datasets, other, match):
+    config, ledger = _config(datasets), Pipeline.ledger(2)
+    errors = []
+
+    def body(r: int):
+        if r == 1:
+            time.sleep(0.5)  # rank 0 joins first, then waits for rank 1
+        world = other.get("world_size", 2) if r == 1 else 2
+        conf = config.replace(batch_size=other.get("batch_size", B)) if r == 1 else config
+        loader = Loader(conf, epochs=2, rank=r, world_size=world, ledger=ledger, device="cpu")
+        try:
+            loader.start()
+        except RanksDisagree as e:
+            errors.append((r, str(e)))
+            assert loader._pipeline is None  # no pool was started
+        finally:
+            loader.close()
+
+    _ranks(body)
+    assert sorted(r for r, _ in errors) == [0, 1]
+    for _, message in errors:
+        assert "\n" not in message and match in message, message

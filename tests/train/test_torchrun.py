@@ -1,0 +1,83 @@
+"""torchrun without Ray Train: ``torchrun --nproc_per_node=2`` ranks (gloo, CPU) of
+jobs/torchrun_train.py join a ``ray start --head`` the test starts, as Ray drivers, and read
+two epochs through `raypipe.Loader`: equal batches per rank, exactly once, and a mid-epoch
+``state_dict()`` that holds the keys of both ranks (its all_reduce over the process group).
+Then the job's own checkpoints: a run stops mid-epoch, and its rerun resumes from the last
+checkpoint, the interrupted epoch exactly once.
+
+The head and the ranks run in a network namespace of their own (tests/torchrun_head.py), so
+that torchrun's rendezvous store, which listens on every interface, has only loopback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from tests.properties import check_exactly_once_and_equal
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+B, STATE_AT = 4, 3
+
+
+def _own_network_namespace() -> bool:
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return False
+    return subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _own_network_namespace(), reason="needs unshare -n (root) and ip")
+def test_torchrun_ranks_join_a_ray_head_equal_batches_exactly_once(datasets, tmp_path):
+    spec = yaml.safe_load((ROOT / "jobs/configs/torchrun.yaml").read_text())
+    spec["data"].update(source=str(datasets["webdataset"]), image_size=8, batch_size=B,
+                        actors=[2, 2], actor_cpus=0.5)  # fmt: skip
+    for key in ("scale", "ratio", "flip"):
+        spec["data"].pop(key, None)
+    spec["trainer"].update(epochs=2, num_classes=5, checkpoint_every=2)
+    config, out = tmp_path / "run.yaml", tmp_path / "keys"
+    config.write_text(yaml.safe_dump(spec))
+    out.mkdir()
+    ckpt, a, b = tmp_path / "ckpt.pt", tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    resumed = ["--checkpoint", str(ckpt)]  # every checkpoint_every=2 steps
+    runs = [["--keys-out", str(out), "--state-at", str(STATE_AT)],
+            [*resumed, "--keys-out", str(a), "--stop-at", "5"],  # checkpoints at 2, 4
+            [*resumed, "--keys-out", str(b)]]  # fmt: skip
+    job = {"config": str(config), "runs": runs}
+    cmd = ["unshare", "-n", sys.executable, "-m", "tests.torchrun_head", json.dumps(job)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+    for epoch in range(2):
+        ranks = [[json.loads(line) for line in (out / f"e{epoch}-r{r}.jsonl").read_text().splitlines()]
+                 for r in range(2)]  # fmt: skip
+        batches = [[np.array(line["keys"]) for line in lines] for lines in ranks]
+        keys = check_exactly_once_and_equal(batches, batch_size=B, good=range(61),
+                                            left_over=2 * B - 1)  # fmt: skip
+        assert len(batches[0]) == 61 // 2 // B and len(keys) == 56
+        if epoch == 0:
+            state = json.loads((out / "state.json").read_text())
+            first = [k for lines in ranks for line in lines[:STATE_AT] for k in line["keys"]]
+            assert state["epoch"] == 0
+            assert sorted(state["consumed"]) == sorted(first)
+
+    # the stopped run saved at steps 2 and 4 of epoch 0; its step 5 comes again after resume
+    stopped = [k for r in range(2) for line in _lines(a, 0, r)[:4] for k in line["keys"]]
+    again = [k for r in range(2) for line in _lines(b, 0, r) for k in line["keys"]]
+    assert len(stopped) == 2 * 4 * B and not set(stopped) & set(again)
+    assert len(set(stopped + again)) == len(stopped + again) and 61 - len(stopped + again) < 2 * B
+    whole = [[np.array(line["keys"]) for line in _lines(b, 1, r)] for r in range(2)]
+    check_exactly_once_and_equal(whole, batch_size=B, good=range(61), left_over=2 * B - 1)
+
+
+def _lines(folder: Path, epoch: int, rank: int) -> list[dict]:
+    return [
+        json.loads(line) for line in (folder / f"e{epoch}-r{rank}.jsonl").read_text().splitlines()
+    ]
