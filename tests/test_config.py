@@ -114,3 +114,13 @@ def test_no_image_from_yaml(tmp_path):
     assert c.image_column is None and (c.pack, c.seq_len) == ("tokens", 64)
     bucketed = c.replace(pack=None, seq_len=None, bucket_by="tokens", buckets=[16, 32])
     assert bucketed.buckets == (16, 32)
+
+
+@pytest.mark.parametrize("fmt", ["imagefolder", "tfrecord"])
+def test_no_image_is_refused_for_formats_without_fields(tmp_path, fmt):
+    from raypipe.data.shards import list_shards
+
+    (tmp_path / "a.tfrecord").write_bytes(b"")
+    config = PipelineConfig(source=str(tmp_path), format=fmt, image_column=None)
+    with pytest.raises(ValueError, match=rf"image_column=None: .* the source is {fmt}"):
+        list_shards(config)

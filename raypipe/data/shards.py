@@ -23,6 +23,7 @@ from raypipe.formats import Reader, get_format, imagefolder, infer_format
 from raypipe.formats.lengths import sequence_lengths
 from raypipe.formats.storage import Storage
 
+FIELD_FORMATS = ("parquet", "webdataset")  # where samples with no image can be read
 PROGRESS_S = 5.0  # a listing longer than this says how far it is, every PROGRESS_S
 
 
@@ -63,6 +64,9 @@ def list_shards(config: PipelineConfig) -> Listing:
     storage = Storage.for_source(config.source, config.storage_options)
     paths = storage.expand(config.source)
     fmt = config.format or infer_format(paths, storage)
+    if config.image_column is None and fmt not in FIELD_FORMATS:
+        raise ValueError(f"PipelineConfig.image_column=None: samples with no image are read "
+                         f"from {' and '.join(FIELD_FORMATS)} shards; the source is {fmt}")  # fmt: skip
     reader = Reader(fmt, storage, config.image_column, config.label_column,
                     config.label_member, config.label_key,
                     extras=config.transform is not None or config.image_column is None)  # fmt: skip
