@@ -39,7 +39,10 @@ def run_ranks(config, world: int, epochs: int, *, pause_s=(0.0,), skips=None,
                     out[r][epoch].append(
                         batch["key"].tolist()
                         if keys_only
-                        else {k: v.numpy().copy() for k, v in batch.items()}
+                        else {
+                            k: v.numpy().copy() if hasattr(v, "numpy") else list(v)
+                            for k, v in batch.items()
+                        }  # fmt: skip
                     )
                     pause = pause_s[r % len(pause_s)]
                     pause(r, batch) if callable(pause) else time.sleep(pause)

@@ -75,3 +75,52 @@ def test_bad_yaml_files(tmp_path, text, match):
 def test_missing_yaml_file(tmp_path):
     with pytest.raises(ValueError, match="config file not found"):
         PipelineConfig.from_yaml(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize(
+    "kwargs, field, value",
+    [
+        ({"image_column": ""}, "image_column", ""),
+        ({"buckets": 0}, "buckets", 0),
+        ({"buckets": (8, 4)}, "buckets", (8, 4)),
+        ({"buckets": [0, 4]}, "buckets", (0, 4)),
+        ({"bucket_window": 0}, "bucket_window", 0),
+        ({"bucket_by": ""}, "bucket_by", ""),
+        ({"bucket_by": "tokens"}, "bucket_by", "tokens"),  # images, no transform: no lengths
+        ({"image_column": None, "bucket_by": "t", "shuffle_buffer": 64}, "bucket_by", "t"),
+        ({"image_column": None, "pack": "t"}, "pack", "t"),  # no seq_len
+        ({"image_column": None, "pack": "t", "seq_len": 0}, "seq_len", 0),
+        ({"image_column": None, "seq_len": 128}, "seq_len", 128),  # no pack
+        ({"image_column": None, "pack": "t", "seq_len": 8, "bucket_by": "t"}, "pack", "t"),
+        ({"pack": "t", "seq_len": 8}, "pack", "t"),  # with an image
+        ({"image_column": None, "pack": "t", "seq_len": 8, "shuffle_buffer": 4}, "pack", "t"),
+        ({"image_column": None, "decode": "gpu"}, "decode", "gpu"),
+        ({"image_column": None, "transform_input": "pil"}, "transform_input", "pil"),
+        ({"sample_rate": 0}, "sample_rate", 0),
+        ({"sample_rate": 16000.5}, "sample_rate", 16000.5),
+    ],
+)
+def test_sample_settings_refused_in_one_line(kwargs, field, value):
+    with pytest.raises(ValueError) as e:
+        PipelineConfig(source="data", **kwargs)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"PipelineConfig.{field}={value!r}")
+
+
+def test_no_image_from_yaml(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("source: d\nimage_column: null\npack: tokens\nseq_len: 64\n")
+    c = PipelineConfig.from_yaml(path)
+    assert c.image_column is None and (c.pack, c.seq_len) == ("tokens", 64)
+    bucketed = c.replace(pack=None, seq_len=None, bucket_by="tokens", buckets=[16, 32])
+    assert bucketed.buckets == (16, 32)
+
+
+@pytest.mark.parametrize("fmt", ["imagefolder", "tfrecord"])
+def test_no_image_is_refused_for_formats_without_fields(tmp_path, fmt):
+    from raypipe.data.shards import list_shards
+
+    (tmp_path / "a.tfrecord").write_bytes(b"")
+    config = PipelineConfig(source=str(tmp_path), format=fmt, image_column=None)
+    with pytest.raises(ValueError, match=rf"image_column=None: .* the source is {fmt}"):
+        list_shards(config)

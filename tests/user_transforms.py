@@ -88,3 +88,18 @@ def stall_once(folder: str, sample: dict) -> dict:
             time.sleep(300)
     image = np.ascontiguousarray(sample["image"][::64, ::64].transpose(2, 0, 1))
     return {"image": image, "label": sample["label"]}
+
+
+def shifted_ids(sample: dict) -> dict:
+    """A token sample's ids plus one, and their count (samples with no image)."""
+    ids = np.asarray(sample["tokens"], dtype=np.int64) + 1
+    return {"ids": ids, "length": len(ids), "label": sample["label"]}
+
+
+AUDIO_FRAMES = 400  # what `cropped_audio` keeps of every clip
+
+
+def cropped_audio(sample: dict) -> dict:
+    """The first `AUDIO_FRAMES` samples of a decoded audio member, and its rate."""
+    return {"audio": sample["audio"][:AUDIO_FRAMES].copy(), "rate": sample["sample_rate"],
+            "label": sample["label"]}  # fmt: skip

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from raypipe.config.checks import check_keys, is_int, is_num, is_pair, load_yaml, resolve_callable
 from raypipe.config.loader import IMAGENET_MEAN, IMAGENET_STD, LoaderConfig, check_loader
+from raypipe.config.samples import check_samples
 
 FORMATS = ("imagefolder", "webdataset", "parquet", "tfrecord", "lmdb", "hdf5")
 ON_ERROR = ("skip", "raise")
@@ -36,6 +37,9 @@ class PipelineConfig:
             (integers, or strings mapped through their sorted set); the TFRecord features,
             LMDB dict keys or HDF5 datasets of the image and the label (left at their
             defaults, each format's conventions are tried: docs/formats.md).
+            ``image_column=None``: samples with no image (tokens, audio, tables): a sample
+            is its fields, every Parquet column or WebDataset member
+            (`raypipe.data.samples`); see docs/samples.md.
         label_member: the WebDataset member holding the label: ``"cls"``, ``"txt"``
             (an integer) or ``"json"``; None: the first of those a sample has.
         label_key: the key of the label in a ``.json`` member.
@@ -97,6 +101,16 @@ class PipelineConfig:
         follow_shrink_s: seconds the trainer never waits and the data is held back before
             one actor goes (twice that after a grow).
         follow_period_s: seconds between the follower's decisions.
+        bucket_by: a variable-length field; rows of similar length batch together, sorted
+            by bucket within windows of each rank's rows (`raypipe.loader.buckets`).
+        buckets: bucket edges (ascending lengths) or a count of buckets (edges at the
+            quantiles of each window's lengths).
+        bucket_window: batches' worth of a rank's rows sorted into buckets at once.
+        pack: a Parquet column of token ids (a list of integers) packed into rows of
+            exactly ``seq_len`` tokens with ``segment_ids`` and ``position_ids``
+            (`raypipe.loader.packing`); needs ``image_column=None``.
+        seq_len: tokens per packed row.
+        sample_rate: audio members are resampled to this rate (Hz); None keeps the file's.
         max_image_pixels: an image whose header claims more pixels is a bad sample
             (``"decompression_bomb"``), refused before decoding; None for no limit.
             Checked per image in the actors instead of Pillow's process-wide limit.
@@ -105,7 +119,7 @@ class PipelineConfig:
     source: str | tuple[str, ...]
     format: Format | None = None
     storage_options: dict[str, Any] | None = None
-    image_column: str = "image"
+    image_column: str | None = "image"
     label_column: str = "label"
     label_member: str | None = None
     label_key: str = "label"
@@ -141,6 +155,12 @@ class PipelineConfig:
     follow_wait: float = 0.05
     follow_shrink_s: float = 5.0
     follow_period_s: float = 1.0
+    bucket_by: str | None = None
+    buckets: int | tuple[int, ...] = 8
+    bucket_window: int = 16
+    pack: str | None = None
+    seq_len: int | None = None
+    sample_rate: int | None = None
 
     def __post_init__(self) -> None:
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -148,7 +168,7 @@ class PipelineConfig:
             fix("source", tuple(str(s) for s in self.source))
         elif isinstance(self.source, Path):
             fix("source", str(self.source))
-        for name in ("actors", "scale", "ratio", "mean", "std"):
+        for name in ("actors", "scale", "ratio", "mean", "std", "buckets"):
             value = getattr(self, name)
             if isinstance(value, list):
                 fix(name, tuple(value))
@@ -192,7 +212,7 @@ class PipelineConfig:
 def _validate(c: PipelineConfig) -> None:
     """Every field's check, in groups; the first bad value raises ValueError naming it."""
     for check in (_check_source, _check_choices, _check_counts, _check_flags, _check_pool,
-                  _check_follow, _check_augment, _check_user_code):  # fmt: skip
+                  _check_follow, _check_augment, _check_user_code, check_samples):  # fmt: skip
         check(c, _Bad(c))
     check_loader(c, "PipelineConfig")
 
@@ -216,7 +236,9 @@ def _check_source(c: PipelineConfig, bad: _Bad) -> None:
         raise bad("source", "must be a non-empty path, glob or list of them")
     if c.storage_options is not None and not isinstance(c.storage_options, Mapping):
         raise bad("storage_options", "must be a mapping of settings, or None")
-    for name in ("image_column", "label_column", "label_key"):
+    if c.image_column is not None and (not isinstance(c.image_column, str) or not c.image_column):
+        raise bad("image_column", "must be a non-empty string, or None for samples with no image")
+    for name in ("label_column", "label_key"):
         if not isinstance(getattr(c, name), str) or not getattr(c, name):
             raise bad(name, "must be a non-empty string")
     member = c.label_member

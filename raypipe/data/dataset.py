@@ -31,6 +31,7 @@ from raypipe.data.budget import check_budget
 from raypipe.data.decode import decode_crop
 from raypipe.data.gpudecode import Encoded, EncodedBlocks
 from raypipe.data.imageblocks import ImageBlocks
+from raypipe.data.samples.fields import sample_map
 from raypipe.data.shards import Listing, Reader, epoch_order, list_shards, pending_rows, unpack_done
 from raypipe.data.skips import (
     BadSample,
@@ -41,7 +42,6 @@ from raypipe.data.skips import (
     reason_of,
     remember,
 )
-from raypipe.data.usermap import SampleMap
 from raypipe.data.userrows import RowBuilder, Schema
 from raypipe.formats.sample import RawSample
 
@@ -134,7 +134,7 @@ class Preprocessor:
         self.config = config
         _limit_threads(config.actor_cpus)
         _yield_to_trainers()
-        self.usermap = SampleMap.of(config)
+        self.usermap = sample_map(config)  # None: the built-in crop
         self.schema = Schema()  # the user transform's fields, for every task of this actor
         self.samples = samples  # the epoch's samples to read, for the skip budget
         self.reader = reader if isinstance(reader, Reader) else Reader(reader)
@@ -208,7 +208,7 @@ class Preprocessor:
     def _decode(self, raw: RawSample, epoch: int):
         if raw.reason is not None:
             raise BadSample(raw.reason, raw.error or raw.reason)
-        if not raw.data:
+        if not raw.data and self.config.image_column is not None:  # else: fields, no image
             raise BadSample("empty_file", "zero bytes")
         if self.usermap is not None:  # a row of the user's fields; per batch: later
             return None if self.usermap.per_batch else self.usermap(raw, epoch)

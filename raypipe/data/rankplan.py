@@ -9,6 +9,9 @@ nothing but three integers per task crosses the object store::
     contiguous slices (sizes differ by at most one) ─► rank r's slice ─► tasks of
     ``files_per_task`` image files, or one shard piece (tar / Parquet) each
 
+With per-key weights (packing: each document's tokens) the slices even out the weight
+instead of the count, so ranks pack about the same number of rows.
+
 A rank's keys in an epoch depend on nothing that happens at run time, so the same seed
 gives every rank the same samples in the same order, whatever the timing or pool size.
 """
@@ -50,6 +53,8 @@ class RankPlan:
         per_task: shards one task reads (image files per task; 1 for tar / Parquet).
         resume_epoch, consumed: keys of ``resume_epoch`` already consumed (bool per
             key), left out of that epoch before it is split; None for a fresh start.
+        weights: a weight per key (packing: its document's tokens) that the split evens
+            out instead of the number of keys; None: slices of equal key counts.
     """
 
     first: np.ndarray
@@ -61,10 +66,12 @@ class RankPlan:
     per_task: int
     resume_epoch: int = -1
     consumed: np.ndarray | None = None
+    weights: np.ndarray | None = None
 
     @classmethod
     def of(cls, listing: Listing, *, seed: int, shuffle: bool, rank: int, world_size: int,
-           per_task: int, resume_epoch: int = -1, consumed=None) -> RankPlan:  # fmt: skip
+           per_task: int, resume_epoch: int = -1, consumed=None,
+           weights=None) -> RankPlan:  # fmt: skip
         if not 0 <= rank < world_size:
             raise ValueError(f"{rank=} must be in 0..{world_size - 1} ({world_size=})")
         first = np.fromiter((s.first_key for s in listing.shards), np.int64, len(listing.shards))
@@ -73,8 +80,12 @@ class RankPlan:
             consumed = np.asarray(consumed, dtype=bool)
             if consumed.shape != (int(counts.sum()),):
                 raise ValueError(f"consumed has shape {consumed.shape}, not ({counts.sum()},)")
+        if weights is not None:
+            weights = np.asarray(weights)
+            if weights.shape != (int(counts.sum()),):
+                raise ValueError(f"weights has shape {weights.shape}, not ({counts.sum()},)")
         return cls(first, counts, seed, shuffle, rank, world_size, per_task, resume_epoch,
-                   consumed)  # fmt: skip
+                   consumed, weights)  # fmt: skip
 
     @property
     def num_samples(self) -> int:
@@ -90,11 +101,27 @@ class RankPlan:
 
     def sizes(self, epoch: int) -> list[int]:
         """Samples each rank is given in ``epoch`` (before bad ones are skipped)."""
+        if self.weights is not None:
+            return [len(keys) for keys in self.split(epoch)]
         total = self.num_samples
         if epoch == self.resume_epoch and self.consumed is not None:
             total -= int(self.consumed.sum())
         q, r = divmod(total, self.world_size)
         return [q + (i < r) for i in range(self.world_size)]
+
+    def split(self, epoch: int) -> list[np.ndarray]:
+        """Every rank's keys of ``epoch``: the epoch's keys in ``world_size`` contiguous
+        slices whose sizes differ by at most one; with ``weights``, slices whose weights
+        differ by at most about one key's (rank r's slice ends at the first key where the
+        running weight reaches ``(r + 1) / world_size`` of the epoch's)."""
+        keys = self.all_keys(epoch)
+        if self.weights is None:
+            return np.array_split(keys, self.world_size)
+        running = np.cumsum(self.weights[keys])  # (keys,): weight up to and with each key
+        total = running[-1] if len(running) else 0
+        targets = total * np.arange(1, self.world_size) / self.world_size
+        cuts = np.minimum(np.searchsorted(running, targets, side="left") + 1, len(keys))
+        return np.split(keys, cuts)
 
     def keys(self, epoch: int) -> np.ndarray:
         """This rank's keys of ``epoch``, in reading order (cached: actors ask per task)."""
@@ -118,7 +145,10 @@ class RankPlan:
 @functools.lru_cache(maxsize=4)
 def _rank_keys(plan: RankPlan, epoch: int) -> np.ndarray:
     """``np.array_split(plan.all_keys(epoch), world_size)[rank]``, built from the shards
-    the rank's slice touches only: O(shards + the rank's keys), not O(the epoch's keys)."""
+    the rank's slice touches only: O(shards + the rank's keys), not O(the epoch's keys).
+    With weights (packing), the weighted `RankPlan.split`'s slice."""
+    if plan.weights is not None:
+        return _frozen(plan.split(epoch)[plan.rank].copy())
     first, counts = plan.first, plan.counts
     resumed = epoch == plan.resume_epoch and plan.consumed is not None
     left = counts - _consumed_per_shard(plan.consumed, counts) if resumed else counts

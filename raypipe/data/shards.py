@@ -20,8 +20,10 @@ import numpy as np
 
 from raypipe.config import PipelineConfig
 from raypipe.formats import Reader, get_format, imagefolder, infer_format
+from raypipe.formats.lengths import sequence_lengths
 from raypipe.formats.storage import Storage
 
+FIELD_FORMATS = ("parquet", "webdataset")  # where samples with no image can be read
 PROGRESS_S = 5.0  # a listing longer than this says how far it is, every PROGRESS_S
 
 
@@ -40,6 +42,8 @@ class Listing:
     classes: tuple[str, ...] = ()
     reader: Reader | None = None  # None: the format's defaults on local files
     labels: str = ""  # where the labels come from, in words (for ``raypipe inspect``)
+    # tokens per key of PipelineConfig.pack's column (packing plans rows from them), or None
+    lengths: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.reader is None:
@@ -60,8 +64,12 @@ def list_shards(config: PipelineConfig) -> Listing:
     storage = Storage.for_source(config.source, config.storage_options)
     paths = storage.expand(config.source)
     fmt = config.format or infer_format(paths, storage)
+    if config.image_column is None and fmt not in FIELD_FORMATS:
+        raise ValueError(f"PipelineConfig.image_column=None: samples with no image are read "
+                         f"from {' and '.join(FIELD_FORMATS)} shards; the source is {fmt}")  # fmt: skip
     reader = Reader(fmt, storage, config.image_column, config.label_column,
-                    config.label_member, config.label_key, extras=config.transform is not None)  # fmt: skip
+                    config.label_member, config.label_key,
+                    extras=config.transform is not None or config.image_column is None)  # fmt: skip
     if get_format(fmt).one_per_file:
         return _list_imagefolder(paths, reader)
     listed = frozenset(_files_under(paths, storage))
@@ -81,7 +89,18 @@ def list_shards(config: PipelineConfig) -> Listing:
         raise ValueError(f"the {fmt} shards in {config.source!r} hold no samples")
     classes, labels = get_format(fmt).labels(reader, files)
     reader = dataclasses.replace(reader, classes=classes)
-    return Listing(fmt, tuple(shards), classes, reader, labels)
+    return Listing(fmt, tuple(shards), classes, reader, labels, _lengths(config, reader, shards))
+
+
+def _lengths(config: PipelineConfig, reader: Reader, shards: list[Shard]) -> np.ndarray | None:
+    """Each key's document length in ``config.pack``'s column (Parquet only), else None."""
+    if config.pack is None:
+        return None
+    if reader.format != "parquet":
+        raise ValueError(f"PipelineConfig.pack={config.pack!r}: packing reads document lengths "
+                         f"from a Parquet list column; the source is {reader.format}")  # fmt: skip
+    return sequence_lengths(reader.storage, [(s.path, s.first_key, s.num_samples) for s in shards],
+                            config.pack)  # fmt: skip
 
 
 def shard_permutation(count: int, *, seed: int, epoch: int) -> np.ndarray:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 import uuid
 import warnings
 import weakref
@@ -39,6 +40,7 @@ assert __all__ == sorted(__all__)
 
 # Why a sample was dropped: the keys of ``counts()``.
 REASONS = (
+    "bad_audio",  # an audio member libsndfile cannot decode (samples with no image)
     "bad_checksum",  # a TFRecord record whose CRC32C fails (its file and byte offset)
     "bad_label",  # a label that is not an integer
     "bad_record",  # a record that is not a tf.train.Example, an LMDB value not pickle/msgpack
@@ -216,6 +218,10 @@ def remember(dataset, log: SkipLog) -> None:
 
 
 _STORES: dict[tuple[str, str], Any] = {}  # (node id, job id) -> the store actor's handle
+# Ranks in threads of one driver make their logs at once: one of them creates the actor.
+# Unlocked, a second thread's get_if_exists handle could replace the creator's here, and
+# the actor would die with the creator's handle ("all references ... were removed").
+_STORES_LOCK = threading.Lock()
 
 
 def _driver_store():
@@ -229,14 +235,16 @@ def _driver_store():
 
     context = ray.get_runtime_context()
     session = (context.get_node_id(), context.get_job_id())  # a new ray.init is a new session
-    if session not in _STORES:
-        store = ray.remote(SkipStore).options(
-            name=ACTOR_NAME, get_if_exists=True, num_cpus=0, max_restarts=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(context.get_node_id(), soft=False),
-        )  # fmt: skip
-        _STORES.clear()
-        _STORES[session] = store.remote()
-    return _STORES[session]
+    with _STORES_LOCK:
+        if session not in _STORES:
+            store = ray.remote(SkipStore).options(
+                name=ACTOR_NAME, get_if_exists=True, num_cpus=0, max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(context.get_node_id(),
+                                                                   soft=False),
+            )  # fmt: skip
+            _STORES.clear()
+            _STORES[session] = store.remote()
+        return _STORES[session]
 
 
 class SkipLog:

@@ -116,7 +116,7 @@ class Reader:
 
     format: str
     storage: Storage = dataclasses.field(default_factory=Storage)
-    image_column: str = "image"
+    image_column: str | None = "image"  # None: samples with no image (formats.fields)
     label_column: str = "label"
     label_member: str | None = None
     label_key: str = "label"

@@ -199,7 +199,13 @@ def count(reader, path: str) -> int:
 
 def read(reader, path: str, first_key: int, label: int,
          done: np.ndarray | None = None) -> Iterator[RawSample]:  # fmt: skip
-    """`read_parquet` with ``reader``'s columns and classes; ``label`` is unused."""
+    """`read_parquet` with ``reader``'s columns and classes (every column as a field, by
+    `raypipe.formats.fields.read_parquet_fields`, with no image); ``label`` is unused."""
+    if reader.image_column is None:
+        from raypipe.formats.fields import read_parquet_fields
+
+        return read_parquet_fields(reader.storage, path, first_key, done,
+                                   label_column=reader.label_column, classes=reader.classes)  # fmt: skip
     return read_parquet(reader.storage, path, first_key, done, image_column=reader.image_column,
                         label_column=reader.label_column, classes=reader.classes,
                         extras=reader.extras)  # fmt: skip

@@ -23,9 +23,11 @@ WDS_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 LABEL_MEMBERS = ("cls", "json", "txt")  # where a sample's label is looked for, in order
 
 
-def _wds_groups(members: list[tarfile.TarInfo]) -> list[tuple[str, dict[str, tarfile.TarInfo]]]:
+def _wds_groups(members: list[tarfile.TarInfo],
+                need_image: bool = True) -> list[tuple[str, dict[str, tarfile.TarInfo]]]:  # fmt: skip
     """Group tar members into samples, in first-seen order, by webdataset's rule: a
-    member's key is its path up to the first dot of its base name, the rest its extension."""
+    member's key is its path up to the first dot of its base name, the rest its extension.
+    ``need_image``: only the groups with an image member are samples."""
     groups: dict[str, dict[str, tarfile.TarInfo]] = {}
     for m in members:
         if not m.isfile():
@@ -36,7 +38,7 @@ def _wds_groups(members: list[tarfile.TarInfo]) -> list[tuple[str, dict[str, tar
         stem, ext = base.split(".", 1)
         prefix = os.path.join(os.path.dirname(m.name), stem)
         groups.setdefault(prefix, {})[ext.lower()] = m
-    return [(k, v) for k, v in groups.items() if _image_member(v) is not None]
+    return [(k, v) for k, v in groups.items() if not need_image or _image_member(v) is not None]
 
 
 def _image_member(parts: dict[str, tarfile.TarInfo]) -> str | None:
@@ -44,7 +46,7 @@ def _image_member(parts: dict[str, tarfile.TarInfo]) -> str | None:
     return next((e for e in parts if e.rsplit(".", 1)[-1] in WDS_IMAGE_EXTS), None)
 
 
-def _tar_index(storage: Storage, path: str):
+def _tar_index(storage: Storage, path: str, need_image: bool = True):
     """The samples of a tar, and why it ends early (None when it ends properly).
 
     Raises ``tarfile.TarError`` / ``OSError`` when not even one member can be listed.
@@ -63,12 +65,12 @@ def _tar_index(storage: Storage, path: str):
             cut = str(e)
     if cut is not None:
         cut = f"tar ends early after {len(members)} members ({cut})"
-    return _wds_groups(members), cut
+    return _wds_groups(members, need_image), cut
 
 
-def count_tar_samples(storage: Storage, path: str) -> int:
+def count_tar_samples(storage: Storage, path: str, need_image: bool = True) -> int:
     try:
-        groups, cut = _tar_index(storage, path)
+        groups, cut = _tar_index(storage, path, need_image)
     except (tarfile.TarError, OSError):
         return 1  # the reader yields one unreadable_shard sample for it
     return len(groups) + (cut is not None)
@@ -149,12 +151,18 @@ def labels(reader, paths: list[str]) -> tuple[tuple[str, ...], str]:
 
 def count(reader, path: str) -> int:
     """`count_tar_samples` with ``reader``'s storage (a `raypipe.formats.Reader`)."""
-    return count_tar_samples(reader.storage, path)
+    return count_tar_samples(reader.storage, path, reader.image_column is not None)
 
 
 def read(reader, path: str, first_key: int, label: int,
          done: np.ndarray | None = None) -> Iterator[RawSample]:  # fmt: skip
-    """`read_tar` with ``reader``'s settings; ``label`` is unused (labels are members)."""
+    """`read_tar` with ``reader``'s settings (`raypipe.formats.fields.read_tar_fields` for
+    samples with no image); ``label`` is unused (labels are members)."""
+    if reader.image_column is None:
+        from raypipe.formats.fields import read_tar_fields
+
+        return read_tar_fields(reader.storage, path, first_key, done,
+                               label_member=reader.label_member, label_key=reader.label_key)  # fmt: skip
     return read_tar(reader.storage, path, first_key, done, label_member=reader.label_member,
                     label_key=reader.label_key, extras=reader.extras)  # fmt: skip
 

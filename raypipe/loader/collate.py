@@ -21,13 +21,14 @@ assert __all__ == sorted(__all__)
 
 def collate_for(config) -> Callable | None:
     """The rank iterator's collate for a `PipelineConfig`: its own, `pad_collate` when it
-    has a transform, else None (zero-copy tensors)."""
+    has a transform or its samples no image, else None (zero-copy tensors)."""
     if config.decode == "gpu":  # payloads stay on the host for the device decode
         from raypipe.data.gpudecode import collate_encoded
 
         return collate_encoded
     own = resolve_callable(config.collate, "collate")
-    return own or (pad_collate if config.transform is not None else None)
+    fields = config.transform is not None or config.image_column is None
+    return own or (pad_collate if fields else None)
 
 
 def pad_collate(batch: dict[str, np.ndarray], *, pad_value: int = 0) -> dict[str, Any]:
@@ -43,7 +44,7 @@ def pad_collate(batch: dict[str, np.ndarray], *, pad_value: int = 0) -> dict[str
             with warnings.catch_warnings():  # Ray's arrays may be read-only views
                 warnings.filterwarnings("ignore", message=".*not writable.*")
                 out[field] = torch.from_numpy(np.ascontiguousarray(column))
-        elif all(isinstance(v, np.ndarray) for v in column):
+        elif len(column) and all(isinstance(v, np.ndarray) for v in column):
             out[field], out[f"{field}_mask"] = _pad([np.asarray(v) for v in column], pad_value)
         else:
             out[field] = list(column)

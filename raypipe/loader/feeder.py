@@ -88,15 +88,18 @@ class Feeder:
             every row this rank reads, the epoch's last batch short, no gate (evaluation).
         demand: the `raypipe.data.follow.Demand` this feeder adds its consumer's waits and its
             own held-back time to.
+        form: step 3 in place of re-batching: `raypipe.loader.buckets.Bucketing` or
+            `raypipe.loader.packing.Packing`, called ``form(rows, epoch, plan, counts)``;
+            ``form.gated`` False: it fixes equal batch counts itself (no ledger).
     """
 
     def __init__(self, start, plan: RankPlan, gate: Gate, epochs: range, *, batch_size: int,
                  prefetch: int, shuffle_buffer: int = 0, seed: int = 0, demand=None,
-                 drop_last: bool = True):  # fmt: skip
+                 drop_last: bool = True, form=None):  # fmt: skip
         self._start, self._plan, self._gate, self._epochs = start, plan, gate, epochs
         self._stop = None
         self._batch_size, self._buffer, self._seed = batch_size, shuffle_buffer, seed
-        self._drop_last = drop_last
+        self._drop_last, self._form = drop_last, form
         self._queue: queue.Queue = queue.Queue(maxsize=max(prefetch, 1))
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raypipe-feeder", daemon=True)
@@ -185,7 +188,7 @@ class Feeder:
 
     def _epoch(self, e: int, blocks, ahead, startup: float):
         """Feed epoch ``e``; returns the first block of the next epoch if it was read."""
-        B, sizes = self._batch_size, self._plan.sizes(e)
+        sizes = self._plan.sizes(e)
         planned = sizes[self._plan.rank]
         stall = self._stalls[e] = dict.fromkeys(STAGES, 0.0)
         stall["ray_s"] = startup
@@ -210,17 +213,13 @@ class Feeder:
                 yield {k: v for k, v in block.items() if k != "epoch"}
             self._gate.add(0, done=True)
 
-        source = mine()
-        if self._buffer:
-            rng = np.random.default_rng([self._seed, e, self._plan.rank, 0xB0F])
-            batches = shuffled(source, B, self._buffer, rng, drop_last=self._drop_last)
-        else:
-            batches = rebatch(source, B, drop_last=self._drop_last)
+        source, formed = mine(), {}
+        batches = self._batches(source, e, formed)
         k = rows = 0
         t0, ray0 = time.perf_counter(), stall["ray_s"]
         for batch in batches:  # iterator_s: this thread's own work, Ray's waits left out
             stall["iterator_s"] += time.perf_counter() - t0 - (stall["ray_s"] - ray0)
-            if self._drop_last:
+            if self._drop_last and getattr(self._form, "gated", True):
                 waited = self._gate.waited_s
                 allowed = self._gate.allows(k)
                 stall["peers_s"] += self._gate.waited_s - waited
@@ -231,9 +230,19 @@ class Feeder:
             t0, ray0 = time.perf_counter(), stall["ray_s"]
         for _ in source:  # the rest of the epoch's rows, if the gate ended it early
             pass
-        self._counts[e] = {"planned": planned, "good": got, "batches": k, "dropped": got - rows}
+        self._counts[e] = {"planned": planned, "good": got, "batches": k, "dropped": got - rows,
+                           **formed}  # fmt: skip
         self._put((_END, e, None), stall)
         return state["ahead"]
+
+    def _batches(self, source: Iterator[Columns], e: int, formed: dict) -> Iterator[Columns]:
+        """Step 3: the form's batches (buckets, packing), shuffled ones, or re-batched."""
+        if self._form is not None:
+            return self._form(source, e, self._plan, formed)
+        if self._buffer:
+            rng = np.random.default_rng([self._seed, e, self._plan.rank, 0xB0F])
+            return shuffled(source, self._batch_size, self._buffer, rng, drop_last=self._drop_last)
+        return rebatch(source, self._batch_size, drop_last=self._drop_last)
 
     def _timed(self, it: Iterator[Columns], stage: str) -> Iterator[Columns]:
         while True:

@@ -74,6 +74,11 @@ def iter_torch_batches(
         )
     loader = loader_config(config, settings)
     pipeline = config if isinstance(config, PipelineConfig) else None
+    if pipeline is not None and (pipeline.pack or pipeline.bucket_by):
+        field = "pack" if pipeline.pack else "bucket_by"
+        raise ValueError(f"PipelineConfig.{field}={getattr(pipeline, field)!r}: packing and "
+                         "bucketing run in raypipe.Pipeline and train_ddp, which plan each "
+                         "rank's rows; iter_torch_batches re-batches only")  # fmt: skip
     device, device_map = resolve_device(loader.device), None
     if pipeline is not None and pipeline.decode == "gpu":
         from raypipe.data.gpudecode import collate_encoded, device_map_for

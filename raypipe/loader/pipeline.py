@@ -35,11 +35,13 @@ from raypipe.data.shards import Listing, list_shards
 from raypipe.data.skips import SkipLog
 from raypipe.data.warm import rank_dataset, rank_pool
 from raypipe.loader.blocks import execute
+from raypipe.loader.buckets import Bucketing
 from raypipe.loader.collate import collate_for
 from raypipe.loader.device import resolve_device
 from raypipe.loader.feeder import Feeder
 from raypipe.loader.iterator import TorchBatches
 from raypipe.loader.ledger import Gate, create_ledger
+from raypipe.loader.packing import Packing, documents_per_block
 from raypipe.loader.progress import Progress
 from raypipe.loader.stats import bound
 
@@ -71,7 +73,9 @@ class Pipeline:
         drop_last: True: every rank the same number of ``batch_size`` batches per epoch,
             the rows beyond them dropped (training). False: every row of the rank's share,
             the epoch's last batch short, counts per rank unequal by a batch or so, and
-            no ledger needed (evaluation, where nothing may be left out).
+            no ledger needed (evaluation, where nothing may be left out). With
+            ``config.pack`` the counts are equal either way, fixed by the plan
+            (`raypipe.loader.packing`); ``config.bucket_by`` batches as re-batching does.
 
     Each rank's pool is its share of ``config.actors`` (the run's total), at least one
     actor: ``(max(1, min // W), max(that, ceil(max / W)))``.
@@ -103,8 +107,9 @@ class Pipeline:
             skips = SkipLog.create()
         self.skips = skips
         self.config = config = sized_blocks(
-            config, world_size=world_size, actors=rank_pool(config.actors, world_size)[1]
-        )
+            documents_per_block(config, self.listing), world_size=world_size,
+            actors=rank_pool(config.actors, world_size)[1],
+        )  # fmt: skip
         self.first_epoch = start.epoch if start is not None else 0
         self.plan = RankPlan.of(
             self.listing, seed=config.seed, shuffle=config.shuffle_files, rank=rank,
@@ -112,6 +117,7 @@ class Pipeline:
             per_task=self.listing.shards_per_task(config),
             resume_epoch=self.first_epoch if start is not None else -1,
             consumed=start.consumed if start is not None else None,
+            weights=self.listing.lengths if config.pack is not None else None,
         )  # fmt: skip
         self._loader = {
             "device": resolve_device(loader.device), "pin_memory": loader.pin_memory,
@@ -177,7 +183,7 @@ class Pipeline:
             _starter(ds, self.follower), self.plan, self._gate, epochs,
             batch_size=self.config.batch_size, prefetch=self._loader["prefetch_batches"],
             shuffle_buffer=self.config.shuffle_buffer, seed=self.config.seed, demand=demand,
-            drop_last=self.drop_last,
+            drop_last=self.drop_last, form=batch_form(self.config, self.listing, self.drop_last),
         )  # fmt: skip
         if self._progress_s:
             self._progress = Progress(self._progress_s, rank=self.rank, demand=demand,
@@ -212,6 +218,16 @@ class Pipeline:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def batch_form(config: PipelineConfig, listing: Listing, drop_last: bool):
+    """Step 3 of the feeder for ``config``: packing, bucketing, or None (re-batching)."""
+    if config.pack is not None:
+        return Packing(config.pack, config.seq_len, config.batch_size, drop_last, listing.lengths)
+    if config.bucket_by is not None:
+        return Bucketing(config.bucket_by, config.buckets, config.bucket_window,
+                         config.batch_size, config.seed, drop_last)  # fmt: skip
+    return None
 
 
 def _starter(ds, follower):

@@ -477,6 +477,12 @@ INVALID = {
     "pin_memory": [1, None],
     "prefetch_batches": [-1, 1.5, True],
     "channels_last": ["no"],
+    "bucket_by": ["", 3, "tokens"],  # "tokens": images with no transform have no lengths
+    "buckets": [0, (8, 4), (0, 4), "8"],
+    "bucket_window": [0, 1.5],
+    "pack": ["", "tokens"],  # "tokens": no seq_len, and an image
+    "seq_len": [0, 64],  # 64: without pack
+    "sample_rate": [0, 16000.5],
 }
 
 

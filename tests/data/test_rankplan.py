@@ -110,3 +110,20 @@ def test_a_rank_builds_its_slice_alone_as_the_split_of_the_whole_epoch(trial):
         for epoch in range(3):
             assert np.array_equal(plan.keys(epoch), split_of_all_keys(plan, epoch)), (sizes, world)
             assert plan.keys(epoch).dtype == np.int64 and not plan.keys(epoch).flags.writeable
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_weights_even_out_the_slices_weight(world):
+    lst = listing([40, 37, 24])
+    weights = np.random.default_rng(0).integers(1, 100, lst.num_samples)
+    ranks = plans(lst, world, weights=weights)
+    for epoch in (0, 1):
+        parts = ranks[0].split(epoch)
+        np.testing.assert_array_equal(np.concatenate(parts), ranks[0].all_keys(epoch))
+        for r, plan in enumerate(ranks):
+            np.testing.assert_array_equal(plan.keys(epoch), parts[r])
+            assert plan.sizes(epoch) == [len(p) for p in parts]
+        sums = [int(weights[p].sum()) for p in parts]
+        assert max(sums) - min(sums) <= 2 * weights.max(), sums
+    with pytest.raises(ValueError, match="weights has shape"):
+        plans(lst, world, weights=weights[:-1])

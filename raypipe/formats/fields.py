@@ -1,0 +1,136 @@
+"""Samples with no image (``PipelineConfig.image_column=None``): a sample is its fields.
+
+A Parquet row is every column's value (a list of numbers as a 1-D numpy array, a number as
+a numpy scalar, anything else as Arrow gives it); the ``label_column``, where the file has
+one, is the ``label`` field (strings mapped through the listed classes). A WebDataset
+sample is every member's bytes by extension (decoded in the actors:
+`raypipe.data.samples.fields`); its ``label_member``, when one is named, is the ``label``.
+
+Bad data never raises here, as in the image readers: an unreadable shard, a null label,
+a label that is not a class are samples with a ``reason``.
+"""
+
+from __future__ import annotations
+
+import tarfile
+from collections.abc import Iterator
+
+import numpy as np
+
+from raypipe.formats.sample import RawSample, os_error
+from raypipe.formats.storage import Storage
+
+__all__ = ["column_values", "read_parquet_fields", "read_tar_fields"]
+assert __all__ == sorted(__all__)
+
+ROWS_PER_READ = 256
+
+
+def read_parquet_fields(storage: Storage, path: str, first_key: int, done: np.ndarray | None, *,
+                        label_column: str = "label",
+                        classes: tuple[str, ...] = ()) -> Iterator[RawSample]:  # fmt: skip
+    """Every row of a Parquet file as fields; a consumed row group is not read."""
+    import pyarrow.parquet as pq
+
+    from raypipe.formats.parquet import _label_kind
+
+    try:
+        file = pq.ParquetFile(storage.open_arrow(path))
+        schema = file.schema_arrow
+    except Exception as e:
+        yield RawSample(first_key, -1, None, path, f"{type(e).__name__}: {e}", "unreadable_shard")
+        return
+    has_label = label_column in schema.names and _label_kind(schema.field(label_column).type)
+    index = {name: i for i, name in enumerate(classes)}
+    key = first_key
+    for g in range(file.num_row_groups):
+        size = file.metadata.row_group(g).num_rows
+        if done is not None and done[key - first_key : key - first_key + size].all():
+            key += size
+            continue
+        for batch in file.iter_batches(batch_size=ROWS_PER_READ, row_groups=[g]):
+            values = {name: column_values(batch.column(name)) for name in batch.schema.names}
+            for i in range(batch.num_rows):
+                if done is None or not done[key - first_key]:
+                    fields = {name: v[i] for name, v in values.items()}
+                    yield _labelled(key, f"{path}:row{key - first_key}", fields,
+                                    label_column if has_label else None, index)  # fmt: skip
+                key += 1
+
+
+def _labelled(key: int, where: str, fields: dict, label_column: str | None, index) -> RawSample:
+    if label_column is None:
+        return RawSample(key, -1, None, where, extras=fields)
+    label = fields.pop(label_column)
+    if label is None:
+        return RawSample(key, -1, None, where, "label is null", "null_value")
+    if isinstance(label, str):
+        if label not in index:
+            return RawSample(key, -1, None, where, f"label {label!r} not in the listed classes",
+                             "bad_label")  # fmt: skip
+        label = index[label]
+    return RawSample(key, int(label), None, where, extras={**fields, "label": np.int64(label)})
+
+
+def column_values(column) -> list:
+    """One value per row: 1-D numpy arrays for lists of numbers (one flatten, no Python
+    objects per element), numpy scalars for numbers, Arrow's Python values otherwise."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    t = column.type
+    if column.null_count == 0:
+        if (pa.types.is_list(t) or pa.types.is_large_list(t)) and _numeric(t.value_type):
+            flat = column.flatten()
+            if flat.null_count == 0:
+                lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+                return np.split(flat.to_numpy(zero_copy_only=False), np.cumsum(lengths)[:-1])
+        if _numeric(t):
+            return list(column.to_numpy(zero_copy_only=False))
+    return column.to_pylist()
+
+
+def _numeric(t) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+
+def read_tar_fields(storage: Storage, path: str, first_key: int, done: np.ndarray | None, *,
+                    label_member: str | None = None,
+                    label_key: str = "label") -> Iterator[RawSample]:  # fmt: skip
+    """Every sample of a WebDataset tar as its members' bytes, by extension; with
+    ``label_member``, that member is the ``label`` (a sample without it: missing_label)."""
+    from raypipe.formats.webdataset import _label_of, _tar_index
+
+    try:
+        groups, cut = _tar_index(storage, path, need_image=False)
+    except (tarfile.TarError, OSError) as e:
+        yield RawSample(first_key, -1, None, path, os_error(e), "unreadable_shard")
+        return
+    with storage.open(path) as f, tarfile.open(fileobj=f, mode="r:") as tar:
+        for i, (prefix, parts) in enumerate(groups):
+            if done is not None and done[i]:
+                continue
+            key, where = first_key + i, f"{path}:{prefix}"
+            try:
+                members = {ext: tar.extractfile(m).read() for ext, m in parts.items()}
+            except (tarfile.TarError, OSError) as e:
+                reason = "truncated_shard" if cut is not None else "unreadable"
+                yield RawSample(key, -1, None, where, os_error(e), reason)
+                continue
+            label = -1
+            if label_member is not None:
+                if label_member not in members:
+                    yield RawSample(key, -1, None, where, f"no .{label_member} member",
+                                    "missing_label")  # fmt: skip
+                    continue
+                text = members.pop(label_member).decode(errors="replace").strip()
+                label, reason, detail = _label_of(text, label_member, label_key)
+                if reason is not None:
+                    yield RawSample(key, -1, None, where, detail, reason)
+                    continue
+                members["label"] = np.int64(label)
+            yield RawSample(key, label, None, where, extras=members)
+    if cut is not None:
+        yield RawSample(first_key + len(groups), -1, None, f"{path}:<end>", cut, "truncated_shard")

@@ -1,0 +1,55 @@
+"""Document lengths for packing, read once when the shards are listed: one integer per key.
+
+Packing (``PipelineConfig.pack``) fixes every rank's row count from the plan, before any
+sample is read (`raypipe.loader.packing`), so it needs each document's token count: the
+value lengths of a Parquet list column, read per file (the column's data is read, the
+others are not). A column that is missing or is not a list of integers stops the run
+here, before any Ray work, naming the file and the column's type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from raypipe.formats.storage import Storage
+
+__all__ = ["sequence_lengths"]
+assert __all__ == sorted(__all__)
+
+
+def sequence_lengths(storage: Storage, shards: Sequence[tuple[str, int, int]], column: str, *,
+                     field: str = "pack") -> np.ndarray:  # fmt: skip
+    """The length of ``column``'s list in every row of ``shards`` (``(path, first_key,
+    num_samples)``, dense keys): int64 per key. A file that cannot be read gets zeros (its
+    samples are skipped as unreadable when read); a null list is 0 long."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    total = sum(n for _, _, n in shards)
+    out = np.zeros(total, dtype=np.int64)
+    for path, first, n in shards:
+        try:
+            file = pq.ParquetFile(storage.open_arrow(path))
+            schema = file.schema_arrow
+        except Exception:  # pyarrow raises several types for a bad footer
+            continue
+        _check(schema, column, path, field)
+        values = file.read(columns=[column]).column(column)
+        lengths = pc.fill_null(pc.list_value_length(values), 0).to_numpy(zero_copy_only=False)
+        out[first : first + min(n, len(lengths))] = lengths[:n]
+    return out
+
+
+def _check(schema, column: str, path: str, field: str) -> None:
+    import pyarrow as pa
+
+    if column not in schema.names:
+        raise ValueError(f"PipelineConfig.{field}={column!r}: {path} has no such column "
+                         f"(it has {schema.names})")  # fmt: skip
+    t = schema.field(column).type
+    if not ((pa.types.is_list(t) or pa.types.is_large_list(t))
+            and pa.types.is_integer(t.value_type)):  # fmt: skip
+        raise ValueError(f"PipelineConfig.{field}={column!r}: the column is {t} in {path}, "
+                         "not a 1-D sequence of integers (list<int>)")  # fmt: skip

@@ -1,0 +1,162 @@
+"""Packing: documents into rows of exactly seq_len tokens, every token once over the
+ranks, equal batch counts, the same packing for the same seed; the packer alone, then
+through a real local Ray."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raypipe import PipelineConfig
+from raypipe.data.shards import list_shards
+from raypipe.loader.packing import pack
+from tests.data.test_samples import make_tokens
+from tests.ranks import run_ranks
+
+SEQ_LEN, BATCH = 16, 4
+
+
+def check_rows(batch: dict, seq_len: int) -> None:
+    """Rows of seq_len tokens; segments 1, 2, ... then padding (0); positions from 0 in
+    each segment; a segment's tokens consecutive ids (the documents are runs of ids)."""
+    tokens, seg, pos = batch["tokens"], batch["segment_ids"], batch["position_ids"]
+    assert tokens.shape == seg.shape == pos.shape and tokens.shape[1] == seq_len
+    for t, s, p in zip(tokens, seg, pos, strict=True):
+        used = s[s > 0]
+        assert (s[len(used) :] == 0).all() and (t[len(used) :] == 0).all(), "padding at the end"
+        np.testing.assert_array_equal(np.unique(used), np.arange(1, len(np.unique(used)) + 1))
+        assert (np.diff(used) >= 0).all()
+        for k in np.unique(used):
+            np.testing.assert_array_equal(p[s == k], np.arange((s == k).sum()))
+            assert (np.diff(t[s == k]) == 1).all(), "a segment is one document's run of ids"
+
+
+def test_pack_keeps_every_token_once_in_order():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        seq_len, batch = int(rng.integers(1, 9)), int(rng.integers(1, 4))
+        docs, start = [], 0
+        for key in range(int(rng.integers(0, 12))):
+            n = int(rng.integers(0, 20))
+            docs.append((key, np.arange(start, start + n, dtype=np.int32)))
+            start += n
+        need = -(-start // seq_len)
+        for drop_last in (False, True):
+            rows = (need // batch if drop_last else -(-need // batch)) * batch
+            counts: dict = {}
+            out = list(pack(iter(docs), "tokens", seq_len=seq_len, batch_size=batch, rows=rows,
+                            counts=counts))  # fmt: skip
+            assert len(out) * batch == rows == counts["packed_rows"]
+            got = [b["tokens"][b["segment_ids"] > 0] for b in out]
+            got = np.concatenate(got) if got else np.zeros(0, np.int32)
+            np.testing.assert_array_equal(got, np.arange(len(got)))
+            assert counts["tokens"] == len(got) and counts["dropped_tokens"] == start - len(got)
+            for b in out:
+                check_rows(b, seq_len)
+            if not drop_last and rows:
+                assert len(got) == start
+                assert [k for b in out for k in b["key"]] == [k for k, _ in docs]
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    root = tmp_path_factory.mktemp("packed")
+    return root, make_tokens(root, seed=5)
+
+
+def packed(root, **kw) -> PipelineConfig:
+    return PipelineConfig(source=str(root), image_column=None, pack="tokens", seq_len=SEQ_LEN,
+                          batch_size=BATCH, actors=(1, 1), follow=False, seed=7, **kw)  # fmt: skip
+
+
+def test_every_token_once_over_two_ranks_and_the_same_packing_for_the_same_seed(
+    ray_session, tokens
+):
+    root, docs = tokens
+    total = sum(len(d) for d in docs)
+    runs = [run_ranks(packed(root), 2, 2, drop_last=False) for _ in range(2)]
+    (out, stats), (again, _) = runs
+    for epoch in range(2):
+        ranks = [r[epoch] for r in out]
+        assert len(ranks[0]) == len(ranks[1]) > 0, "equal batch counts"
+        delivered = []
+        for batch in (b for r in ranks for b in r):
+            assert batch["tokens"].shape == (BATCH, SEQ_LEN)
+            check_rows(batch, SEQ_LEN)
+            delivered.append(batch["tokens"][batch["segment_ids"] > 0])
+        tokens_seen = np.concatenate(delivered)
+        assert len(tokens_seen) == total, "every token delivered"
+        np.testing.assert_array_equal(np.sort(tokens_seen), np.arange(total))  # once each
+        keys = sorted(k for r in ranks for b in r for k in b["key"])
+        assert keys == list(range(len(docs))), "every document ends once"
+        for r in range(2):
+            s = stats[r][epoch]
+            assert s["dropped_tokens"] == 0 and s["packed_rows"] == len(ranks[r]) * BATCH
+        for mine, theirs in zip(ranks, (r[epoch] for r in again), strict=True):
+            assert len(mine) == len(theirs)
+            for a, b in zip(mine, theirs, strict=True):
+                np.testing.assert_array_equal(a["tokens"], b["tokens"])
+                np.testing.assert_array_equal(a["segment_ids"], b["segment_ids"])
+    first = np.concatenate([b["tokens"] for b in out[0][0]])
+    second = np.concatenate([b["tokens"] for b in out[0][1]])
+    assert not np.array_equal(first[: len(second)], second[: len(first)]), "epochs differ"
+
+
+def test_drop_last_drops_only_a_counted_tail(ray_session, tokens):
+    root, docs = tokens
+    total = sum(len(d) for d in docs)
+    out, stats = run_ranks(packed(root), 2, 1)
+    ranks = [r[0] for r in out]
+    assert len(ranks[0]) == len(ranks[1]) > 0
+    delivered = np.concatenate([b["tokens"][b["segment_ids"] > 0] for r in ranks for b in r])
+    assert len(np.unique(delivered)) == len(delivered), "no token twice"
+    dropped = sum(stats[r][0]["dropped_tokens"] for r in range(2))
+    assert len(delivered) + dropped == total
+    per_rank = [stats[r][0]["tokens"] + stats[r][0]["dropped_tokens"] for r in range(2)]
+    n = min(t // SEQ_LEN // BATCH for t in per_rank)
+    assert len(ranks[0]) == n and len(delivered) == 2 * n * BATCH * SEQ_LEN, "only the tail"
+    for batch in (b for r in ranks for b in r):
+        assert (batch["segment_ids"] > 0).all(), "no padding rows with drop_last"
+
+
+def test_pack_refuses_a_column_that_is_not_integer_sequences(tmp_path):
+    table = pa.table({"tokens": pa.array([[0.5, 1.0], [2.0]], pa.list_(pa.float32()))})
+    pq.write_table(table, tmp_path / "f.parquet")
+    with pytest.raises(ValueError, match=r"pack='tokens'.*not a 1-D sequence of integers"):
+        list_shards(packed(tmp_path))
+    with pytest.raises(ValueError, match=r"pack='ids'.*has no such column"):
+        list_shards(packed(tmp_path).replace(pack="ids"))
+
+
+def test_iter_torch_batches_refuses_packing():
+    from raypipe import iter_torch_batches
+
+    class Source:  # what iter_torch_batches checks a source for
+        def iter_batches(self, **kwargs):
+            return iter(())
+
+    config = PipelineConfig(source="d", image_column=None, pack="tokens", seq_len=8)
+    with pytest.raises(ValueError, match=r"PipelineConfig.pack='tokens': packing and bucketing"):
+        iter_torch_batches(Source(), config)
+
+
+def test_a_resumed_epoch_packs_the_documents_it_had_left_once(ray_session, tokens):
+    from raypipe.data.shards import list_shards
+    from raypipe.train.state import PipelineState, fingerprint
+
+    root, docs = tokens
+    config = packed(root)
+    listing = list_shards(config)
+    consumed = np.random.default_rng(3).random(len(docs)) < 0.4  # keys a run delivered
+    state = PipelineState(0, config.seed, len(docs), fingerprint(listing), consumed)
+    out, stats = run_ranks(config, 2, 1, drop_last=False, start=state)
+    ranks = [r[0] for r in out]
+    assert len(ranks[0]) == len(ranks[1])
+    delivered = np.concatenate([b["tokens"][b["segment_ids"] > 0] for r in ranks for b in r])
+    left = np.concatenate([docs[k] for k in np.flatnonzero(~consumed)])
+    np.testing.assert_array_equal(np.sort(delivered), np.sort(left))
+    assert (
+        sorted(k for r in ranks for b in r for k in b["key"]) == np.flatnonzero(~consumed).tolist()
+    )
