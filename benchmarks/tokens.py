@@ -1,5 +1,6 @@
 """Token throughput and padding: raypipe's plain padding, length buckets and packing,
-against a DataLoader with a padding ``collate_fn``, on the same token Parquet.
+against a DataLoader with a padding ``collate_fn`` (its ``num_workers`` swept), on the same
+token Parquet.
 
     python benchmarks/tokens.py --docs 20000 --repeats 3 --json tokens.json
 
@@ -12,6 +13,7 @@ lengths log-normal (median about 150 tokens, clipped to 8..1024), int32 token id
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -113,7 +115,8 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=20000)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workers", type=int, default=2, help="DataLoader num_workers")
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2, 4],
+                        help="DataLoader num_workers to sweep (default: %(default)s)")  # fmt: skip
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
 
@@ -126,8 +129,10 @@ def main() -> None:
         "raypipe padded": lambda: raypipe_run(root, args.batch_size),
         "raypipe bucketed": lambda: raypipe_run(root, args.batch_size, bucket_by="tokens"),
         "raypipe packed": lambda: raypipe_run(root, 8, pack="tokens", seq_len=SEQ_LEN),
-        "DataLoader padded": lambda: dataloader_run(root, args.batch_size, args.workers),
-    }
+        **{f"DataLoader padded, {w} workers": functools.partial(dataloader_run, root,
+                                                                  args.batch_size, w)
+           for w in args.workers},
+    }  # fmt: skip
     rows = {}
     for name, fn in paths.items():
         runs = [fn() for _ in range(args.repeats)]
@@ -135,14 +140,18 @@ def main() -> None:
         share = [1 - t / p for t, p, _ in runs]
         rows[name] = {"tokens_per_s": statistics.median(rate), "range": [min(rate), max(rate)],
                       "padding_share": statistics.median(share)}  # fmt: skip
-        print(f"{name:18s} {rows[name]['tokens_per_s']:12,.0f} tokens/s "
+        print(f"{name:32s} {rows[name]['tokens_per_s']:12,.0f} tokens/s "
               f"({min(rate):,.0f}-{max(rate):,.0f})  padding {rows[name]['padding_share']:.1%}",
               flush=True)  # fmt: skip
+    sweep = {k: v for k, v in rows.items() if k.startswith("DataLoader")}
+    best = max(sweep, key=lambda k: sweep[k]["tokens_per_s"])
+    print(f"the DataLoader's best: {best}")
     machine = {"cpus": os.cpu_count(), "python": platform.python_version(),
                "platform": platform.platform()}  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "machine": machine,
-                                               "paths": rows}, indent=2))  # fmt: skip
+                                               "paths": rows, "dataloader_best": best},
+                                              indent=2))  # fmt: skip
 
 
 if __name__ == "__main__":

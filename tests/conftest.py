@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import os
 import signal
@@ -33,6 +34,17 @@ def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
             proc.wait()
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(autouse=True)
+def _collect_cycles(request):
+    """After a test on the session's Ray, collect reference cycles: an error a test keeps
+    (its traceback) can hold a failed execution's pool actors, and their CPUs, until
+    Python's cycle collector runs (Ray Data releases a failed execution's actors to
+    reference counting), and a later test may need those CPUs."""
+    yield
+    if "ray_session" in request.fixturenames:
+        gc.collect()
 
 
 @pytest.fixture(scope="session")
