@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from raypipe.formats.pieces import piece_path, rows_per_piece, split_piece
+from raypipe.formats.pieces import counted, piece_path, rows_per_piece, split_piece
 from raypipe.formats.records import as_label, pick, pixels_to_pnm, unknown_fields
 from raypipe.formats.sample import RawSample, os_error
 
@@ -77,8 +77,7 @@ def pieces(reader, path: str, listed: frozenset[str] = frozenset()) -> list[tupl
     return [(piece_path(path, lo, min(per, n - lo)), min(per, n - lo)) for lo in range(0, n, per)]
 
 
-def count(reader, path: str) -> int:
-    return sum(n for _, n in pieces(reader, path))
+count = counted(pieces)
 
 
 def read(reader, path: str, first_key: int, label: int,

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from raypipe.formats.pieces import cut, piece_path, split_piece
+from raypipe.formats.pieces import counted, cut, piece_path, split_piece
 from raypipe.formats.records import as_label, pixels_to_pnm, unknown_fields
 from raypipe.formats.sample import RawSample
 
@@ -87,8 +87,7 @@ def pieces(reader, path: str, listed: frozenset[str] = frozenset()) -> list[tupl
     return [(piece_path(path, items[first][0].hex(), n), n) for first, n in runs]
 
 
-def count(reader, path: str) -> int:
-    return sum(n for _, n in pieces(reader, path))
+count = counted(pieces)
 
 
 def read(reader, path: str, first_key: int, label: int,

@@ -18,11 +18,20 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-__all__ = ["PIECE_BYTES", "cut", "piece_path", "rows_per_piece", "split_piece"]
+__all__ = ["PIECE_BYTES", "counted", "cut", "piece_path", "rows_per_piece", "split_piece"]
 assert __all__ == sorted(__all__)
 
 PIECE_BYTES = 32 << 20  # about how many bytes of records one piece (one task) reads
 _PIECE = re.compile(r"#([0-9a-f]*)\+(\d+)$")
+
+
+def counted(pieces):
+    """A format's ``count(reader, path)``: the samples of the file's ``pieces``."""
+
+    def count(reader, path: str) -> int:
+        return sum(n for _, n in pieces(reader, path))
+
+    return count
 
 
 def piece_path(path: str, start: int | str, count: int) -> str:

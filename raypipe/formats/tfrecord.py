@@ -31,7 +31,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from raypipe.formats.pieces import cut, piece_path, split_piece
+from raypipe.formats.pieces import counted, cut, piece_path, split_piece
 from raypipe.formats.records import pick, unknown_fields
 from raypipe.formats.sample import RawSample, os_error
 from raypipe.formats.storage import Storage
@@ -146,8 +146,7 @@ def _tail_offset(offsets: list[int], sizes: list[int]) -> int:
     return offsets[-1] + sizes[-1] if offsets else 0
 
 
-def count(reader, path: str) -> int:
-    return sum(n for _, n in pieces(reader, path))
+count = counted(pieces)
 
 
 # --- the actors: records --------------------------------------------------------------
