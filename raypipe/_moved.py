@@ -84,7 +84,7 @@ ELSEWHERE = {
         "decode_crop": "raypipe.data.pillow:pillow_decode_crop",
         "to_rgb": "raypipe.data.pillow:to_rgb",
     },
-    "raypipe.usermap": {"INPUTS": "raypipe.config.pipeline:INPUTS"},
+    "raypipe.usermap": {"INPUTS": "raypipe.config.validate:INPUTS"},
 }
 
 

@@ -3,7 +3,8 @@ from YAML) and `LoaderConfig` (each rank's iterator), checked at the edge."""
 
 from raypipe.config.checks import check_keys, load_yaml, resolve_callable
 from raypipe.config.loader import IMAGENET_MEAN, IMAGENET_STD, LoaderConfig
-from raypipe.config.pipeline import COMPUTE, FORMATS, INPUTS, ON_ERROR, PipelineConfig
+from raypipe.config.pipeline import PipelineConfig
+from raypipe.config.validate import COMPUTE, FORMATS, INPUTS, ON_ERROR
 
 __all__ = [
     "COMPUTE",

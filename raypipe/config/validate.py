@@ -1,0 +1,127 @@
+"""`PipelineConfig`'s checks: each field's, in groups, the first bad value a ValueError that
+names the field and the value."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from raypipe.config.checks import is_int, is_num, is_pair, resolve_callable
+from raypipe.config.loader import check_loader
+from raypipe.config.samples import check_samples
+
+if TYPE_CHECKING:
+    from raypipe.config.pipeline import PipelineConfig
+
+__all__ = ["COMPUTE", "DECODE", "FORMATS", "INPUTS", "ON_ERROR", "validate"]
+assert __all__ == sorted(__all__)
+
+FORMATS = ("imagefolder", "webdataset", "parquet", "tfrecord", "lmdb", "hdf5")
+ON_ERROR = ("skip", "raise")
+COMPUTE = ("actors", "tasks")
+INPUTS = ("numpy", "pil", "torch")  # what a user transform's image is
+DECODE = ("cpu", "gpu")
+
+
+def validate(c: PipelineConfig) -> None:
+    """Every field's check, in groups; the first bad value raises ValueError naming it."""
+    for check in (_check_source, _check_choices, _check_counts, _check_flags, _check_pool,
+                  _check_follow, _check_augment, _check_user_code, check_samples):  # fmt: skip
+        check(c, _Bad(c))
+    check_loader(c, "PipelineConfig")
+
+
+class _Bad:
+    """``bad(field, why)``: the ValueError for one field of one config, naming its value."""
+
+    def __init__(self, config: PipelineConfig):
+        self.config = config
+
+    def __call__(self, field: str, why: str) -> ValueError:
+        return ValueError(f"PipelineConfig.{field}={getattr(self.config, field)!r}: {why}")
+
+
+def _check_source(c: PipelineConfig, bad: _Bad) -> None:
+    if isinstance(c.source, str):
+        if not c.source:
+            raise bad("source", "must be a non-empty path, glob or list")
+    elif not (isinstance(c.source, tuple) and c.source
+              and all(isinstance(s, str) and s for s in c.source)):  # fmt: skip
+        raise bad("source", "must be a non-empty path, glob or list of them")
+    if c.storage_options is not None and not isinstance(c.storage_options, Mapping):
+        raise bad("storage_options", "must be a mapping of settings, or None")
+    if c.image_column is not None and (not isinstance(c.image_column, str) or not c.image_column):
+        raise bad("image_column", "must be a non-empty string, or None for samples with no image")
+    for name in ("label_column", "label_key"):
+        if not isinstance(getattr(c, name), str) or not getattr(c, name):
+            raise bad(name, "must be a non-empty string")
+    member = c.label_member
+    if member is not None and (not isinstance(member, str) or not member or "/" in member):
+        raise bad(
+            "label_member", 'must be a member extension such as "cls", "txt", "json", or None'
+        )
+
+
+def _check_choices(c: PipelineConfig, bad: _Bad) -> None:
+    if c.format is not None and c.format not in FORMATS:
+        raise bad("format", f"must be one of {FORMATS} or None")
+    for name, choices in (("compute", COMPUTE), ("on_error", ON_ERROR),
+                          ("decode", DECODE), ("transform_input", INPUTS)):  # fmt: skip
+        if getattr(c, name) not in choices:
+            raise bad(name, f"must be one of {choices}")
+    if c.decode == "gpu" and (c.transform is not None or c.collate is not None):
+        raise bad("decode", "ships JPEG bytes to the trainer; a transform or collate needs "
+                  "pixels in the actors (use decode='cpu')")  # fmt: skip
+
+
+def _check_counts(c: PipelineConfig, bad: _Bad) -> None:
+    if not is_int(c.image_size) or c.image_size < 1:
+        raise bad("image_size", "must be an integer >= 1")
+    for name in ("files_per_task", "rows_per_block"):  # None: sized from the object store
+        value = getattr(c, name)
+        if value is not None and (not is_int(value) or value < 1):
+            raise bad(name, "must be an integer >= 1, or None")
+    if not is_int(c.seed) or c.seed < 0:
+        raise bad("seed", "must be an integer >= 0")
+    if c.max_skipped is not None and (not is_num(c.max_skipped) or not 0 <= c.max_skipped <= 1):
+        raise bad("max_skipped", "must be a fraction 0 <= x <= 1, or None for no limit")
+    limit = c.max_image_pixels
+    if limit is not None and (not is_int(limit) or limit < 1):
+        raise bad("max_image_pixels", "must be an integer >= 1, or None for no limit")
+
+
+def _check_flags(c: PipelineConfig, bad: _Bad) -> None:
+    for name in ("train", "flip", "shuffle_files", "transform_batch", "follow"):
+        if not isinstance(getattr(c, name), bool):
+            raise bad(name, "must be true or false")
+
+
+def _check_pool(c: PipelineConfig, bad: _Bad) -> None:
+    lo_hi = c.actors
+    if not (isinstance(lo_hi, tuple) and len(lo_hi) == 2 and all(is_int(a) for a in lo_hi)
+            and 1 <= lo_hi[0] <= lo_hi[1]):  # fmt: skip
+        raise bad("actors", "must be (min, max) integers with 1 <= min <= max")
+    if not is_num(c.actor_cpus) or not c.actor_cpus > 0:  # NaN too
+        raise bad("actor_cpus", "must be a number > 0")
+
+
+def _check_follow(c: PipelineConfig, bad: _Bad) -> None:
+    if not is_num(c.follow_wait) or not 0 < c.follow_wait < 1:
+        raise bad("follow_wait", "must be a share of the trainer's time, 0 < wait < 1")
+    for name in ("follow_period_s", "follow_shrink_s"):
+        if not is_num(getattr(c, name)) or not 0 < getattr(c, name) < 3600:
+            raise bad(name, "must be seconds, 0 < s < 3600")
+    if c.follow_period_s > c.follow_shrink_s:
+        raise bad("follow_period_s", f"must be <= follow_shrink_s={c.follow_shrink_s!r}")
+
+
+def _check_augment(c: PipelineConfig, bad: _Bad) -> None:
+    if not is_pair(c.scale) or not 0 < c.scale[0] <= c.scale[1] <= 1:
+        raise bad("scale", "must be (lo, hi) with 0 < lo <= hi <= 1")
+    if not is_pair(c.ratio) or not 0 < c.ratio[0] <= c.ratio[1]:
+        raise bad("ratio", "must be (lo, hi) with 0 < lo <= hi")
+
+
+def _check_user_code(c: PipelineConfig, bad: _Bad) -> None:
+    resolve_callable(c.transform, "transform")
+    resolve_callable(c.collate, "collate")
