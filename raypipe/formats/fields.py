@@ -30,16 +30,14 @@ def read_parquet_fields(storage: Storage, path: str, first_key: int, done: np.nd
                         label_column: str = "label",
                         classes: tuple[str, ...] = ()) -> Iterator[RawSample]:  # fmt: skip
     """Every row of a Parquet file as fields; a consumed row group is not read."""
-    import pyarrow.parquet as pq
 
-    from raypipe.formats.parquet import _label_kind
+    from raypipe.formats.parquet import _label_kind, open_file
 
-    try:
-        file = pq.ParquetFile(storage.open_arrow(path))
-        schema = file.schema_arrow
-    except Exception as e:
-        yield RawSample(first_key, -1, None, path, f"{type(e).__name__}: {e}", "unreadable_shard")
+    file, unreadable = open_file(storage, path, first_key)
+    if file is None:
+        yield unreadable
         return
+    schema = file.schema_arrow
     has_label = label_column in schema.names and _label_kind(schema.field(label_column).type)
     index = {name: i for i, name in enumerate(classes)}
     key = first_key

@@ -26,6 +26,7 @@ __all__ = [
     "count",
     "count_parquet_rows",
     "labels",
+    "open_file",
     "parquet_labels",
     "read",
     "read_parquet",
@@ -43,6 +44,19 @@ def count_parquet_rows(storage: Storage, path: str) -> int:
         return pq.ParquetFile(storage.open_arrow(path)).metadata.num_rows
     except Exception:  # pyarrow raises several types for a bad footer
         return 1  # the reader yields one unreadable_shard sample for it
+
+
+def open_file(storage: Storage, path: str, first_key: int):
+    """``(the ParquetFile, None)``, or ``(None, its one unreadable_shard sample)``."""
+    import pyarrow.parquet as pq
+
+    try:
+        file = pq.ParquetFile(storage.open_arrow(path))
+        file.schema_arrow  # noqa: B018  (a footer that parses, with a schema)
+    except Exception as e:  # pyarrow raises several types for a bad footer
+        return None, RawSample(first_key, -1, None, path, f"{type(e).__name__}: {e}",
+                               "unreadable_shard")  # fmt: skip
+    return file, None
 
 
 def parquet_labels(storage: Storage, paths: list[str], column: str) -> tuple[tuple[str, ...], str]:
@@ -87,14 +101,12 @@ def read_parquet(storage: Storage, path: str, first_key: int, done: np.ndarray |
                  classes: tuple[str, ...] = (), extras: bool = False) -> Iterator[RawSample]:  # fmt: skip
     """Rows of ``image_column`` (bytes) and ``label_column``; a bad column fails every row.
     ``extras``: each row also carries the values of the file's other columns."""
-    import pyarrow.parquet as pq
 
-    try:
-        file = pq.ParquetFile(storage.open_arrow(path))
-        schema = file.schema_arrow
-    except Exception as e:
-        yield RawSample(first_key, -1, None, path, f"{type(e).__name__}: {e}", "unreadable_shard")
+    file, unreadable = open_file(storage, path, first_key)
+    if file is None:
+        yield unreadable
         return
+    schema = file.schema_arrow
     why = _check_columns(schema, image_column, label_column)
     if why is not None:
         for i in range(file.metadata.num_rows):
