@@ -27,7 +27,6 @@ Public contract:
   once, with any number of workers (`raypipe.train.state`).
 """
 
-from raypipe import _moved
 from raypipe.config import LoaderConfig, PipelineConfig
 from raypipe.data.budget import SkipBudgetError
 from raypipe.data.dataset import build_dataset
@@ -55,6 +54,5 @@ __all__ = [
     "train_ddp",
 ]
 assert __all__ == sorted(__all__)
-_moved.install()
 
 __version__ = "0.1.0"

@@ -57,9 +57,7 @@ def raypipe_imports(path: Path, name: str) -> set[str]:
 
 def test_every_module_has_a_layer():
     outside = [
-        n
-        for n, _ in modules()
-        if layer_of(n) is None and n not in ("raypipe", "raypipe.__main__", "raypipe._moved")
+        n for n, _ in modules() if layer_of(n) is None and n not in ("raypipe", "raypipe.__main__")
     ]
     assert not outside, f"modules outside the layers {LAYERS}: {outside}"
 

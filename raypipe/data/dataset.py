@@ -40,7 +40,6 @@ from raypipe.data.skips import (
     SkipRecord,
     detail_of,
     reason_of,
-    remember,
 )
 from raypipe.data.userrows import RowBuilder, Schema
 from raypipe.formats.sample import RawSample
@@ -70,8 +69,7 @@ def build_dataset(
     epoch: those keys are left out before their shards are read or decoded.
     Skipped samples go to ``skips``, a `SkipLog` (``SkipLog.create()``); pass the same log
     to ``iter_torch_batches(ds, config, skips=skips)`` for its counts in ``stats()``. Without
-    one the dataset makes its own, for the skip budget (``SkipLog.of(ds)`` finds it, for
-    one more release).
+    one the dataset makes its own, for the skip budget.
     """
     import ray
     import ray.data
@@ -88,8 +86,7 @@ def build_dataset(
     )
     rows = pending_rows(shards, None if consumed is None else np.asarray(consumed, bool))
     lo, hi = config.actors
-    made_here = skips is None  # after listing: a bad source fails before Ray starts
-    if made_here:
+    if skips is None:  # after listing: a bad source fails before Ray starts
         localnode.ensure()
         skips = SkipLog.create()
     config = sized_blocks(config)  # one execution, whatever streaming_split then does
@@ -110,8 +107,6 @@ def build_dataset(
             compute=ray.data.ActorPoolStrategy(min_size=lo, max_size=hi),
             num_cpus=config.actor_cpus,
         )
-    if made_here:
-        remember(ds, skips)
     return ds
 
 

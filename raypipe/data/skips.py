@@ -20,8 +20,6 @@ import collections
 import dataclasses
 import threading
 import uuid
-import warnings
-import weakref
 from typing import Any
 
 __all__ = [
@@ -33,7 +31,6 @@ __all__ = [
     "SkipStore",
     "detail_of",
     "reason_of",
-    "remember",
     "write_reports",
 ]
 assert __all__ == sorted(__all__)
@@ -208,15 +205,6 @@ def write_reports(logs: dict[str, SkipLog], directory: str, filesystem=None) -> 
     return path, sum(r["skipped"] for r in reports.values())
 
 
-# the logs build_dataset made for datasets given none (for the deprecated SkipLog.of)
-_MADE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def remember(dataset, log: SkipLog) -> None:
-    """Keep the log `build_dataset` made for ``dataset``, for as long as the dataset lives."""
-    _MADE[dataset] = log
-
-
 _STORES: dict[tuple[str, str], Any] = {}  # (node id, job id) -> the store actor's handle
 # Ranks in threads of one driver make their logs at once: one of them creates the actor.
 # Unlocked, a second thread's get_if_exists handle could replace the creator's here, and
@@ -268,17 +256,6 @@ class SkipLog:
         if not ray.is_initialized():
             raise RuntimeError("SkipLog.create() needs a running Ray: call ray.init() first")
         return cls(_driver_store(), uuid.uuid4().hex, max_records)
-
-    @staticmethod
-    def of(dataset) -> SkipLog:
-        """Deprecated: the log `build_dataset` made for ``dataset`` when it was given none.
-        Make the log yourself and pass it: ``build_dataset(config, skips=SkipLog.create())``."""
-        warnings.warn("SkipLog.of(ds) goes in the next release: pass skips=SkipLog.create() "
-                      "to build_dataset and keep it", DeprecationWarning, stacklevel=2)  # fmt: skip
-        log = _MADE.get(dataset)
-        if log is None:
-            raise ValueError("this dataset was not made by raypipe.build_dataset without skips=")
-        return log
 
     def epoch(self, epoch: int) -> SkipLog:
         """The log of one epoch of a run-long pipeline (a run of its own in the store)."""

@@ -787,16 +787,6 @@ def test_train_ddp_raise_reaches_the_trainer_naming_the_file(ray_session, tmp_pa
     assert f"bad sample {bad} (key " in str(error) and "truncated_image" in str(error)
 
 
-def test_skiplog_of_a_dataset_still_works_with_a_warning(ray_session, tmp_path):
-    source, expected = mixed_source(tmp_path, "imagefolder")
-    config = PipelineConfig(source=str(source), image_size=8, files_per_task=16, max_skipped=None)
-    ds = build_dataset(config)  # no skips=: the dataset makes its own log
-    with pytest.warns(DeprecationWarning, match=r"SkipLog\.of"):
-        log = SkipLog.of(ds)
-    list(ds.iter_batches(batch_size=None))
-    assert log.counts() == expected
-
-
 def test_a_skip_log_needs_a_running_ray():
     """SkipLog.create() starts nothing behind the caller's back."""
     code = "from raypipe import SkipLog; SkipLog.create()"
