@@ -31,7 +31,7 @@ import numpy as np
 
 from raypipe.cli import localray
 from raypipe.config import PipelineConfig
-from raypipe.data.shards import epoch_order, list_shards
+from raypipe.plan.shards import epoch_order, list_shards
 from raypipe.train.state import PipelineState, fingerprint, merge_states
 
 IMAGENET = 1_281_167

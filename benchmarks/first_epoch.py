@@ -35,7 +35,7 @@ from ingest import BATCH, IMAGE, SEED, SIZES, make_corpus, start_ray
 
 from raypipe.cli import localray
 from raypipe.config import PipelineConfig
-from raypipe.data.shards import list_shards
+from raypipe.plan.shards import list_shards
 
 
 def one_run(corpus: Path, epochs: int, setup_s: float = 0.0) -> dict:

@@ -37,7 +37,7 @@ from nodecpu import CpuMeter
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tests.data.test_elastic import slow_images  # noqa: E402
+from tests.pool.test_elastic import slow_images  # noqa: E402
 
 BASE = {"image_size": 256, "batch_size": 8, "files_per_task": 8, "actor_cpus": 1.0,
         "shuffle_files": False, "follow_shrink_s": 3.0}  # fmt: skip

@@ -39,8 +39,8 @@ from ingest import make_corpus, run_epochs
 
 from raypipe.cli import localray
 from raypipe.config import PipelineConfig
-from raypipe.data.shards import list_shards
 from raypipe.formats.tfexample import encode_example, frame
+from raypipe.plan.shards import list_shards
 
 BATCH, IMAGE, SEED, SHARDS = 256, 224, 0, 4
 FORMATS = ("imagefolder", "tfrecord", "lmdb", "hdf5", "hdf5-pixels")

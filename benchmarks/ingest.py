@@ -46,10 +46,10 @@ from nodecpu import CpuMeter
 from raypipe.cli import localray
 from raypipe.cli.demo import write_photos
 from raypipe.config import PipelineConfig
-from raypipe.data import decode
-from raypipe.data.augment import plan, sample_rng
-from raypipe.data.pillow import pillow_decode_crop
-from raypipe.data.shards import list_shards
+from raypipe.plan.shards import list_shards
+from raypipe.preprocess import decode
+from raypipe.preprocess.augment import plan, sample_rng
+from raypipe.preprocess.pillow import pillow_decode_crop
 
 SIZES = {"small": (2048, 5), "medium": (6144, 5), "large": (16384, 5)}  # images, epochs
 BATCH, IMAGE, SEED = 256, 224, 0

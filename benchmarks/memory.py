@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from tests.data.test_memory import small_jpegs
+    from tests.preprocess.test_memory import small_jpegs
 
     args.out.mkdir(parents=True, exist_ok=True)
     per_store = (args.store_mib << 20) // SAMPLE

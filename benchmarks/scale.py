@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from raypipe.data.rankplan import RankPlan
+from raypipe.plan.rankplan import RankPlan
 from raypipe.train.state import PipelineState
 
 STEP_S = 0.1  # a train step of the simulated ranks

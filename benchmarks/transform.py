@@ -26,7 +26,7 @@ from ingest import make_corpus, run_epochs
 from raypipe.cli import localray
 from raypipe.cli.examples import ColorCrop
 from raypipe.config import PipelineConfig
-from raypipe.data.shards import list_shards
+from raypipe.plan.shards import list_shards
 
 BATCH, IMAGE, SEED = 256, 224, 0
 
@@ -44,7 +44,7 @@ class PhotoDataset:
         import torch
         from PIL import Image
 
-        from raypipe.data.usermap import seed_globals
+        from raypipe.preprocess.usermap import seed_globals
 
         s = self.shards[i]
         with Image.open(io.BytesIO(Path(s.path).read_bytes())) as img:

@@ -28,13 +28,14 @@ Public contract:
 """
 
 from raypipe.config import LoaderConfig, PipelineConfig
-from raypipe.data.budget import SkipBudgetError
-from raypipe.data.dataset import build_dataset
-from raypipe.data.poolwatch import PoolWatch
-from raypipe.data.skips import SampleError, SkipLog
 from raypipe.formats.storage import StorageError
 from raypipe.loader.iterator import iter_torch_batches
 from raypipe.loader.pipeline import Pipeline
+from raypipe.pool.watch import PoolWatch
+from raypipe.preprocess.datasets import build_dataset
+from raypipe.skips.budget import SkipBudgetError
+from raypipe.skips.log import SkipLog
+from raypipe.skips.records import SampleError
 from raypipe.train.ddp import TrainContext, train_ddp
 from raypipe.train.loader import Loader
 

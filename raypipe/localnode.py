@@ -10,10 +10,9 @@ unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, whatever ``_node_ip_address`` sa
 the processes the new node spawns, and Ray's own reading of it in this process, for the
 length of ``ray.init``. Joining a cluster elsewhere leaves both as they were.
 
-Ray internals used, checked against the running Ray by `check_ray`:
-``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` (read when the node's address is
-chosen) and ``ray._private.services.get_ray_address_from_environment`` (the cluster plain
-``ray.init()`` would join, or None).
+Ray internals used, through `raypipe.rayapi` and checked against the running Ray by
+`check_ray`: Ray's own reading of that variable (read when the node's address is chosen)
+and the cluster plain ``ray.init()`` would join.
 
 With ``RAY_USE_TLS`` on, Ray reads ``RAY_TLS_SERVER_CERT``, ``RAY_TLS_SERVER_KEY`` and
 ``RAY_TLS_CA_CERT`` in every process it starts; `check_tls` reads them first, so that a
@@ -25,11 +24,13 @@ from __future__ import annotations
 import ipaddress
 import os
 
+from raypipe import rayapi
+from raypipe.rayapi import RAY_VERSION
+
 __all__ = ["CLUSTER_VAR", "LOOPBACK", "RAY_VERSION", "TLS_FILES", "check_ray", "check_tls",
            "ensure", "is_loopback", "start"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
-RAY_VERSION = "2.60.0"  # the Ray whose internals raypipe uses, here and behind each check_ray
 CLUSTER_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a new node's address is loopback
 LOOPBACK = "127.0.0.1"
 TLS_FILES = ("RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")
@@ -47,15 +48,12 @@ def start(address: str | None = None, **kwargs) -> None:
     problem = check_ray()
     if problem is not None:
         raise RuntimeError(f"raypipe cannot keep a local Ray on loopback: {problem}")
-    from ray._private import ray_constants
-
-    before_env, before_flag = os.environ.get(CLUSTER_VAR), ray_constants.ENABLE_RAY_CLUSTER
+    before_env = os.environ.get(CLUSTER_VAR)
     os.environ[CLUSTER_VAR] = "0"  # inherited by the raylet, GCS, agents and workers
-    ray_constants.ENABLE_RAY_CLUSTER = False  # read by this process when it picks the address
     try:
-        ray.init(address=address, **kwargs)
+        with rayapi.cluster_flag_off():  # read by this process when it picks the address
+            ray.init(address=address, **kwargs)
     finally:  # a later ray.init in this process, to a remote cluster, chooses as Ray does
-        ray_constants.ENABLE_RAY_CLUSTER = before_flag
         if before_env is None:
             os.environ.pop(CLUSTER_VAR, None)
         else:
@@ -103,26 +101,15 @@ def is_loopback(host: str) -> bool:
 
 def check_ray() -> str | None:
     """Why `start` cannot steer this Ray's choice of address (None: it can)."""
-    import ray
-
-    if ray.__version__ != RAY_VERSION:
-        return f"Ray {ray.__version__} is not {RAY_VERSION}, whose address choice it steers"
-    from ray._private import ray_constants, services
-
-    if not isinstance(getattr(ray_constants, "ENABLE_RAY_CLUSTER", None), bool):
-        return "ray._private.ray_constants.ENABLE_RAY_CLUSTER is gone"
-    if not callable(getattr(services, "get_ray_address_from_environment", None)):
-        return "ray._private.services.get_ray_address_from_environment is gone"
-    return None
+    problems = rayapi.check(("localnode",))
+    return f"{'; '.join(problems)}: the Ray whose address choice it steers" if problems else None
 
 
 def _on_loopback(address: str | None) -> bool:
     """Whether ``ray.init(address)`` starts a new local Ray or joins one on loopback."""
     if address is None or address == "auto":  # RAY_ADDRESS, else a cluster `ray start` left
-        from ray._private import services
-
         try:
-            address = services.get_ray_address_from_environment(address, None)
+            address = rayapi.address_from_environment(address)
         except Exception:  # "auto" and none to join: ray.init says so itself
             return False
     if address is None or address == "local":

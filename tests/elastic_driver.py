@@ -1,4 +1,4 @@
-"""Drivers for tests/data/test_elastic.py that need a Ray of their own, run in a subprocess.
+"""Drivers for tests/pool/test_elastic.py that need a Ray of their own, run in a subprocess.
 
 ``python -m tests.elastic_driver autoscale ADDRESS DATA OUT``: join a running head
 (the real Ray autoscaler with cluster/local-autoscaling.yaml), run one epoch whose pool

@@ -1,4 +1,4 @@
-"""Driver for tests/data/test_follow.py and benchmarks/follow.py, run in a subprocess: ranks of a
+"""Driver for tests/pool/test_follow.py and benchmarks/follow.py, run in a subprocess: ranks of a
 one-epoch `raypipe.Pipeline` whose trainers are slow for a while and then fast, with the
 pool's actors and the cluster's nodes sampled from outside.
 

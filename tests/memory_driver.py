@@ -1,4 +1,4 @@
-"""Driver for tests/data/test_memory.py and benchmarks/memory.py, run in a subprocess: a Ray of
+"""Driver for tests/preprocess/test_memory.py and benchmarks/memory.py, run in a subprocess: a Ray of
 its own with a small object store, an epoch whose decoded output is many times the store,
 read by ranks slower than the pool.
 

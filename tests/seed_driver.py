@@ -1,4 +1,4 @@
-"""Driver for tests/data/test_seeds.py, run in a subprocess: a Ray of its own whose workers
+"""Driver for tests/preprocess/test_seeds.py, run in a subprocess: a Ray of its own whose workers
 sleep a random time before every decode, so that blocks finish in a different order on
 every run.
 
@@ -33,7 +33,7 @@ def jitter() -> None:
     """Worker setup: every decode waits 0-12 ms, drawn from the OS's randomness."""
     import random
 
-    import raypipe.data.dataset as pipeline
+    import raypipe.preprocess.actor as pipeline
 
     rng, decode = random.SystemRandom(), pipeline.decode_crop
 

@@ -118,7 +118,7 @@ def test_no_image_from_yaml(tmp_path):
 
 @pytest.mark.parametrize("fmt", ["imagefolder", "tfrecord"])
 def test_no_image_is_refused_for_formats_without_fields(tmp_path, fmt):
-    from raypipe.data.shards import list_shards
+    from raypipe.plan.shards import list_shards
 
     (tmp_path / "a.tfrecord").write_bytes(b"")
     config = PipelineConfig(source=str(tmp_path), format=fmt, image_column=None)

@@ -53,3 +53,30 @@ def test_relative_links_resolve(page):
         if not (page.parent / target).exists():
             dead.append(target)
     assert not dead, f"{page.name} links to missing files: {dead}"
+
+
+def layout_block(text: str) -> str:
+    """The package's part of the code block under a ``## Layout`` heading (up to ``jobs/``)."""
+    match = re.search(r"^## Layout\n+```\n(.*?)^jobs/", text, flags=re.MULTILINE | re.DOTALL)
+    assert match, "no ## Layout code block with the package and jobs/"
+    return match.group(1)
+
+
+def test_the_layout_sections_match_the_tree():
+    package = ROOT / "raypipe"
+    folders = sorted(p.name for p in package.iterdir() if (p / "__init__.py").is_file())
+    readme = layout_block((ROOT / "README.md").read_text())
+    design = layout_block((ROOT / "docs" / "design.md").read_text())
+    for block, where in ((readme, "README.md"), (design, "docs/design.md")):
+        missing = [f for f in folders if f"{f}/" not in block]
+        assert not missing, f"{where}'s layout lacks the folders {missing}"
+        gone = sorted(set(re.findall(r"\b([a-z]+)/", block)) - set(folders) - OUTSIDE)
+        assert not gone, f"{where}'s layout names folders raypipe does not have: {gone}"
+    modules = [p for p in package.rglob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+    undocumented = sorted(
+        str(p.relative_to(package)) for p in modules if not re.search(rf"\b{p.stem}\b", design)
+    )
+    assert not undocumented, f"modules docs/design.md's layout does not name: {undocumented}"
+
+
+OUTSIDE = {"raypipe", "samples"}  # the package itself; preprocess/samples/

@@ -10,8 +10,23 @@ import pytest
 import raypipe
 
 PACKAGE = Path(raypipe.__file__).parent
-# bottom to top; a module may import its own layer and any layer listed before it
-LAYERS = ("localnode", "config", "formats", "data", "loader", "train", "cli")
+# bottom to top; a module may import its own layer and any layer listed before it.
+# rayapi holds every use of Ray's private APIs (tests/test_rayapi.py). A folder says where
+# its code runs: plan/ on the driver (pure), skips/ and preprocess/ in the actors, pool/
+# beside the rank's execution, loader/ on the rank and its device.
+LAYERS = (
+    "rayapi",
+    "localnode",
+    "config",
+    "formats",
+    "plan",
+    "skips",
+    "preprocess",
+    "pool",
+    "loader",
+    "train",
+    "cli",
+)
 
 
 def layer_of(module: str) -> int | None:
@@ -74,8 +89,8 @@ def test_no_upward_import(name, path):
 def test_the_checker_sees_an_upward_import(tmp_path):
     bad = tmp_path / "m.py"
     bad.write_text("def f():\n    from raypipe.train.ddp import train_ddp\n")
-    assert raypipe_imports(bad, "raypipe.data.m") == {"raypipe.train.ddp"}
-    assert layer_of("raypipe.train.ddp") > layer_of("raypipe.data.m")
+    assert raypipe_imports(bad, "raypipe.preprocess.m") == {"raypipe.train.ddp"}
+    assert layer_of("raypipe.train.ddp") > layer_of("raypipe.preprocess.m")
 
 
 def test_an_import_from_the_package_front_door_is_an_upward_import(tmp_path):
@@ -83,8 +98,21 @@ def test_an_import_from_the_package_front_door_is_an_upward_import(tmp_path):
     imports every layer: from any layer it reaches above."""
     bad = tmp_path / "m.py"
     bad.write_text("import raypipe\nfrom raypipe import Pipeline\nfrom raypipe import localnode\n")
-    found = raypipe_imports(bad, "raypipe.data.m")
+    found = raypipe_imports(bad, "raypipe.preprocess.m")
     assert found == {"raypipe", "raypipe.Pipeline", "raypipe.localnode"}
-    data = layer_of("raypipe.data.m")
-    assert {m for m in found if imported_layer(m) > data} == {"raypipe", "raypipe.Pipeline"}
-    assert imported_layer("raypipe.localnode") == 0
+    own = layer_of("raypipe.preprocess.m")
+    assert {m for m in found if imported_layer(m) > own} == {"raypipe", "raypipe.Pipeline"}
+    assert imported_layer("raypipe.localnode") == LAYERS.index("localnode")
+
+
+MAX_LINES = 300  # past this a module is probably two (docs/design.md, Layout)
+MAX_FLOORS = 4  # raypipe/<layer>/<group>/<module>.py: no deeper than the package was
+
+
+def test_every_module_is_small_and_no_folder_deeper_than_the_house():
+    long = {
+        n: lines for n, p in modules() if (lines := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+    deep = [n for n, p in modules() if len(p.relative_to(PACKAGE.parent).parts) > MAX_FLOORS]
+    assert not deep, f"modules deeper than raypipe/<layer>/<group>/: {deep}"

@@ -31,7 +31,7 @@ def _demo_data(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from raypipe.cli.classify import RunConfig, run
-    from raypipe.data.shards import list_shards
+    from raypipe.plan.shards import list_shards
 
     _expect_kind(args.config, "train")
     with tempfile.TemporaryDirectory(prefix="raypipe-") as tmp:

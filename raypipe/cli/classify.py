@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from raypipe.config import PipelineConfig, check_keys, load_yaml
-from raypipe.data.shards import list_shards
+from raypipe.plan.shards import list_shards
 from raypipe.train.ddp import TrainContext, train_ddp
 
 

@@ -26,8 +26,8 @@ from typing import Any, TextIO
 
 from raypipe.cli.jobspec import convert_section
 from raypipe.config import PipelineConfig, check_keys, load_yaml
-from raypipe.data.shards import list_shards
 from raypipe.formats.writer import EXTENSIONS, Sample, Written, count_samples, write_shard
+from raypipe.plan.shards import list_shards
 
 INDEX = "index.json"
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from types import MappingProxyType
 
-from raypipe import localnode
+from raypipe import localnode, rayapi
 
 __all__ = ["LOCAL_SYSTEM_CONFIG", "process_tree", "ray_descendants", "shutdown", "start",
            "stop_leftovers"]  # fmt: skip
@@ -39,7 +39,7 @@ def start(address: str = "local", **kwargs) -> None:
     """`raypipe.localnode.start` (a new local Ray listens on loopback only); a new local
     Ray (``address="local"``) gets `LOCAL_SYSTEM_CONFIG`, which Ray refuses when joining."""
     if address == "local":  # a copy: ray.init adds its spilling settings to the dict
-        kwargs.setdefault("_system_config", dict(LOCAL_SYSTEM_CONFIG))
+        kwargs = {**rayapi.system_config(dict(LOCAL_SYSTEM_CONFIG)), **kwargs}
     localnode.start(address, **kwargs)
 
 

@@ -12,8 +12,8 @@ Two lines have no setting, and are dropped from the workers' output the driver p
 each actor's core worker logs an error-level line about restarts (Ray issue 53727) in a
 healthy run; and Ray Train logs every ``TrainingReport`` through a logger named by its
 file, outside ``ray.train``'s level. The filter wraps the driver's log printer, a Ray
-internal (``ray._private.ray_logging.global_worker_stdstream_dispatcher``) checked
-against the pinned Ray: with another Ray the lines are printed as they come.
+internal (`raypipe.rayapi.worker_log_handlers`) checked against the pinned Ray: with
+another Ray the lines are printed as they come.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+
+from raypipe import rayapi
 
 __all__ = ["BENIGN", "LOCAL_ENV", "QUIET_ENV", "TRAIN_LOG_LEVEL", "VERBOSE_ENV", "drop_benign",
            "filter_worker_logs", "is_verbose", "quiet_ray"]  # fmt: skip
@@ -30,7 +32,7 @@ VERBOSE_ENV = "RAYPIPE_VERBOSE"
 QUIET_ENV = {"RAY_DATA_LOG_LEVEL": "ERROR"}  # for every Ray process of the run
 LOCAL_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}  # a local Ray only
 TRAIN_LOG_LEVEL = "WARNING"  # Ray Train's own logs (ray.train.LoggingConfig), quiet
-_DRIVER_NOTES = ("ray._private.authentication.authentication_token_setup",)
+_DRIVER_NOTES = (rayapi.AUTH_TOKEN_LOGGER,)
 BENIGN = re.compile(
     r"core_worker\.cc:\d+: Actor with class name: '[^']*' and ID: '[0-9a-f]+' has constructor "
     r"arguments in the object store and max_restarts > 0"
@@ -64,18 +66,12 @@ def filter_worker_logs() -> bool:
     changed) when this Ray's printer is not the one it wraps."""
     import ray
 
-    from raypipe.localnode import RAY_VERSION
-
-    if ray.__version__ != RAY_VERSION:
+    if ray.__version__ != rayapi.RAY_VERSION:
         return False
-    try:
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-    except ImportError:
-        return False
-    with dispatcher._lock:
-        for i, (name, handle) in enumerate(dispatcher.handlers):
+    with rayapi.worker_log_handlers() as handlers:
+        for i, (name, handle) in enumerate(handlers or []):
             if name == _PRINTER and not getattr(handle, "raypipe_filtered", False):
-                dispatcher.handlers[i] = (name, _filtered(handle))
+                handlers[i] = (name, _filtered(handle))
                 return True
     return False
 

@@ -181,9 +181,9 @@ def _token(token_file: str | Path | None) -> str | None:
         return path.read_text().strip()
     if os.environ.get("RAY_AUTH_MODE"):
         return None
-    from ray._raylet import AuthenticationTokenLoader
+    from raypipe import rayapi
 
-    loader = AuthenticationTokenLoader.instance()
+    loader = rayapi.auth_token_loader()
     if not loader.has_token(ignore_auth_mode=True):
         return None
     return loader.get_raw_token(ignore_auth_mode=True)

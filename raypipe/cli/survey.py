@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 
 from raypipe.config import PipelineConfig
-from raypipe.data.dataset import Preprocessor
-from raypipe.data.shards import Listing, list_shards
-from raypipe.data.skips import detail_of, reason_of
 from raypipe.formats.pieces import split_piece
+from raypipe.plan.shards import Listing, list_shards
+from raypipe.preprocess.actor import Preprocessor
+from raypipe.skips.records import detail_of, reason_of
 
 __all__ = ["format_survey", "survey"]
 assert __all__ == sorted(__all__)

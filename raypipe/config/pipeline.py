@@ -33,7 +33,7 @@ class PipelineConfig:
             defaults, each format's conventions are tried: docs/formats.md).
             ``image_column=None``: samples with no image (tokens, audio, tables): a sample
             is its fields, every Parquet column or WebDataset member
-            (`raypipe.data.samples`); see docs/samples.md.
+            (`raypipe.preprocess.samples`); see docs/samples.md.
         label_member: the WebDataset member holding the label: ``"cls"``, ``"txt"``
             (an integer) or ``"json"``; None: the first of those a sample has.
         label_key: the key of the label in a ``.json`` member.
@@ -55,7 +55,7 @@ class PipelineConfig:
             makes blocks of up to ``rows_per_block`` rows, and blocks of ``batch_size``
             rows reach the trainer without a copy. None (the default): 256, or fewer when
             the tasks one rank's pool has in flight would hold over 25 % of its share of
-            the smallest object store (`raypipe.data.blocksize`); a set value whose tasks
+            the smallest object store (`raypipe.plan.blocksize`); a set value whose tasks
             cannot fit that share is refused before work.
         rows_per_block: samples per output block of the preprocessing actors; None (the
             default): ``batch_size``, or fewer when such a block would be over 5 % of one
@@ -82,14 +82,14 @@ class PipelineConfig:
             samples) and returns a dict of per-row values, instead of one sample.
         collate: turns each rank's numpy batch into the batch the trainer gets (a callable
             or ``"module:function"``); None: numeric fields as tensors, ragged ones padded
-            with a ``<field>_mask`` (`raypipe.data.usermap.pad_collate`) when there is a transform.
+            with a ``<field>_mask`` (`raypipe.preprocess.usermap.pad_collate`) when there is a transform.
         decode: ``"cpu"``: the actors decode and crop, uint8 pixels reach the trainer.
             ``"gpu"``: the actors read each JPEG's header and draw its crop plan; the JPEG
             bytes travel instead of pixels and each rank decodes its batch on its device
             (nvJPEG through torchvision), then crops, resizes and flips it as planned.
             Other formats are decoded in the actors as with ``"cpu"``. Not with a
             ``transform`` (it needs pixels in the actors).
-        follow: the pool follows the trainer (`raypipe.data.follow`): grows while the trainer
+        follow: the pool follows the trainer (`raypipe.pool.follow`): grows while the trainer
             waits for data, shrinks while it never waits and the data is held back.
         follow_wait: share of the trainer's time spent waiting above which the pool grows.
         follow_shrink_s: seconds the trainer never waits and the data is held back before

@@ -8,7 +8,7 @@ source's read settings and is what the preprocessing actors get; everything else
 format up by name.
 
 Bad data never raises in a reader: a sample that cannot be read is yielded with a
-``reason`` (one of ``raypipe.data.skips.REASONS``) for the skip policy to act on.
+``reason`` (one of ``raypipe.skips.records.REASONS``) for the skip policy to act on.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A Parquet row is every column's value (a list of numbers as a 1-D numpy array, a
 a numpy scalar, anything else as Arrow gives it); the ``label_column``, where the file has
 one, is the ``label`` field (strings mapped through the listed classes). A WebDataset
 sample is every member's bytes by extension (decoded in the actors:
-`raypipe.data.samples.fields`); its ``label_member``, when one is named, is the ``label``.
+`raypipe.preprocess.samples.fields`); its ``label_member``, when one is named, is the ``label``.
 
 Bad data never raises here, as in the image readers: an unreadable shard, a null label,
 a label that is not a class are samples with a ``reason``.

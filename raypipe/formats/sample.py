@@ -17,7 +17,7 @@ class RawSample:
     data: bytes | None
     where: str
     error: str | None = None  # set when the sample could not even be read: the detail
-    reason: str | None = None  # and the reason, one of raypipe.data.skips.REASONS
+    reason: str | None = None  # and the reason, one of raypipe.skips.records.REASONS
     extras: dict | None = None  # with a user transform: the sample's other members/columns
 
 

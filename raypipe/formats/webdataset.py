@@ -1,7 +1,7 @@
 """Samples inside WebDataset tar shards, counted and read (Parquet: `raypipe.formats.parquet`).
 
 Bad data never raises here: a sample that cannot be read is yielded with a ``reason``
-(one of ``raypipe.data.skips.REASONS``). A shard that cannot be opened holds one such sample;
+(one of ``raypipe.skips.records.REASONS``). A shard that cannot be opened holds one such sample;
 a tar that ends early holds its readable samples plus one for the lost tail, so the
 count and the reader always agree on the number of keys.
 """

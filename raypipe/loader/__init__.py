@@ -1,7 +1,8 @@
 """One rank's side: the iterator and its numbered stages, re-batching, host to device,
 and `Pipeline`, every epoch of a run from one warm pool.
 
-Imports `raypipe.config`, `raypipe.formats` and `raypipe.data`, never `train` or `cli`.
+Imports the layers below it (`raypipe.plan`, `raypipe.skips`, `raypipe.preprocess`, `raypipe.pool`
+and under them), never `train` or `cli`.
 """
 
 from raypipe.loader.iterator import TorchBatches, iter_torch_batches

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from raypipe import rayapi
+
 __all__ = ["block_columns", "dataset_columns", "execute"]
 assert __all__ == sorted(__all__)
 
@@ -20,10 +22,10 @@ Columns = dict[str, np.ndarray]
 def execute(ds, follower=None):
     """Start ``ds``'s execution here: its RefBundle iterator and ``stop()``, which shuts
     the execution down (and with it its actor pools) from any thread. ``follower``: a
-    `raypipe.data.follow.Follower` that sizes the execution's actor pools."""
-    bundles, _, executor = ds._execute_to_iterator()
+    `raypipe.pool.follow.Follower` that sizes the execution's actor pools."""
+    bundles, _, executor = rayapi.execute_to_iterator(ds)
     if follower is not None:
-        from raypipe.data.autoscale import follow
+        from raypipe.pool.autoscale import follow
 
         follow(executor, follower)
     return bundles, (lambda: executor.shutdown(force=True)) if executor else (lambda: None)

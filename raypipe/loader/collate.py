@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from raypipe.data.usermap import resolve_callable
+from raypipe.config import resolve_callable
 
 __all__ = ["collate_for", "pad_collate"]
 assert __all__ == sorted(__all__)
@@ -23,7 +23,7 @@ def collate_for(config) -> Callable | None:
     """The rank iterator's collate for a `PipelineConfig`: its own, `pad_collate` when it
     has a transform or its samples no image, else None (zero-copy tensors)."""
     if config.decode == "gpu":  # payloads stay on the host for the device decode
-        from raypipe.data.gpudecode import collate_encoded
+        from raypipe.loader.devicedecode import collate_encoded
 
         return collate_encoded
     own = resolve_callable(config.collate, "collate")

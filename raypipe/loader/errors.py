@@ -1,8 +1,8 @@
 """raypipe's own errors from the actors, as the user's code should meet them.
 
 A `SampleError`, `SkipBudgetError` or `TransformOutputError` raised in a preprocessing
-actor reaches the rank inside Ray's wrappers: a ``RayTaskError`` of the map worker, and on
-the ``streaming_split`` path another of the ``SplitCoordinator`` actor around it, whose
+actor reaches the rank inside Ray's wrappers: a ``RayTaskError`` of the map worker, and
+through a ``streaming_split`` iterator another of the ``SplitCoordinator`` actor around it, whose
 first line is ``ray::SplitCoordinator.get() (pid=…, ip=…, actor_id=…)``. `unwrapped` finds
 the error as the actor raised it (one line naming the sample and its file), on either path.
 """
@@ -23,9 +23,9 @@ def unwrapped(error: BaseException) -> BaseException:
     causes (``__cause__``) that is not itself a Ray wrapper; ``error`` when there is none."""
     from ray.exceptions import RayTaskError
 
-    from raypipe.data.budget import SkipBudgetError
-    from raypipe.data.skips import SampleError
-    from raypipe.data.usermap import TransformOutputError
+    from raypipe.preprocess.usermap import TransformOutputError
+    from raypipe.skips.budget import SkipBudgetError
+    from raypipe.skips.records import SampleError
 
     ours = (SampleError, SkipBudgetError, TransformOutputError)
     seen, e = set(), error

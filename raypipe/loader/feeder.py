@@ -28,45 +28,21 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from raypipe.data.follow import Demand
-from raypipe.data.rankplan import RankPlan
 from raypipe.loader.blocks import block_columns
+from raypipe.loader.demand import Demand
 from raypipe.loader.errors import unwrapped
 from raypipe.loader.ledger import Gate
-from raypipe.loader.rebatch import concat_column, rebatch
+from raypipe.loader.rebatch import rebatch
+from raypipe.loader.shuffle import shuffled
+from raypipe.plan.rankplan import RankPlan
 
-__all__ = ["Feeder", "shuffled"]
+__all__ = ["Feeder"]
 assert __all__ == sorted(__all__)
 
 Columns = dict[str, np.ndarray]
 _END, _BATCH, _FAIL = "end", "batch", "fail"
 _POLL_S = 0.05  # how often a blocked put checks for close()
 STAGES = ("ray_s", "peers_s", "iterator_s", "trainer_s")
-
-
-def shuffled(blocks, batch_size: int, buffer: int, rng: np.random.Generator, *,
-             drop_last: bool = True):  # fmt: skip
-    """Step 3 with a local shuffle: batches of rows drawn at random from ``buffer`` +
-    ``batch_size`` held rows (seeded, so the same blocks give the same batches); the
-    last short batch too unless ``drop_last``."""
-    held: Columns | None = None
-    for block in blocks:
-        held = block if held is None else {k: concat_column([held[k], v]) for k, v in block.items()}
-        while len(held["key"]) >= buffer + batch_size:
-            yield from _draw(held, batch_size, rng, out := [])
-            held = out[0]
-    while held is not None and len(held["key"]) >= batch_size:
-        yield from _draw(held, batch_size, rng, out := [])
-        held = out[0]
-    if held is not None and len(held["key"]) and not drop_last:
-        yield from _draw(held, len(held["key"]), rng, [])
-
-
-def _draw(held: Columns, n: int, rng: np.random.Generator, rest: list):
-    order = rng.permutation(len(held["key"]))
-    take, keep = order[:n], order[n:]
-    rest.append({k: v[keep] for k, v in held.items()})
-    yield {k: v[take] for k, v in held.items()}
 
 
 class _Closed(Exception):
@@ -86,7 +62,7 @@ class Feeder:
         shuffle_buffer, seed: a seeded local shuffle of that many rows (0: off).
         drop_last: equal exact batches on every rank, the rest dropped (training); False:
             every row this rank reads, the epoch's last batch short, no gate (evaluation).
-        demand: the `raypipe.data.follow.Demand` this feeder adds its consumer's waits and its
+        demand: the `raypipe.loader.demand.Demand` this feeder adds its consumer's waits and its
             own held-back time to.
         form: step 3 in place of re-batching: `raypipe.loader.buckets.Bucketing` or
             `raypipe.loader.packing.Packing`, called ``form(rows, epoch, plan, counts)``;
@@ -108,7 +84,7 @@ class Feeder:
         self._next = epochs.start
         self._open: Iterator[Columns] | None = None  # the epoch being read, not yet ended
         self._current = dict.fromkeys(STAGES, 0.0)
-        self.demand = demand if demand is not None else Demand()  # for raypipe.data.follow
+        self.demand = demand if demand is not None else Demand()  # for raypipe.pool.follow
         self._thread.start()
 
     # -- consumer side --------------------------------------------------------------

@@ -3,8 +3,9 @@
 A straight line of iterator-to-iterator stages, each testable alone::
 
     1. host_batches   a Dataset's blocks read directly (raypipe.loader.blocks), or Ray's
-                      iter_batches for a split's iterator or a local shuffle buffer
-    2. rebatch        exactly ``batch_size`` rows per batch, whatever Ray yields
+                      iter_batches for a split's iterator
+    2. rebatch        exactly ``batch_size`` rows per batch, whatever Ray yields (or the
+                      rank's seeded local shuffle, ``raypipe.loader.shuffle``)
     3. to_tensors     zero-copy numpy → torch on the host
     4. to_device      pinned ring slot → copy on a side CUDA stream (``raypipe.loader.h2d``);
                       nothing on a CPU device: the batch is already where it is read
@@ -14,10 +15,10 @@ In flight at once: ``prefetch_batches`` Ray batches in step 1's threads, one par
 batch in step 2, up to ``prefetch_batches`` device batches queued by step 4's thread
 (which runs steps 1-4), one batch in the consumer's hands.
 
-Step 2 is what keeps DDP from hanging: ``streaming_split(equal=True)`` gives every rank
-the same number of rows but not the same blocks, and Ray's own batcher can cut short
-batches mid-stream (Ray issue 66085), so batch *counts* would differ between ranks.
-Re-batching here makes the count ``rows // batch_size`` on every rank.
+Step 2 is what keeps DDP from hanging: ranks with the same number of rows do not get the
+same blocks, and Ray's own batcher can cut short batches mid-stream (Ray issue 66085), so
+batch *counts* would differ between ranks. Re-batching here makes the count
+``rows // batch_size`` on every rank.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from raypipe.loader.device import normalize, resolve_device
 from raypipe.loader.errors import raising_ours
 from raypipe.loader.h2d import HostToDevice
 from raypipe.loader.rebatch import rebatch
+from raypipe.loader.shuffle import shuffled
 from raypipe.loader.stats import Delivered, IterStats
 
 Batch = dict[str, Any]
@@ -81,20 +83,15 @@ def iter_torch_batches(
                          "rank's rows; iter_torch_batches re-batches only")  # fmt: skip
     device, device_map = resolve_device(loader.device), None
     if pipeline is not None and pipeline.decode == "gpu":
-        from raypipe.data.gpudecode import collate_encoded, device_map_for
+        from raypipe.loader.devicedecode import collate_encoded, device_map_for
 
         collate, device_map = collate_encoded, device_map_for(pipeline, device, skips)
     elif collate is None and pipeline is not None:
         collate = collate_for(pipeline)
-    shuffle = (loader.shuffle_buffer, loader.shuffle_seed)
-    host = (source, loader.batch_size, loader.prefetch_batches, shuffle, loader.drop_last)
+    loader = loader.replace(device=device)
     return TorchBatches(
-        functools.partial(_ray_host, *host),
-        device=device,
-        pin_memory=loader.pin_memory,
-        prefetch_batches=loader.prefetch_batches,
-        normalize=(loader.mean, loader.std) if loader.normalize else None,
-        channels_last=loader.channels_last,
+        functools.partial(_ray_host, source, loader),
+        loader,
         skips=skips,
         watch=watch,
         collate=collate,
@@ -126,17 +123,21 @@ def loader_config(config, settings: dict[str, Any]) -> LoaderConfig:
     return base.replace(**{k: v for k, v in settings.items() if v is not None})
 
 
-def _ray_host(source, batch_size, prefetch, shuffle, drop_last) -> Iterator[dict[str, np.ndarray]]:
+def _ray_host(source, loader: LoaderConfig) -> Iterator[dict[str, np.ndarray]]:
     """Steps 1-2 over a Ray source, re-cut to exactly ``batch_size`` rows: a Dataset's
-    blocks read directly (`raypipe.loader.blocks`), else Ray's batches (a split's iterator, or
-    Ray's local shuffle buffer)."""
+    blocks read directly (`raypipe.loader.blocks`), else Ray's batches (a split's
+    iterator); drawn through the local shuffle buffer when there is one."""
     import ray.data
 
-    if isinstance(source, ray.data.Dataset) and not shuffle[0]:
+    size, buffer = loader.batch_size, loader.shuffle_buffer
+    if isinstance(source, ray.data.Dataset):
         host = dataset_columns(source)
-    else:
-        host = host_batches(source, batch_size, prefetch, *shuffle)
-    return rebatch(raising_ours(host), batch_size, drop_last=drop_last)
+    else:  # whole blocks when shuffling: the buffer does the batching
+        host = host_batches(source, None if buffer else size, loader.prefetch_batches)
+    if buffer:
+        rng = np.random.default_rng(loader.shuffle_seed)
+        return shuffled(raising_ours(host), size, buffer, rng, drop_last=loader.drop_last)
+    return rebatch(raising_ours(host), size, drop_last=loader.drop_last)
 
 
 class TorchBatches:
@@ -146,20 +147,21 @@ class TorchBatches:
     ``more_stats(stats)``, when given, adds its entries to `stats`.
     """
 
-    def __init__(self, host, *, device, pin_memory, prefetch_batches, normalize,
-                 channels_last=False, skips=None, watch=None, more_stats=None,
+    def __init__(self, host, loader: LoaderConfig, *, skips=None, watch=None, more_stats=None,
                  first_pass=0, collate=None, device_map=None, h2d=None):  # fmt: skip
+        device, channels_last = loader.device, loader.channels_last  # the device resolved
         self._host = host
         self._collate = collate or to_tensors
         self._device_map = device_map  # on the device after the copy (decode="gpu")
         self._device = device
-        self._normalize = normalize
+        self._normalize = (loader.mean, loader.std) if loader.normalize else None
         self._channels_last = channels_last
         # ``h2d``: an earlier pass's ring, slots and copy stream, reused (allocations made
         # for one stream's pool are not reused by another's: a new stream per epoch costs new
         # device segments every epoch)
-        self.h2d = h2d or HostToDevice(device, pin_memory=pin_memory, channels_last=channels_last,
-                                       prefetch=max(prefetch_batches, 1))  # fmt: skip
+        self.h2d = h2d or HostToDevice(device, pin_memory=loader.pin_memory,
+                                       channels_last=channels_last,
+                                       prefetch=max(loader.prefetch_batches, 1))  # fmt: skip
         self._stays = getattr(device, "type", str(device)) == "cpu" and not channels_last
         self._stats = IterStats()
         self._delivered = Delivered()  # keys handed to the consumer this pass
@@ -236,17 +238,11 @@ class TorchBatches:
         self.close()
 
 
-def host_batches(
-    source, batch_size: int, prefetch: int, shuffle_buffer: int = 0, seed: int | None = None
-) -> Iterator[dict[str, np.ndarray]]:
-    """Step 1: numpy batches from Ray, sizes only approximately ``batch_size``."""
+def host_batches(source, batch_size: int | None, prefetch: int) -> Iterator[dict[str, np.ndarray]]:
+    """Step 1: numpy batches from Ray, sizes only approximately ``batch_size`` (None: whole
+    blocks)."""
     return source.iter_batches(
-        batch_size=batch_size,
-        batch_format="numpy",
-        prefetch_batches=prefetch,
-        drop_last=False,
-        local_shuffle_buffer_size=shuffle_buffer or None,
-        local_shuffle_seed=seed if shuffle_buffer else None,
+        batch_size=batch_size, batch_format="numpy", prefetch_batches=prefetch, drop_last=False
     )
 
 

@@ -1,6 +1,6 @@
 """Equal batch counts per epoch when bad samples make the ranks' row counts differ.
 
-Each rank reads its own planned keys (`raypipe.data.rankplan`); a rank's good rows in an epoch are
+Each rank reads its own planned keys (`raypipe.plan.rankplan`); a rank's good rows in an epoch are
 known only once its last task has run. DDP needs every rank to take the same number of
 steps, ``n = min over ranks of good_rows // batch_size``. A rank yields its batch ``k``
 only once that is certain::

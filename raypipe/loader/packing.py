@@ -12,7 +12,7 @@
 Equal batch counts without waiting on other ranks: every document's length is read when
 the shards are listed (`raypipe.formats.lengths`), so every rank knows, before the epoch
 starts, how many rows each rank's documents fill: ``rows_r = ceil(tokens_r / seq_len)``
-for rank r's keys of the plan (`raypipe.data.rankplan.RankPlan.split`). Every rank then
+for rank r's keys of the plan (`raypipe.plan.rankplan.RankPlan.split`). Every rank then
 yields the same ``n`` batches:
 
 - ``drop_last=False``: ``n = max_r ceil(rows_r / B)``; a rank with fewer rows ends with

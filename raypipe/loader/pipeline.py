@@ -3,7 +3,7 @@
 ```
  Pipeline(config, epochs=E, rank=r, world_size=W)
    plan      RankPlan: rank r's keys of every epoch, fixed by (listing, seed, epoch, W)
-   dataset   one Ray Data execution over all E epochs (raypipe.data.warm), started once:
+   dataset   one Ray Data execution over all E epochs (raypipe.preprocess.datasets), started once:
              by ``with pipeline:`` or ``start()``, so that the pool warms up while the
              trainer builds its model, else by ``epochs()``
    feeder    one thread: blocks → epochs → exact batches → equal counts over ranks
@@ -27,23 +27,24 @@ from typing import Any
 
 from raypipe import localnode
 from raypipe.config import PipelineConfig
-from raypipe.data.blocksize import sized_blocks
-from raypipe.data.follow import Demand, follower_for
-from raypipe.data.gpudecode import device_map_for
-from raypipe.data.rankplan import RankPlan
-from raypipe.data.shards import Listing, list_shards
-from raypipe.data.skips import SkipLog
-from raypipe.data.warm import rank_dataset, rank_pool
 from raypipe.loader.blocks import execute
 from raypipe.loader.buckets import Bucketing
 from raypipe.loader.collate import collate_for
+from raypipe.loader.demand import Demand
 from raypipe.loader.device import resolve_device
+from raypipe.loader.devicedecode import device_map_for
 from raypipe.loader.feeder import Feeder
 from raypipe.loader.iterator import TorchBatches
 from raypipe.loader.ledger import Gate, create_ledger
 from raypipe.loader.packing import Packing, documents_per_block
-from raypipe.loader.progress import Progress
+from raypipe.loader.progress import ProgressLine
 from raypipe.loader.stats import bound
+from raypipe.plan.blocksize import sized_blocks
+from raypipe.plan.rankplan import RankPlan, rank_pool
+from raypipe.plan.shards import Listing, list_shards
+from raypipe.pool.follow import follower_for
+from raypipe.preprocess.datasets import rank_dataset
+from raypipe.skips.log import SkipLog
 
 __all__ = ["Pipeline"]
 assert __all__ == sorted(__all__)
@@ -119,17 +120,13 @@ class Pipeline:
             consumed=start.consumed if start is not None else None,
             weights=self.listing.lengths if config.pack is not None else None,
         )  # fmt: skip
-        self._loader = {
-            "device": resolve_device(loader.device), "pin_memory": loader.pin_memory,
-            "collate": collate_for(config),
-            "prefetch_batches": loader.prefetch_batches, "channels_last": loader.channels_last,
-            "normalize": (loader.mean, loader.std) if loader.normalize else None,
-        }  # fmt: skip
+        self.loader = loader.replace(device=resolve_device(loader.device))
+        self._collate = collate_for(config)
         equal = world_size > 1 and drop_last  # the ledger evens batch counts out
         self._gate = Gate(ledger if equal else None, group, rank, config.batch_size)
         self._feeder: Feeder | None = None
         self._iterated = False
-        self.follower = None  # a raypipe.data.follow.Follower once started, if the pool follows
+        self.follower = None  # a raypipe.pool.follow.Follower once started, if the pool follows
         if progress_s is None:
             progress_s = PROGRESS_S if rank == 0 else 0
         self._progress_s, self._progress = progress_s, None
@@ -156,10 +153,9 @@ class Pipeline:
             for e in epochs:
                 skips = self.skips.epoch(e)
                 batches = TorchBatches(
-                    lambda e=e: feeder.epoch(e), skips=skips, first_pass=e,
-                    more_stats=functools.partial(self._epoch_stats, e),
-                    device_map=device_map_for(self.config, self._loader["device"], skips),
-                    h2d=h2d, **self._loader,
+                    lambda e=e: feeder.epoch(e), self.loader, skips=skips, first_pass=e,
+                    more_stats=functools.partial(self._epoch_stats, e), collate=self._collate,
+                    device_map=device_map_for(self.config, self.loader.device, skips), h2d=h2d,
                 )  # fmt: skip
                 h2d = batches.h2d
                 yield e, batches
@@ -181,12 +177,12 @@ class Pipeline:
         self.follower = follower_for(self.config, self.world_size, demand)
         self._feeder = Feeder(
             _starter(ds, self.follower), self.plan, self._gate, epochs,
-            batch_size=self.config.batch_size, prefetch=self._loader["prefetch_batches"],
+            batch_size=self.config.batch_size, prefetch=self.loader.prefetch_batches,
             shuffle_buffer=self.config.shuffle_buffer, seed=self.config.seed, demand=demand,
             drop_last=self.drop_last, form=batch_form(self.config, self.listing, self.drop_last),
         )  # fmt: skip
         if self._progress_s:
-            self._progress = Progress(self._progress_s, rank=self.rank, demand=demand,
+            self._progress = ProgressLine(self._progress_s, rank=self.rank, demand=demand,
                                       planned=lambda e: self.plan.sizes(e)[self.rank],
                                       follower=self.follower)  # fmt: skip
         return self

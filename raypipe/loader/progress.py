@@ -6,7 +6,7 @@ raypipe rank 0 epoch 1: 3,072/6,144 samples  1,540 samples/s  wait 2%  actors 3 
 
 The samples are the rank's batches handed to its trainer so far this epoch, of the planned
 rows; samples/s and the trainer's wait (share of the time it waited for a batch) are over
-the last interval; the actors are the rank's pool as its `raypipe.data.follow.Follower` last saw
+the last interval; the actors are the rank's pool as its `raypipe.pool.follow.Follower` last saw
 it. Ray Data's own progress bars stay off for a rank's execution: they would describe one
 rank's internal dataset, and need tqdm.
 """
@@ -17,18 +17,18 @@ import sys
 import threading
 import time
 
-__all__ = ["Progress"]
+__all__ = ["ProgressLine"]
 
 
-class Progress:
+class ProgressLine:
     """A daemon thread printing ``line()`` every ``every_s`` seconds until ``close()``.
 
     Args:
         every_s: seconds between lines.
         rank: named in each line.
-        demand: the rank's `raypipe.data.follow.Demand` (rows handed out, seconds waited).
+        demand: the rank's `raypipe.loader.demand.Demand` (rows handed out, seconds waited).
         planned: ``planned(epoch)``, the rank's planned rows of an epoch.
-        follower: the rank's `raypipe.data.follow.Follower`, or None (no pool line).
+        follower: the rank's `raypipe.pool.follow.Follower`, or None (no pool line).
         out: where the lines go (stderr).
     """
 

@@ -1,9 +1,9 @@
 """Step 2 of the rank iterator: re-batch to exactly ``batch_size`` rows.
 
-``streaming_split(equal=True)`` gives every rank the same number of rows but not the same
-blocks, and Ray's own batcher can cut short batches mid-stream (Ray issue 66085). Cutting
-batches here makes every rank's batch count ``rows // batch_size`` (with ``drop_last``),
-so DDP ranks run the same number of steps.
+Ranks with the same number of rows do not get the same blocks (a rank's blocks follow its
+tasks and its bad samples), and Ray's own batcher can cut short batches mid-stream (Ray
+issue 66085). Cutting batches here makes every rank's batch count ``rows // batch_size``
+(with ``drop_last``), so DDP ranks run the same number of steps.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ```
  every rank: EpochBatches hands out the batches, counts steps; every ``checkpoint_every``
-   steps (and at the epoch's end) → Progress.save: one all_reduce ORs the ranks'
+   steps (and at the epoch's end) → RunPosition.save: one all_reduce ORs the ranks'
    delivered keys (N/8 bytes on gloo) → rank 0 writes raypipe_state.bin (+ state.pt) into the
    Ray Train checkpoint
  driver: load_checkpoint(resume_from) → PipelineState; every rank (when the worker
@@ -27,7 +27,7 @@ import numpy as np
 
 from raypipe.train.state import STATE_FILE, PipelineState, merge_states
 
-__all__ = ["EpochBatches", "Progress", "any_rank", "load_checkpoint"]
+__all__ = ["EpochBatches", "RunPosition", "any_rank", "load_checkpoint"]
 assert __all__ == sorted(__all__)
 
 USER_STATE = "state.pt"
@@ -62,13 +62,14 @@ def _latest_in_run(run_dir: str) -> tuple[PipelineState, str] | None:
     """The state in the latest checkpoint Ray Train registered in ``run_dir`` (a local
     path or a storage URI), with that checkpoint's path; None when there is none."""
     import ray.train
-    from ray.train.v2._internal.exceptions import CheckpointManagerInitializationError
+
+    from raypipe import rayapi
 
     try:
         checkpoint = ray.train.Result.from_path(run_dir).checkpoint
     except (RuntimeError, OSError):  # no run folder, or nothing registered in it yet
         return None
-    except CheckpointManagerInitializationError:  # read while Ray Train rewrites its state
+    except rayapi.checkpoint_manager_error():  # read while Ray Train rewrites its state
         return None
     state = _read(checkpoint, STATE_FILE, PipelineState.load)
     return None if state is None else (state, checkpoint.path)
@@ -84,7 +85,7 @@ class _Where:
     base: np.ndarray | None = None
 
 
-class Progress:
+class RunPosition:
     """One rank's place in the run: its epoch, the batches of it, and what came before.
 
     Args:
@@ -185,7 +186,7 @@ class EpochBatches:
     batches before it are done. ``stats()`` and ``state_dict()`` are the batches' own.
     """
 
-    def __init__(self, batches, epoch: int, progress: Progress, every: int,
+    def __init__(self, batches, epoch: int, progress: RunPosition, every: int,
                  user_state: Callable[[], dict[str, Any]] | None):  # fmt: skip
         self._batches, self._epoch, self._progress = batches, epoch, progress
         self._every, self._user_state = every, user_state

@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 
 from raypipe.config import PipelineConfig
-from raypipe.data.shards import Listing
-from raypipe.data.skips import SkipLog
 from raypipe.loader.iterator import TorchBatches
 from raypipe.loader.pipeline import Pipeline
-from raypipe.train.checkpoint import EpochBatches, Progress
+from raypipe.plan.shards import Listing
+from raypipe.skips.log import SkipLog
+from raypipe.train.checkpoint import EpochBatches, RunPosition
 from raypipe.train.state import PipelineState, fingerprint
 
 
@@ -48,7 +48,7 @@ class TrainContext:
         loop_config: the user's own settings, passed through unchanged.
         num_epochs: epochs to run.
         checkpoint_every: steps between the checkpoints `epochs` saves (0: none).
-        progress: the run's pipeline position (`raypipe.train.checkpoint.Progress`).
+        progress: the run's pipeline position (`raypipe.train.checkpoint.RunPosition`).
         listing: the training source's shards, listed once on the driver.
         skips: the training run's `SkipLog` (one log per epoch under it).
         ledger: the ranks' `raypipe.loader.ledger.EpochLedger` (None with one worker).
@@ -61,7 +61,7 @@ class TrainContext:
     loop_config: dict[str, Any]
     num_epochs: int
     checkpoint_every: int = 0
-    progress: Progress | None = None
+    progress: RunPosition | None = None
     listing: Listing | None = None
     skips: SkipLog | None = None
     ledger: Any = None

@@ -9,7 +9,7 @@
    one pass over its share of the held-out set per epoch, nothing dropped
 ```
 
-Every rank reads its own seeded slice of each epoch (`raypipe.data.rankplan`), so the same seed
+Every rank reads its own seeded slice of each epoch (`raypipe.plan.rankplan`), so the same seed
 gives every rank the same samples whatever the timing; the ledger keeps batch counts
 equal when bad samples are skipped. Checkpoints carry the pipeline's position
 (`raypipe.train.checkpoint`): a run resumes mid-epoch, exactly once, with any number of workers.
@@ -25,11 +25,11 @@ from typing import Any
 
 from raypipe import localnode
 from raypipe.config import PipelineConfig
-from raypipe.data.shards import Listing, list_shards
-from raypipe.data.skips import SkipLog, write_reports
-from raypipe.data.warm import rank_pool
 from raypipe.loader.ledger import create_ledger
-from raypipe.train.checkpoint import Progress, load_checkpoint
+from raypipe.plan.rankplan import rank_pool
+from raypipe.plan.shards import Listing, list_shards
+from raypipe.skips.log import SkipLog, write_reports
+from raypipe.train.checkpoint import RunPosition, load_checkpoint
 from raypipe.train.context import TrainContext, _eval_name, _train_name
 from raypipe.train.state import fingerprint
 
@@ -145,7 +145,7 @@ def train_ddp(
     if eval_config is not None:
         eval_listing, eval_skips = list_shards(eval_config), SkipLog.create()
         skip_logs.update({_eval_name(e): eval_skips.epoch(e) for e in range(epochs)})
-    progress = Progress(seed=config.seed, num_samples=listing.num_samples,
+    progress = RunPosition(seed=config.seed, num_samples=listing.num_samples,
                         fingerprint=fingerprint(listing), start=start, start_dir=start_dir)  # fmt: skip
     _warn_if_short_of_cpus(config, eval_config, num_workers, cpus_per_worker)
     ledger = create_ledger(num_workers) if num_workers > 1 else None

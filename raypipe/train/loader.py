@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from raypipe.config import PipelineConfig
-from raypipe.data.shards import Listing, list_shards
 from raypipe.loader.pipeline import Pipeline
+from raypipe.plan.shards import Listing, list_shards
 from raypipe.train.checkpoint import any_rank
 from raypipe.train.ranks import join_ranks, leave, resolve_world, run_settings
 from raypipe.train.state import PipelineState, fingerprint, merge_states

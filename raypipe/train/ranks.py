@@ -21,8 +21,8 @@ from typing import Any
 
 from raypipe import localnode
 from raypipe.config import PipelineConfig
-from raypipe.data.shards import Listing
 from raypipe.loader.ledger import named_ledger, wait_for_ranks
+from raypipe.plan.shards import Listing
 from raypipe.train.state import fingerprint
 
 __all__ = ["join_ranks", "leave", "resolve_world", "run_settings"]

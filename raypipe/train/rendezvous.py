@@ -17,9 +17,9 @@ the node's address on a cluster) and hands over as ``master_listen_fd``:
 On a loopback node gloo's own sockets are bound to the loopback interface too
 (``GLOO_SOCKET_IFNAME``, unless set); elsewhere gloo picks its interface as it always does.
 
-Ray internals used, checked against the running Ray by `check_ray`: ``_TorchBackend``
-(its ``on_shutdown`` and the rest are kept) and ``_set_torch_distributed_env_vars`` from
-``ray.train.torch.config``.
+Ray internals used, through `raypipe.rayapi` and checked by `check_ray`: Ray Train's torch
+backend class (its ``on_shutdown`` and the rest are kept) and the function that sets each
+worker's torch.distributed variables.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from ray.train.torch import TorchConfig
-from ray.train.torch.config import _set_torch_distributed_env_vars, _TorchBackend
 
-from raypipe.localnode import RAY_VERSION  # the Ray whose torch backend it replaces a step of
+from raypipe import rayapi
+from raypipe.rayapi import RAY_VERSION  # the Ray whose torch backend it replaces a step of
 
 __all__ = ["BoundStoreTorchConfig", "RAY_VERSION", "check_ray"]
 assert __all__ == sorted(__all__)
@@ -46,8 +46,11 @@ def check_ray() -> str | None:
 
     if ray.__version__ != RAY_VERSION:
         return f"Ray {ray.__version__} is not {RAY_VERSION}, whose torch backend it replaces"
-    if TorchConfig().backend_cls is not _TorchBackend:
-        return "ray.train.torch.TorchConfig no longer uses _TorchBackend"
+    problems = rayapi.check_names(("rendezvous",))
+    if problems:
+        return "; ".join(problems)
+    if TorchConfig().backend_cls is not rayapi.torch_backend():
+        return "ray.train.torch.TorchConfig no longer uses the backend it replaces"
     return None
 
 
@@ -60,7 +63,7 @@ class BoundStoreTorchConfig(TorchConfig):
         return _BoundStoreBackend
 
 
-class _BoundStoreBackend(_TorchBackend):
+class _BoundStoreBackend(rayapi.torch_backend()):
     def on_start(self, worker_group, backend_config: TorchConfig) -> None:
         import ray
         import torch.distributed as dist
@@ -71,7 +74,7 @@ class _BoundStoreBackend(_TorchBackend):
         if backend is None:
             backend = "nccl" if worker_group.get_resources_per_worker().get("GPU", 0) else "gloo"
         addr, port = worker_group.execute_single(0, _listen)
-        worker_group.execute(_set_torch_distributed_env_vars)
+        worker_group.execute(rayapi.torch_env_vars())
         n = len(worker_group)
         ray.get([
             worker_group.execute_single_async(

@@ -5,7 +5,7 @@ deflated, and a small header (epoch, seed, sample count, dataset fingerprint). R
 consume their slices in order, so the bits run in long stretches: at 10⁹ samples in 10⁵
 shards, 1,024 ranks 40 % into an epoch write 0.27 MiB, not the 119 MiB of the raw bits
 (`benchmarks/scale.py`); bits with no order at all stay about N/8 bytes. Keys are dense
-``0..N-1`` (`raypipe.data.shards`), so it does not depend on the world size or the actor
+``0..N-1`` (`raypipe.plan.shards`), so it does not depend on the world size or the actor
 pool: any number of ranks can resume from it.
 
 ```
@@ -29,7 +29,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from raypipe.data.shards import Listing
+from raypipe.plan.shards import Listing
 
 __all__ = [
     "PipelineState",

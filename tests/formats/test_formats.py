@@ -17,7 +17,7 @@ from PIL import Image
 
 from raypipe import Pipeline, PipelineConfig, SkipBudgetError
 from raypipe.cli import main
-from raypipe.data.shards import list_shards
+from raypipe.plan.shards import list_shards
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

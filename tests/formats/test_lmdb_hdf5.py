@@ -14,8 +14,8 @@ import pytest
 
 from raypipe import PipelineConfig
 from raypipe.cli import main
-from raypipe.data.shards import list_shards
 from raypipe.formats import infer_format, pieces
+from raypipe.plan.shards import list_shards
 from tests.formats.test_formats import labels_of, level, png, run_epoch
 from tests.properties import check_exactly_once_and_equal
 from tests.ranks import run_ranks

@@ -15,8 +15,8 @@ import pytest
 
 from raypipe import Pipeline, PipelineConfig
 from raypipe.cli import main
-from raypipe.data.shards import list_shards
 from raypipe.formats.storage import StorageError
+from raypipe.plan.shards import list_shards
 
 BUCKET = "raypipe-test"
 POLICY = '{"Version":"2012-10-17","Statement":[{"Effect":"Allow","Action":"s3:*","Resource":"*"}]}'
@@ -160,7 +160,7 @@ def test_any_fsspec_uri(datasets):
     in-memory one, in this process): listed and read with the local copy's keys."""
     import fsspec
 
-    from raypipe.data.shards import Reader
+    from raypipe.plan.shards import Reader
 
     mem = fsspec.filesystem("memory")
     for path in sorted(datasets["webdataset"].glob("*.tar")):

@@ -14,11 +14,11 @@ import pytest
 
 from raypipe import PipelineConfig, SampleError, SkipBudgetError, SkipLog, build_dataset
 from raypipe.cli import main
-from raypipe.data.rankplan import RankPlan
-from raypipe.data.shards import list_shards
 from raypipe.formats import pieces
 from raypipe.formats.storage import Storage
 from raypipe.formats.tfrecord import scan
+from raypipe.plan.rankplan import RankPlan
+from raypipe.plan.shards import list_shards
 from tests.formats.test_formats import labels_of, png, run_epoch
 from tests.formats.test_storage import BUCKET, keys_and_labels, s3  # noqa: F401 (a fixture)
 from tests.properties import check_exactly_once_and_equal

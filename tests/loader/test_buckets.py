@@ -8,7 +8,7 @@ import pytest
 
 from raypipe import PipelineConfig
 from raypipe.loader.buckets import bucket_ids, bucketed, lengths_of
-from tests.data.test_samples import make_tokens
+from tests.preprocess.test_samples import make_tokens
 from tests.properties import check_exactly_once_and_equal
 from tests.ranks import run_ranks
 

@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from raypipe import PipelineConfig
-from raypipe.data.shards import list_shards
 from raypipe.loader.packing import pack
-from tests.data.test_samples import make_tokens
+from raypipe.plan.shards import list_shards
+from tests.preprocess.test_samples import make_tokens
 from tests.ranks import run_ranks
 
 SEQ_LEN, BATCH = 16, 4
@@ -143,7 +143,7 @@ def test_iter_torch_batches_refuses_packing():
 
 
 def test_a_resumed_epoch_packs_the_documents_it_had_left_once(ray_session, tokens):
-    from raypipe.data.shards import list_shards
+    from raypipe.plan.shards import list_shards
     from raypipe.train.state import PipelineState, fingerprint
 
     root, docs = tokens

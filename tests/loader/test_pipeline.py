@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from raypipe import Pipeline, PipelineConfig, PoolWatch, SkipLog
-from tests.data.test_bad_data import mixed_source
+from tests.preprocess.test_bad_data import mixed_source
 from tests.properties import check_exactly_once_and_equal
 from tests.ranks import run_ranks
 

@@ -47,7 +47,7 @@ def test_demo_training_reaches_90_percent(ray_session, digits, tmp_path):
 
 
 # Equal, exactly-once batches inside real Train workers over two epochs, a worker dying on
-# the way: tests/data/test_elastic.py::test_a_dead_train_worker_restarts_the_group_and_...
+# the way: tests/pool/test_elastic.py::test_a_dead_train_worker_restarts_the_group_and_...
 
 
 def test_batch_larger_than_a_rank_share_is_refused(datasets):
@@ -65,7 +65,7 @@ def test_every_epoch_evaluates_every_good_held_out_sample_once_over_the_ranks(
     import json
     from pathlib import Path
 
-    from tests.data.test_bad_data import WDS_GOOD_IN_ODD, WDS_SKIPS, broken_webdataset
+    from tests.preprocess.test_bad_data import WDS_GOOD_IN_ODD, WDS_SKIPS, broken_webdataset
 
     held_out = broken_webdataset(tmp_path / "held_out", [40, 37, 30])
     out = tmp_path / "keys"
@@ -96,7 +96,7 @@ def test_a_resumed_run_evaluates_only_its_remaining_epochs(ray_session, datasets
 
     import numpy as np
 
-    from raypipe.data.shards import list_shards
+    from raypipe.plan.shards import list_shards
     from raypipe.train.state import PipelineState, fingerprint
 
     train = PipelineConfig(source=str(datasets["parquet"]), image_size=8, batch_size=5)

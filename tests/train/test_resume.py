@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from raypipe import PipelineConfig, SkipLog, build_dataset, iter_torch_batches
-from raypipe.data.shards import Shard, list_shards, pending_rows
+from raypipe.plan.rankplan import RankPlan, RankTasks
+from raypipe.plan.shards import Listing, Shard, list_shards
 from raypipe.train.state import PipelineState, fingerprint, merge_states
 from tests.conftest import make_imagefolder, make_parquet, make_webdataset
 
@@ -41,7 +42,7 @@ def test_state_round_trips_in_at_most_one_bit_per_sample(tmp_path, n):
 
 def test_a_state_consumed_in_plan_order_is_a_small_fraction_of_a_bit_per_sample(tmp_path):
     """Ranks consume their slices of the epoch in order: the bits run in long stretches."""
-    from raypipe.data.rankplan import RankPlan
+    from raypipe.plan.rankplan import RankPlan
 
     counts = np.full(1000, 1000, np.int64)  # 10⁶ samples in 10³ shards, 64 ranks
     first, n = np.cumsum(counts) - counts, int(counts.sum())
@@ -73,6 +74,18 @@ def test_merge_is_the_or_of_ranks_and_base():
     assert not base[5]  # the base is not changed
     with pytest.raises(ValueError, match="outside 0..19"):
         merge_states([{"keys": np.array([20])}], 20)
+
+
+def pending_rows(shards, consumed) -> list[dict]:
+    """The shard rows the actors read of a resumed epoch (every task of a rank of one)."""
+    listing = Listing("webdataset", tuple(shards))
+    plan = RankPlan.of(listing, seed=0, shuffle=False, rank=0, world_size=1, per_task=1,
+                       resume_epoch=0 if consumed is not None else -1, consumed=consumed)  # fmt: skip
+    tasks = RankTasks.of(listing, plan, range(1))
+    columns = [tasks.rows(t)[1] for t in range(len(tasks))]
+    return [
+        dict(zip(c, row, strict=True)) for c in columns for row in zip(*c.values(), strict=True)
+    ]
 
 
 def test_pending_rows_drop_consumed_shards_and_mark_consumed_members():

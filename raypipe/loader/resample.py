@@ -1,0 +1,80 @@
+"""Batched crop-and-resize on the device: each image's plan box (left, top, width, height,
+flip) resampled to size×size as Pillow's antialiased bilinear resize would, in float32
+matrix products. ``decode="gpu"`` runs it on the rank after nvJPEG (`raypipe.loader.devicedecode`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = ["crop_resize", "resample"]
+
+
+def crop_resize(image, plan, size: int):
+    """One image's `resample`: ``plan``'s box of a 3×H×W uint8 tensor to 3×size×size."""
+    return resample([image], np.asarray([plan], dtype=np.float32), size)[0]
+
+
+def resample(images: list, plans: np.ndarray, size: int, *, budget: int = 1 << 29):
+    """Each plan's box of its 3×H×W uint8 image, resampled to size×size and flipped when
+    its plan says so: uint8 N×3×size×size on the images' device.
+
+    Pillow's bilinear resize with a box, as batched matrix products: each output pixel is
+    a triangle-filter average (as wide as the scale when it shrinks) of the source pixels
+    around the box's exact pixel centre, so fractional boxes (the eval center crop) and
+    whole-pixel ones (random-resized-crop) are one code path. The regions the boxes read
+    are copied into one padded batch; the products run over chunks of it that stay under
+    ``budget`` bytes of float32.
+    """
+    import torch
+
+    device = images[0].device
+    rows = [_span(p[1], p[3], size, img.shape[1]) for img, p in zip(images, plans, strict=True)]
+    cols = [_span(p[0], p[2], size, img.shape[2]) for img, p in zip(images, plans, strict=True)]
+    hmax, wmax = max(b - a for a, b in rows), max(b - a for a, b in cols)
+    region = torch.zeros((len(images), 3, hmax, wmax), dtype=torch.uint8, device=device)
+    for j, (img, (y0, y1), (x0, x1)) in enumerate(zip(images, rows, cols, strict=True)):
+        region[j, :, : y1 - y0, : x1 - x0] = img[:, y0:y1, x0:x1]
+    spans = np.array(
+        [(y0, y1 - y0, x0, x1 - x0) for (y0, y1), (x0, x1) in zip(rows, cols, strict=True)]
+    )
+    geometry = torch.tensor(np.column_stack([plans[:, :4], spans]), dtype=torch.float64,
+                            device=device)  # fmt: skip
+    left, top, width, height, y0, h, x0, w = geometry.unbind(1)
+    flip = torch.tensor(plans[:, 4] > 0, device=device)
+    out = torch.empty((len(images), 3, size, size), dtype=torch.uint8, device=device)
+    step = max(1, budget // (12 * hmax * wmax))
+    for c in range(0, len(images), step):
+        part = slice(c, c + step)
+        wy = _weights(top[part] - y0[part], height[part], h[part], size, hmax)
+        wx = _weights(left[part] - x0[part], width[part], w[part], size, wmax)
+        wx = torch.where(flip[part, None, None], wx.flip(1), wx)
+        x = region[part].to(torch.float32)
+        y = torch.matmul(torch.matmul(wy.unsqueeze(1), x), wx.transpose(1, 2).unsqueeze(1))
+        out[part] = y.round_().clamp_(0, 255).to(torch.uint8)
+    return out
+
+
+def _span(start: float, extent: float, size: int, limit: int) -> tuple[int, int]:
+    """The source pixels ``[first, stop)`` that a box edge to edge ``start``..``start +
+    extent`` reads when resampled to ``size`` pixels (its filter's reach included)."""
+    support = max(extent / size, 1.0)
+    first = max(0, math.floor(start - support))
+    return first, min(limit, math.ceil(start + extent + support) + 1)
+
+
+def _weights(start, extent, valid, size: int, length: int):
+    """(m × size × length) float32 filter weights; sample i reads pixels ``< valid[i]`` of
+    its region, its box starting at ``start[i]`` and ``extent[i]`` pixels long."""
+    import torch
+
+    scale = (extent / size)[:, None, None]
+    support = scale.clamp(min=1.0)  # the triangle's half-width in source pixels
+    out = torch.arange(size, device=start.device, dtype=torch.float64)[None, :, None] + 0.5
+    centres = start[:, None, None] + out * scale
+    pixels = torch.arange(length, device=start.device, dtype=torch.float64)[None, None, :]
+    weights = (1 - ((pixels + 0.5 - centres) / support).abs()).clamp_(min=0)
+    weights = weights * (pixels < valid[:, None, None])
+    return (weights / weights.sum(dim=2, keepdim=True)).to(torch.float32)

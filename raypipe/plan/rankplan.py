@@ -1,0 +1,255 @@
+"""Epoch plans: which keys each rank reads in an epoch, in which order, in which tasks.
+
+Pure functions of the listing, the seed, the epoch and the world size, so every process
+(the driver, each rank, each preprocessing actor) computes the same plan on its own and
+nothing but three integers per task crosses the object store::
+
+    shards (sorted, dense keys) ─► seeded shard permutation (seed, epoch) ─► the epoch's
+    key order ─► minus keys consumed before a resume ─► np.array_split into ``world``
+    contiguous slices (sizes differ by at most one) ─► rank r's slice ─► tasks of
+    ``files_per_task`` image files, or one shard piece (tar / Parquet) each
+
+With per-key weights (packing: each document's tokens) the slices even out the weight
+instead of the count, so ranks pack about the same number of rows.
+
+A rank's keys in an epoch depend on nothing that happens at run time, so the same seed
+gives every rank the same samples in the same order, whatever the timing or pool size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from raypipe.plan.shards import SHARD_ROW, Listing, Shard, shard_permutation, shard_row
+
+__all__ = ["RankPlan", "RankTasks", "epoch_keys", "rank_pool", "task_table"]
+assert __all__ == sorted(__all__)
+
+
+def epoch_keys(
+    first: np.ndarray, counts: np.ndarray, *, seed: int, epoch: int, shuffle: bool
+) -> np.ndarray:
+    """Every key of the epoch in reading order: shards in a ``(seed, epoch)`` permutation
+    (the one `raypipe.plan.shards.epoch_order` uses), members of a shard in key order."""
+    if shuffle:
+        perm = shard_permutation(len(first), seed=seed, epoch=epoch)
+        first, counts = first[perm], counts[perm]
+    total = int(counts.sum())
+    offsets = np.cumsum(counts) - counts
+    return np.arange(total, dtype=np.int64) + np.repeat(first - offsets, counts)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RankPlan:
+    """The epochs of one rank: its keys per epoch and the tasks that read them.
+
+    Attributes:
+        first, counts: first key and sample count of every shard, in key order.
+        seed, shuffle: ``PipelineConfig.seed`` and ``shuffle_files``.
+        rank, world_size: this rank and the number of ranks.
+        per_task: shards one task reads (image files per task; 1 for tar / Parquet).
+        resume_epoch, consumed: keys of ``resume_epoch`` already consumed (bool per
+            key), left out of that epoch before it is split; None for a fresh start.
+        weights: a weight per key (packing: its document's tokens) that the split evens
+            out instead of the number of keys; None: slices of equal key counts.
+    """
+
+    first: np.ndarray
+    counts: np.ndarray
+    seed: int
+    shuffle: bool
+    rank: int
+    world_size: int
+    per_task: int
+    resume_epoch: int = -1
+    consumed: np.ndarray | None = None
+    weights: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, listing: Listing, *, seed: int, shuffle: bool, rank: int, world_size: int,
+           per_task: int, resume_epoch: int = -1, consumed=None,
+           weights=None) -> RankPlan:  # fmt: skip
+        if not 0 <= rank < world_size:
+            raise ValueError(f"{rank=} must be in 0..{world_size - 1} ({world_size=})")
+        first = np.fromiter((s.first_key for s in listing.shards), np.int64, len(listing.shards))
+        counts = np.fromiter((s.num_samples for s in listing.shards), np.int64, len(first))
+        if consumed is not None:
+            consumed = np.asarray(consumed, dtype=bool)
+            if consumed.shape != (int(counts.sum()),):
+                raise ValueError(f"consumed has shape {consumed.shape}, not ({counts.sum()},)")
+        if weights is not None:
+            weights = np.asarray(weights)
+            if weights.shape != (int(counts.sum()),):
+                raise ValueError(f"weights has shape {weights.shape}, not ({counts.sum()},)")
+        return cls(first, counts, seed, shuffle, rank, world_size, per_task, resume_epoch,
+                   consumed, weights)  # fmt: skip
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.counts.sum())
+
+    def all_keys(self, epoch: int) -> np.ndarray:
+        """The epoch's keys in order, before the split: what all ranks read together."""
+        keys = epoch_keys(self.first, self.counts, seed=self.seed, epoch=epoch,
+                          shuffle=self.shuffle)  # fmt: skip
+        if epoch == self.resume_epoch and self.consumed is not None:
+            keys = keys[~self.consumed[keys]]
+        return keys
+
+    def sizes(self, epoch: int) -> list[int]:
+        """Samples each rank is given in ``epoch`` (before bad ones are skipped)."""
+        if self.weights is not None:
+            return [len(keys) for keys in self.split(epoch)]
+        total = self.num_samples
+        if epoch == self.resume_epoch and self.consumed is not None:
+            total -= int(self.consumed.sum())
+        q, r = divmod(total, self.world_size)
+        return [q + (i < r) for i in range(self.world_size)]
+
+    def split(self, epoch: int) -> list[np.ndarray]:
+        """Every rank's keys of ``epoch``: the epoch's keys in ``world_size`` contiguous
+        slices whose sizes differ by at most one; with ``weights``, slices whose weights
+        differ by at most about one key's (rank r's slice ends at the first key where the
+        running weight reaches ``(r + 1) / world_size`` of the epoch's)."""
+        keys = self.all_keys(epoch)
+        if self.weights is None:
+            return np.array_split(keys, self.world_size)
+        running = np.cumsum(self.weights[keys])  # (keys,): weight up to and with each key
+        total = running[-1] if len(running) else 0
+        targets = total * np.arange(1, self.world_size) / self.world_size
+        cuts = np.minimum(np.searchsorted(running, targets, side="left") + 1, len(keys))
+        return np.split(keys, cuts)
+
+    def keys(self, epoch: int) -> np.ndarray:
+        """This rank's keys of ``epoch``, in reading order (cached: actors ask per task)."""
+        return _rank_keys(self, epoch)
+
+    def shard_of(self, keys: np.ndarray) -> np.ndarray:
+        """Index of the shard holding each key."""
+        return np.searchsorted(self.first, keys, side="right") - 1
+
+    def tasks(self, epoch: int) -> list[tuple[int, int]]:
+        """``(lo, hi)`` positions into `keys`: each task reads ``per_task`` shard pieces."""
+        keys = self.keys(epoch)
+        if len(keys) == 0:
+            return []
+        shard = self.shard_of(keys)
+        starts = np.concatenate(([0], np.flatnonzero(np.diff(shard)) + 1))[:: self.per_task]
+        bounds = [*starts.tolist(), len(keys)]
+        return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def rank_pool(actors: tuple[int, int], world_size: int) -> tuple[int, int]:
+    """Each rank's share of ``PipelineConfig.actors`` (the run's total), at least one."""
+    lo, hi = actors
+    share_lo = max(1, lo // world_size)
+    return share_lo, max(share_lo, -(-hi // world_size))
+
+
+def task_table(plan: RankPlan, epochs: range) -> np.ndarray:
+    """``(epoch, lo, hi)`` of every task of the rank, epochs in order."""
+    rows = [(e, lo, hi) for e in epochs for lo, hi in plan.tasks(e)]
+    return np.array(rows, dtype=np.int64).reshape(-1, 3)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RankTasks:
+    """A rank's tasks for the actors: task id → its epoch and its shard rows (`shard_row`).
+
+    Attributes:
+        plan: the rank's `RankPlan`; table: its `task_table`.
+        paths, labels: every shard's path and label, shards in key order.
+        shared_skips: every rank writes to one skip log, so the skip budget counts the
+            epoch's samples over all ranks; else this rank's own.
+    """
+
+    plan: RankPlan
+    table: np.ndarray
+    paths: list[str]
+    labels: np.ndarray
+    shared_skips: bool = False
+
+    @classmethod
+    def of(cls, listing: Listing, plan: RankPlan, epochs: range, *, shared_skips: bool = False):
+        labels = np.fromiter((s.label for s in listing.shards), np.int64, len(listing.shards))
+        return cls(plan, task_table(plan, epochs), [s.path for s in listing.shards], labels,
+                   shared_skips)  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def samples(self, epoch: int) -> int:
+        """The samples epoch ``epoch`` reads under this rank's skip budget (resumed: those
+        not consumed before)."""
+        sizes = self.plan.sizes(epoch)
+        return int(sum(sizes)) if self.shared_skips else sizes[self.plan.rank]
+
+    def rows(self, task: int) -> tuple[int, dict[str, list]]:
+        """The task's epoch and its keys as shard rows: members of a shard that are not the
+        task's are marked done, so they are not read."""
+        epoch, lo, hi = (int(v) for v in self.table[task])
+        plan = self.plan
+        keys = plan.keys(epoch)[lo:hi]
+        shard = plan.shard_of(keys)
+        cuts = np.flatnonzero(np.diff(shard)) + 1
+        rows = []
+        for piece, s in zip(np.split(keys, cuts), shard[np.r_[0, cuts]], strict=True):
+            s = int(s)
+            first, count = int(plan.first[s]), int(plan.counts[s])
+            done = np.ones(count, dtype=bool)  # (members,): True for those not this task's
+            done[piece - first] = False
+            rows.append(shard_row(Shard(self.paths[s], first, count, int(self.labels[s])), done))
+        return epoch, {k: [r[k] for r in rows] for k in SHARD_ROW}
+
+
+@functools.lru_cache(maxsize=4)
+def _rank_keys(plan: RankPlan, epoch: int) -> np.ndarray:
+    """``np.array_split(plan.all_keys(epoch), world_size)[rank]``, built from the shards
+    the rank's slice touches only: O(shards + the rank's keys), not O(the epoch's keys).
+    With weights (packing), the weighted `RankPlan.split`'s slice."""
+    if plan.weights is not None:
+        return _frozen(plan.split(epoch)[plan.rank].copy())
+    first, counts = plan.first, plan.counts
+    resumed = epoch == plan.resume_epoch and plan.consumed is not None
+    left = counts - _consumed_per_shard(plan.consumed, counts) if resumed else counts
+    if plan.shuffle:
+        perm = shard_permutation(len(first), seed=plan.seed, epoch=epoch)
+        first, counts, left = first[perm], counts[perm], left[perm]
+    # left: (shards,) samples each shard still holds this epoch, in reading order
+    ends = np.cumsum(left)
+    q, r = divmod(int(ends[-1]) if len(ends) else 0, plan.world_size)
+    lo = plan.rank * q + min(plan.rank, r)  # the rank's positions [lo, hi) in that order
+    hi = lo + q + (plan.rank < r)
+    if hi == lo:
+        return _frozen(np.zeros(0, dtype=np.int64))
+    a = int(np.searchsorted(ends, lo, side="right"))  # the shards holding lo .. hi-1
+    b = int(np.searchsorted(ends, hi - 1, side="right")) + 1
+    first, counts, left = first[a:b], counts[a:b], left[a:b]
+    if resumed:
+        pieces = [np.flatnonzero(~plan.consumed[f : f + c]) + f
+                  for f, c in zip(first.tolist(), counts.tolist(), strict=True)]  # fmt: skip
+        keys = np.concatenate(pieces).astype(np.int64, copy=False)
+    else:  # as `epoch_keys`, over the touched shards
+        offsets = np.cumsum(left) - left
+        keys = np.arange(int(left.sum()), dtype=np.int64) + np.repeat(first - offsets, left)
+    skip = lo - int(ends[a] - left[0])  # positions before lo in the first touched shard
+    return _frozen(keys[skip : skip + hi - lo].copy())
+
+
+def _frozen(keys: np.ndarray) -> np.ndarray:
+    keys.setflags(write=False)
+    return keys
+
+
+def _consumed_per_shard(consumed: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Consumed keys in each shard, shards in key order (dense keys: each shard's keys
+    follow the last one's), summed in place over the per-key mask."""
+    out = np.zeros(len(counts), dtype=np.int64)
+    full = counts > 0
+    starts = (np.cumsum(counts) - counts)[full]
+    if len(starts):  # reduceat sums from each start to the next: one shard each
+        out[full] = np.add.reduceat(consumed.view(np.uint8), starts, dtype=np.int64)
+    return out

@@ -1,0 +1,147 @@
+"""Shards: list them with dense, stable keys, order them per epoch, cut them into the
+rows the actors read.
+
+A shard is one file, local or in object storage (`raypipe.formats.storage`), or a piece of
+a large record file (`raypipe.formats.pieces`). An image-folder shard holds one sample; a
+WebDataset tar, a Parquet file or a piece of a TFRecord, LMDB or HDF5 file holds many.
+Keys are dense: shards are sorted by path and sample ``i`` of a shard whose first key is ``k`` gets key
+``k + i``, so a key names the same sample in every epoch and run as long as the files do
+not change. Counting and reading are the format's (`raypipe.formats`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+from raypipe.config import PipelineConfig
+from raypipe.formats import Reader, get_format, imagefolder, infer_format
+from raypipe.formats.lengths import sequence_lengths
+from raypipe.formats.storage import Storage
+
+FIELD_FORMATS = ("parquet", "webdataset")  # where samples with no image can be read
+SHARD_ROW = ("path", "first_key", "num_samples", "label", "done")  # the fields of `shard_row`
+PROGRESS_S = 5.0  # a listing longer than this says how far it is, every PROGRESS_S
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    path: str
+    first_key: int
+    num_samples: int
+    label: int = -1  # image folders only: the class index from the parent directory
+
+
+@dataclasses.dataclass(frozen=True)
+class Listing:
+    format: str
+    shards: tuple[Shard, ...]
+    classes: tuple[str, ...] = ()
+    reader: Reader | None = None  # None: the format's defaults on local files
+    labels: str = ""  # where the labels come from, in words (for ``raypipe inspect``)
+    # tokens per key of PipelineConfig.pack's column (packing plans rows from them), or None
+    lengths: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.reader is None:
+            object.__setattr__(self, "reader", Reader(self.format))
+
+    @property
+    def num_samples(self) -> int:
+        return sum(s.num_samples for s in self.shards)
+
+    def shards_per_task(self, config: PipelineConfig) -> int:
+        """Shards one actor call reads: ``files_per_task`` image files, or one shard file."""
+        return config.files_per_task if get_format(self.format).one_per_file else 1
+
+
+def list_shards(config: PipelineConfig) -> Listing:
+    """Resolve ``config.source`` into sorted shards with dense keys (on the driver: a
+    source that cannot be listed fails here, before any Ray work, naming the URI)."""
+    storage = Storage.for_source(config.source, config.storage_options)
+    paths = storage.expand(config.source)
+    fmt = config.format or infer_format(paths, storage)
+    if config.image_column is None and fmt not in FIELD_FORMATS:
+        raise ValueError(f"PipelineConfig.image_column=None: samples with no image are read "
+                         f"from {' and '.join(FIELD_FORMATS)} shards; the source is {fmt}")  # fmt: skip
+    reader = Reader(fmt, storage, config.image_column, config.label_column,
+                    config.label_member, config.label_key,
+                    extras=config.transform is not None or config.image_column is None)  # fmt: skip
+    if get_format(fmt).one_per_file:
+        return _list_imagefolder(paths, reader)
+    listed = frozenset(_files_under(paths, storage))
+    files = sorted(f for f in listed if get_format(fmt).matches(f))
+    if not files:
+        raise ValueError(f"no {fmt} shards found in source {config.source!r}")
+    shards, key, shown = [], 0, time.monotonic()
+    for i, f in enumerate(files):
+        if time.monotonic() - shown > PROGRESS_S:  # a remote listing reads every header
+            print(f"raypipe: listing {config.source}: {i}/{len(files)} shards counted, "
+                  f"{key} samples so far", file=sys.stderr, flush=True)  # fmt: skip
+            shown = time.monotonic()
+        for piece, n in reader.pieces(f, listed):  # a large record file: several pieces
+            shards.append(Shard(piece, key, n))
+            key += n
+    if key == 0:
+        raise ValueError(f"the {fmt} shards in {config.source!r} hold no samples")
+    classes, labels = get_format(fmt).labels(reader, files)
+    reader = dataclasses.replace(reader, classes=classes)
+    return Listing(fmt, tuple(shards), classes, reader, labels, _lengths(config, reader, shards))
+
+
+def _lengths(config: PipelineConfig, reader: Reader, shards: list[Shard]) -> np.ndarray | None:
+    """Each key's document length in ``config.pack``'s column (Parquet only), else None."""
+    if config.pack is None:
+        return None
+    if reader.format != "parquet":
+        raise ValueError(f"PipelineConfig.pack={config.pack!r}: packing reads document lengths "
+                         f"from a Parquet list column; the source is {reader.format}")  # fmt: skip
+    return sequence_lengths(reader.storage, [(s.path, s.first_key, s.num_samples) for s in shards],
+                            config.pack)  # fmt: skip
+
+
+def shard_permutation(count: int, *, seed: int, epoch: int) -> np.ndarray:
+    """The order an epoch reads ``count`` shards in, seeded by (seed, epoch): the one rule
+    every plan of an epoch (the driver's, each rank's, each actor's) follows."""
+    return np.random.default_rng([seed, epoch, 0x5EED]).permutation(count)
+
+
+def epoch_order(shards: tuple[Shard, ...], *, seed: int, epoch: int, shuffle: bool) -> list[Shard]:
+    """The shards in the order this epoch reads them: `shard_permutation`."""
+    if not shuffle:
+        return list(shards)
+    return [shards[i] for i in shard_permutation(len(shards), seed=seed, epoch=epoch)]
+
+
+def _files_under(paths: list[str], storage: Storage) -> Iterator[str]:
+    for p in paths:
+        if storage.kind(p) == "dir":
+            yield from storage.walk(p)
+        else:
+            yield p
+
+
+def _list_imagefolder(paths: list[str], reader: Reader) -> Listing:
+    """Class sub-folders become labels, by sorted class name; one shard per image."""
+    files, classes = imagefolder.list_images(paths, reader.storage)
+    shards = tuple(Shard(p, key, 1, label) for key, (p, label) in enumerate(files))
+    return Listing("imagefolder", shards, tuple(classes), reader, "class sub-folders")
+
+
+def shard_row(shard: Shard, done: np.ndarray | None) -> dict:
+    """The row an actor reads ``shard`` from: ``done`` (bool per member, None: none) packed
+    into bits, ``b""`` when no member is done; `unpack_done` reads it back."""
+    bits = np.packbits(done).tobytes() if done is not None and done.any() else b""
+    return {"path": shard.path, "first_key": shard.first_key, "num_samples": shard.num_samples,
+            "label": shard.label, "done": bits}  # fmt: skip
+
+
+def unpack_done(done: bytes, num_samples: int) -> np.ndarray | None:
+    """The per-member done mask of a row made by `shard_row` (None: nothing done)."""
+    if not done:
+        return None
+    return np.unpackbits(np.frombuffer(done, dtype=np.uint8), count=num_samples).astype(bool)

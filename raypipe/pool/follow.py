@@ -1,0 +1,122 @@
+"""The pool follows the trainer: a rank's preprocessing pool grows while the trainer waits
+for data and shrinks while the trainer never waits and finished data is held back.
+
+```
+ consumer ── blocked on the feeder's queue ──► Demand.waited_s    (the trainer waits)
+ feeder  ─── blocked on a full queue ────────► Demand.held_s      (the data waits)
+             (`raypipe.loader.demand`, kept by the rank)
+                                   ▼ every period_s
+ Follower.decide(actors): a target in [min, max]
+   grow    the trainer waited more than `wait` of the period           → actors + 1
+   shrink  it waited under wait/5 while the data was held back over half
+           of the time, for shrink_s in a row (2 × shrink_s after a grow) → actors - 1
+                                   ▼ on Ray Data's scheduling thread
+ raypipe.pool.autoscale: Ray Data's own pool, sized to the target
+```
+
+Ray Data's own autoscaler cannot shrink a pool its consumer throttles: a task paused by
+backpressure counts as in flight, so the pool never looks idle. The trainer's wait is the
+signal it lacks. This module is the policy, plain Python on
+its own clock; `raypipe.pool.autoscale` drives Ray Data's pool by it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any
+
+from raypipe.plan.rankplan import rank_pool
+
+__all__ = ["Follower", "follower_for"]
+assert __all__ == sorted(__all__)
+
+log = logging.getLogger(__name__)
+SERIES = 600  # (t, actors, target, wait share) points kept
+
+
+@dataclasses.dataclass
+class _Window:
+    t: float
+    waited_s: float
+    held_s: float
+
+
+class Follower:
+    """The policy: a target pool size in ``[lo, hi]`` from a rank's demand (its
+    ``waited_s`` and ``held_s``, `raypipe.loader.demand.Demand`).
+
+    Args:
+        lo, hi: the rank's pool bounds. The target starts at ``hi``, where the pool
+            starts (`raypipe.preprocess.datasets.rank_dataset`), as a fixed pool would.
+        wait: trainer-wait share of a period above which the pool grows.
+        shrink_s: seconds of a held-back, never-waiting trainer before one actor goes.
+        period_s: seconds between decisions.
+    """
+
+    def __init__(self, lo: int, hi: int, demand, *, wait: float, shrink_s: float,
+                 period_s: float, clock=time.monotonic):  # fmt: skip
+        self.lo, self.hi, self.target = lo, hi, hi
+        self.demand, self.wait, self.shrink_s, self.period_s = demand, wait, shrink_s, period_s
+        self._clock = clock
+        self._t0 = clock()
+        self._last = _Window(self._t0, demand.waited_s, demand.held_s)
+        self._calm_since: float | None = None
+        self._grew = False
+        self.actors = 0
+        self.changes = 0
+        self.series: collections.deque = collections.deque(maxlen=SERIES)
+        self._lock = threading.Lock()
+
+    def decide(self, actors: int) -> int:
+        """The target after this call; decides at most once per ``period_s``."""
+        now = self._clock()
+        if now - self._last.t < self.period_s:
+            return self.target
+        with self._lock:
+            start, dt = self._last.t, now - self._last.t
+            d = self.demand
+            waited = (d.waited_s - self._last.waited_s) / dt
+            held = (d.held_s - self._last.held_s) / dt
+            self._last = _Window(now, d.waited_s, d.held_s)
+            self.actors = actors
+            target = self.target
+            if waited > self.wait:
+                target = min(self.hi, max(target, actors + 1))
+                self._calm_since, self._grew = None, target > self.target or self._grew
+            elif waited < self.wait / 5 and held > 0.5:
+                self._calm_since = self._calm_since if self._calm_since is not None else start
+                need = self.shrink_s * (2 if self._grew else 1)
+                if now - self._calm_since >= need and min(target, actors) > self.lo:
+                    target = min(target, actors) - 1
+                    self._calm_since, self._grew = now, False
+            else:
+                self._calm_since = None
+            self.changes += target != self.target
+            self.target = target
+            # a wait that began before this period is counted whole at its end: cap it
+            self.series.append((round(now - self._t0, 2), actors, target,
+                                round(min(waited, 1.0), 4), round(min(held, 1.0), 4)))  # fmt: skip
+            return target
+
+    def summary(self) -> dict[str, Any]:
+        """``actors``, ``target``, ``changes`` and the ``series`` of ``(seconds, actors,
+        target, trainer wait share, held-back share)``, one point per decision; the
+        seconds count from ``started`` (the clock's time when the follower began)."""
+        with self._lock:
+            return {"actors": self.actors, "target": self.target, "min": self.lo,
+                    "max": self.hi, "changes": self.changes, "started": self._t0,
+                    "series": list(self.series)}  # fmt: skip
+
+
+def follower_for(config, world_size: int, demand) -> Follower | None:
+    """The rank's `Follower` under ``config`` (``follow_*`` fields); None for a fixed pool,
+    ``compute="tasks"`` or ``follow=False``."""
+    lo, hi = rank_pool(config.actors, world_size)
+    if not config.follow or config.compute != "actors" or lo == hi:
+        return None
+    return Follower(lo, hi, demand, wait=config.follow_wait, shrink_s=config.follow_shrink_s,
+                    period_s=config.follow_period_s)  # fmt: skip

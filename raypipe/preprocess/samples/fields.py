@@ -1,0 +1,82 @@
+"""A sample with no image, in the actors: its fields decoded, then the user's transform.
+
+```
+ raw sample: Parquet column values, or WebDataset member bytes by extension
+   ▼ decode each member by its extension: audio (.flac .wav .mp3 .ogg) → float32 samples
+     and ``sample_rate`` (`raypipe.preprocess.samples.audio`), .npy → array, .json → parsed,
+     .cls → int, .txt → str, images → numpy; Parquet values as they are
+   ▼ the user's transform (seeded per sample, as for images), or the fields as they are
+   ▼ a row: numbers and fixed-shape arrays stack into blocks, variable-length ones stay
+     one array per row (`raypipe.preprocess.userrows`) for the rank's padding, buckets or packing
+```
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+
+from raypipe.config import resolve_callable
+from raypipe.preprocess.samples.audio import AUDIO_EXTS, decode_audio
+from raypipe.preprocess.usermap import SampleMap, _as_row, _decode_extra, _name
+
+__all__ = ["FieldMap", "decode_member", "sample_map"]
+assert __all__ == sorted(__all__)
+
+
+def sample_map(config) -> SampleMap | None:
+    """The actors' map of a `PipelineConfig`: a `FieldMap` for samples with no image, the
+    user's transform of images (`SampleMap`), or None for the built-in crop."""
+    return FieldMap.of(config) if config.image_column is None else SampleMap.of(config)
+
+
+def decode_member(ext: str, data: Any, rate: int | None = None) -> dict[str, Any]:
+    """The fields one member makes: ``{name: value}``, two for audio (the samples under
+    the member's name, or ``audio``, and ``sample_rate`` / ``<name>_sample_rate``)."""
+    if not isinstance(data, (bytes, bytearray)):
+        return {ext: data}  # a Parquet value, or a label already read
+    stem, _, last = ext.rpartition(".")
+    if last in AUDIO_EXTS:
+        samples, found = decode_audio(bytes(data), rate)
+        return {stem or "audio": samples, f"{stem}_sample_rate" if stem else "sample_rate":
+                np.int64(found)}  # fmt: skip
+    if last == "npy":
+        return {stem or "npy": np.load(io.BytesIO(data), allow_pickle=False)}
+    if last == "cls":
+        return {ext: np.int64(int(data.decode().strip()))}
+    return {_name(ext): _decode_extra(ext, bytes(data))}
+
+
+class FieldMap(SampleMap):
+    """`SampleMap` for samples with no image: the fields are the sample; with no
+    transform they are the row as they are (``key`` added)."""
+
+    def __init__(self, transform, *, seed: int, per_batch: bool, sample_rate: int | None):
+        super().__init__(transform, seed=seed, image_input="numpy", per_batch=per_batch,
+                         max_image_pixels=None)  # fmt: skip
+        self.sample_rate = sample_rate
+
+    @classmethod
+    def of(cls, config) -> FieldMap:
+        transform = resolve_callable(config.transform, "transform")
+        return cls(transform, seed=config.seed, sample_rate=config.sample_rate,
+                   per_batch=config.transform_batch and transform is not None)  # fmt: skip
+
+    def sample(self, raw) -> dict[str, Any]:
+        """The sample's fields, decoded, and its ``key``; a null field is a bad sample."""
+        fields: dict[str, Any] = {}
+        for ext, value in (raw.extras or {}).items():
+            fields.update(decode_member(ext, value, self.sample_rate))
+        nulls = sorted(k for k, v in fields.items() if v is None)
+        if nulls:
+            from raypipe.skips.records import BadSample
+
+            raise BadSample("null_value", f"field {nulls[0]!r} is null")
+        return {**fields, "key": raw.key}
+
+    def __call__(self, raw, epoch: int) -> dict[str, Any]:
+        if self.transform is None:
+            return _as_row(self.sample(raw), raw)
+        return super().__call__(raw, epoch)

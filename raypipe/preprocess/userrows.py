@@ -1,0 +1,114 @@
+"""A user transform's rows into blocks, in the actors: the fields checked against the
+actor's first row (`TransformOutputError` otherwise), fixed-shape fields stacked, ragged
+ones kept one array per row (`raypipe.loader.collate` pads them in the rank iterator).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from raypipe.preprocess.usermap import SampleMap, TransformOutputError
+
+__all__ = ["RowBuilder", "Schema", "rows_block"]
+assert __all__ == sorted(__all__)
+
+
+class Schema:
+    """The fields and dtypes of an actor's first row; every later row must match them."""
+
+    def __init__(self) -> None:
+        self.fields: dict[str, tuple[str, int | None]] | None = None  # dtype, ndim
+        self.ragged: set[str] = set()
+        self.shapes: dict[str, tuple] = {}
+
+    def check(self, row: dict[str, Any], key: int, where: str) -> None:
+        spec = {k: _spec(v) for k, v in row.items()}
+        if self.fields is None:
+            self.fields = spec
+            self.shapes = {k: np.shape(v) for k, v in row.items() if isinstance(v, np.ndarray)}
+            return
+        if spec.keys() != self.fields.keys():
+            diff = sorted(spec.keys() ^ self.fields.keys())
+            raise TransformOutputError(
+                f"field(s) {diff} differ from the earlier samples' {sorted(self.fields)} "
+                f"at key {key} ({where})"
+            )
+        for k, s in spec.items():
+            if s != self.fields[k]:
+                raise TransformOutputError(
+                    f"field {k!r} is {_says(s)} at key {key} ({where}), but {_says(self.fields[k])} "
+                    "in the earlier samples"
+                )
+            if k in self.shapes and np.shape(row[k]) != self.shapes[k]:
+                self.ragged.add(k)
+
+
+def _spec(v: Any) -> tuple[str, int | None]:
+    if isinstance(v, np.ndarray):
+        return (str(v.dtype), v.ndim)
+    return (type(v).__name__, None)
+
+
+def _says(spec: tuple[str, int | None]) -> str:
+    dtype, ndim = spec
+    return f"{dtype} with {ndim} dims" if ndim is not None else dtype
+
+
+def rows_block(rows: list[dict[str, Any]], ragged: set[str]) -> dict[str, np.ndarray]:
+    """Rows as one block: fixed-shape arrays stacked, ragged ones and objects one per row."""
+    block: dict[str, np.ndarray] = {}
+    for field in rows[0]:
+        values = [r[field] for r in rows]
+        if field not in ragged and isinstance(values[0], np.ndarray):
+            block[field] = np.stack(values)
+        else:
+            column = np.empty(len(values), dtype=object)
+            column[:] = values
+            block[field] = column
+    return block
+
+
+class RowBuilder:
+    """`Preprocessor`'s block builder for a user transform: rows (per-sample transform) or
+    raw samples (per-batch transform, applied when the block is full) in, blocks out.
+
+    ``bad(raw, error)`` makes a skip record of a sample (or raises under ``"raise"``);
+    a per-batch transform that fails skips every sample of its batch into ``self.bad``.
+    """
+
+    def __init__(self, rows: int, usermap: SampleMap, schema: Schema, bad, epoch: int):
+        self.rows, self.map, self.schema, self.bad_of, self.epoch = (
+            rows,
+            usermap,
+            schema,
+            bad,
+            epoch,
+        )
+        self.items: list[tuple[Any, Any]] = []
+        self.bad: list = []
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def add(self, item, raw) -> bool:
+        self.items.append((item, raw))
+        return len(self.items) == self.rows
+
+    def take(self) -> dict[str, np.ndarray] | None:
+        items, self.items = self.items, []
+        raws = [raw for _, raw in items]
+        if self.map.per_batch:
+            try:
+                rows = self.map.batch(raws, self.epoch)
+            except TransformOutputError:
+                raise
+            except Exception as e:
+                self.bad.extend(self.bad_of(raw, e) for raw in raws)
+                return None
+        else:
+            rows = [row for row, _ in items]
+        for row, raw in zip(rows, raws, strict=True):
+            self.schema.check(row, raw.key, raw.where)
+        return rows_block(rows, self.schema.ragged)

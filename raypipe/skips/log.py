@@ -1,0 +1,185 @@
+"""The skip log of a dataset: the bad samples the actors dropped, counted per reason and
+recorded (`raypipe.skips.records`) in one small actor per driver.
+
+```
+ preprocess actors ──(key, where, reason, detail) per task with skips──► SkipStore actor
+   (records sent before the block they precede is yielded, so when the      │ counts exact,
+    epoch's last block arrives every skip of the epoch is in the store)     │ records capped
+ driver / rank iterator / Train worker ── SkipLog.report() / counts() ──────┘
+```
+
+Skipped samples never become rows: they are dropped inside the actors, so a rank's rows
+are good ones only and the ledger (`raypipe.loader.ledger`) keeps the ranks' batch counts
+equal. The side channel is one small actor per driver (named, no CPUs), holding for each
+dataset ("run") exact counts per reason, a bitmap of skipped keys (a retried task cannot
+count a key twice) and at most ``max_records`` records.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import uuid
+from typing import Any
+
+from raypipe.skips.records import SkipRecord
+
+__all__ = ["REPORT_FILE", "SkipLog", "SkipStore", "write_reports"]
+assert __all__ == sorted(__all__)
+
+ACTOR_NAME = "raypipe-skip-store"
+MAX_RUNS = 256  # datasets whose skips the store keeps per driver (oldest dropped first)
+
+
+class SkipStore:
+    """The store behind `SkipLog` (run as a Ray actor; plain Python, testable alone)."""
+
+    def __init__(self, max_runs: int = MAX_RUNS):
+        self._runs: collections.OrderedDict[str, _Run] = collections.OrderedDict()
+        self._max_runs = max_runs
+
+    def add(self, run: str, max_records: int, records: list[tuple[int, str, str, str]]) -> int:
+        """Record ``(key, where, reason, detail)`` tuples; returns the run's total so far."""
+        entry = self._runs.get(run)
+        if entry is None:
+            entry = self._runs[run] = _Run(max_records)
+            while len(self._runs) > self._max_runs:
+                self._runs.popitem(last=False)
+        for record in records:
+            entry.add(SkipRecord(*record))
+        return entry.total
+
+    def counts(self, run: str) -> dict[str, int]:
+        entry = self._runs.get(run)
+        return dict(sorted(entry.counts.items())) if entry else {}
+
+    def report(self, run: str) -> dict[str, Any]:
+        entry = self._runs.get(run) or _Run(0)
+        return {
+            "skipped": entry.total,
+            "by_reason": dict(sorted(entry.counts.items())),
+            "records": [dataclasses.asdict(r) for r in entry.records],
+            "records_left_out": entry.total - len(entry.records),
+        }
+
+
+class _Run:
+    """Skips of one dataset: exact counts, a bitmap of keys seen, the first records."""
+
+    def __init__(self, max_records: int):
+        self.max_records = max_records
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.total = 0
+        self.records: list[SkipRecord] = []
+        self._seen = bytearray()
+
+    def add(self, record: SkipRecord) -> None:
+        byte, bit = divmod(record.key, 8)
+        if byte >= len(self._seen):
+            self._seen.extend(bytes(byte + 1 - len(self._seen)))
+        if self._seen[byte] >> bit & 1:
+            return  # the same key again: a retried task
+        self._seen[byte] |= 1 << bit
+        self.counts[record.reason] += 1
+        self.total += 1
+        if len(self.records) < self.max_records:
+            self.records.append(record)
+
+
+REPORT_FILE = "skipped_samples.json"
+
+
+def write_reports(logs: dict[str, SkipLog], directory: str, filesystem=None) -> tuple[str, int]:
+    """Write ``{dataset name: SkipLog.report()}`` as JSON into ``directory``.
+
+    ``filesystem`` is a ``pyarrow.fs.FileSystem`` (a Ray Train result's); local when None.
+    Returns the file's path and the number of samples skipped over all datasets.
+    """
+    import json
+
+    import pyarrow.fs
+
+    reports = {name: log.report() for name, log in logs.items()}
+    path = f"{directory.rstrip('/')}/{REPORT_FILE}"
+    filesystem = filesystem or pyarrow.fs.LocalFileSystem()
+    with filesystem.open_output_stream(path) as out:
+        out.write(json.dumps(reports, indent=1).encode())
+    return path, sum(r["skipped"] for r in reports.values())
+
+
+_STORES: dict[tuple[str, str], Any] = {}  # (node id, job id) -> the store actor's handle
+# Ranks in threads of one driver make their logs at once: one of them creates the actor.
+# Unlocked, a second thread's get_if_exists handle could replace the creator's here, and
+# the actor would die with the creator's handle ("all references ... were removed").
+_STORES_LOCK = threading.Lock()
+
+
+def _driver_store():
+    """This driver's store actor, held here: an actor dies with its last handle.
+
+    It lives on the driver's node: with no CPUs asked, Ray could place it on any node,
+    and losing that node would lose every dataset's skips and fail ``counts()``.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    context = ray.get_runtime_context()
+    session = (context.get_node_id(), context.get_job_id())  # a new ray.init is a new session
+    with _STORES_LOCK:
+        if session not in _STORES:
+            store = ray.remote(SkipStore).options(
+                name=ACTOR_NAME, get_if_exists=True, num_cpus=0, max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(context.get_node_id(),
+                                                                   soft=False),
+            )  # fmt: skip
+            _STORES.clear()
+            _STORES[session] = store.remote()
+        return _STORES[session]
+
+
+class SkipLog:
+    """The skipped samples of one dataset; `build_dataset` makes one per dataset.
+
+    Cheap to pickle (an actor handle and a run id): the preprocessing actors write to
+    it, and any process (a Ray Train worker, the driver) can read it. Counts are exact;
+    ``report()`` holds at most ``max_records`` records (the first ones to arrive).
+    """
+
+    def __init__(self, handle, run: str, max_records: int):
+        self._handle, self.run, self.max_records = handle, run, max_records
+
+    @classmethod
+    def create(cls, *, max_records: int = 1000) -> SkipLog:
+        """A new, empty log on this driver's store actor (started on first use)."""
+        import ray
+
+        if not isinstance(max_records, int) or max_records < 0:
+            raise ValueError(f"{max_records=} must be an integer >= 0")
+        if not ray.is_initialized():
+            raise RuntimeError("SkipLog.create() needs a running Ray: call ray.init() first")
+        return cls(_driver_store(), uuid.uuid4().hex, max_records)
+
+    def epoch(self, epoch: int) -> SkipLog:
+        """The log of one epoch of a run-long pipeline (a run of its own in the store)."""
+        return SkipLog(self._handle, f"{self.run}/epoch{epoch}", self.max_records)
+
+    def add(self, records: list[SkipRecord]) -> int:
+        """Store ``records`` and wait until they are stored (called by the actors); returns
+        the run's count of skips so far."""
+        import ray
+
+        rows = [dataclasses.astuple(r) for r in records]
+        return ray.get(self._handle.add.remote(self.run, self.max_records, rows))
+
+    def counts(self) -> dict[str, int]:
+        """Skipped samples per reason (reasons with none are left out)."""
+        import ray
+
+        return ray.get(self._handle.counts.remote(self.run))
+
+    def report(self) -> dict[str, Any]:
+        """``{"skipped", "by_reason", "records": [{key, where, reason, detail}], "records_left_out"}``."""
+        import ray
+
+        return ray.get(self._handle.report.remote(self.run))

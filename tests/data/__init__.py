@@ -1,1 +1,0 @@
-"""The data layer: listing, decoding, the actors, skips, the pool."""

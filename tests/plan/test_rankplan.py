@@ -1,0 +1,129 @@
+"""Epoch plans: every rank's keys are a pure function of listing, seed, epoch and world."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from raypipe.plan.rankplan import RankPlan, epoch_keys
+from raypipe.plan.shards import Listing, Shard, epoch_order
+
+
+def listing(sizes: list[int], fmt: str = "webdataset") -> Listing:
+    shards, key = [], 0
+    for i, n in enumerate(sizes):
+        shards.append(Shard(f"/data/shard-{i:03d}", key, n))
+        key += n
+    return Listing(fmt, tuple(shards))
+
+
+def plans(lst: Listing, world: int, **kw) -> list[RankPlan]:
+    kw = {"seed": 7, "shuffle": True, "per_task": 1, **kw}
+    return [RankPlan.of(lst, rank=r, world_size=world, **kw) for r in range(world)]
+
+
+SIZES = [[5, 1, 9, 3, 12, 7], [1] * 203, [61], [17, 23, 9, 12]]
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_ranks_partition_the_epoch_in_equal_slices(sizes, world):
+    lst = listing(sizes)
+    for epoch in range(3):
+        ranks = [p.keys(epoch) for p in plans(lst, world)]
+        joined = np.concatenate(ranks)
+        assert np.array_equal(joined, plans(lst, 1)[0].keys(epoch))  # slices, in order
+        assert sorted(joined.tolist()) == list(range(sum(sizes)))  # every key once
+        assert max(map(len, ranks)) - min(map(len, ranks)) <= 1
+        assert [len(r) for r in ranks] == plans(lst, world)[0].sizes(epoch)
+
+
+def test_order_follows_the_seeded_shard_order_and_changes_per_epoch():
+    lst = listing([5, 1, 9, 3, 12, 7])
+    first = np.array([s.first_key for s in lst.shards])
+    counts = np.array([s.num_samples for s in lst.shards])
+    for epoch in range(4):
+        keys = epoch_keys(first, counts, seed=7, epoch=epoch, shuffle=True)
+        expect = [k for s in epoch_order(lst.shards, seed=7, epoch=epoch, shuffle=True)
+                  for k in range(s.first_key, s.first_key + s.num_samples)]  # fmt: skip
+        assert keys.tolist() == expect
+    orders = {tuple(plans(lst, 1)[0].keys(e)) for e in range(4)}
+    assert len(orders) == 4
+    assert plans(lst, 1, shuffle=False)[0].keys(3).tolist() == list(range(37))
+
+
+def test_plans_made_apart_agree():
+    """Driver, ranks and actors each build the plan: they must give the same keys."""
+    lst = listing([1] * 203, fmt="imagefolder")
+    a = plans(lst, 2, per_task=16)
+    b = plans(lst, 2, per_task=16)
+    for epoch in range(3):
+        for pa, pb in zip(a, b, strict=True):
+            assert np.array_equal(pa.keys(epoch), pb.keys(epoch))
+            assert pa.tasks(epoch) == pb.tasks(epoch)
+
+
+def test_consumed_keys_leave_the_resumed_epoch_only():
+    lst = listing([5, 1, 9, 3, 12, 7])
+    consumed = np.zeros(37, bool)
+    consumed[np.random.default_rng(0).choice(37, 20, replace=False)] = True
+    ranks = plans(lst, 3, resume_epoch=2, consumed=consumed)
+    resumed = np.concatenate([p.keys(2) for p in ranks])
+    assert sorted(resumed.tolist()) == np.flatnonzero(~consumed).tolist()
+    assert sorted(np.concatenate([p.keys(3) for p in ranks]).tolist()) == list(range(37))
+    with pytest.raises(ValueError, match="consumed has shape"):
+        plans(lst, 1, resume_epoch=0, consumed=np.zeros(36, bool))
+
+
+@pytest.mark.parametrize("per_task", [1, 4])
+def test_tasks_cover_the_rank_keys_and_hold_per_task_shard_pieces(per_task):
+    lst = listing([5, 1, 9, 3, 12, 7])
+    for plan in plans(lst, 2, per_task=per_task):
+        keys, tasks = plan.keys(1), plan.tasks(1)
+        assert tasks[0][0] == 0 and tasks[-1][1] == len(keys)
+        assert all(a[1] == b[0] for a, b in zip(tasks[:-1], tasks[1:], strict=True))
+        for lo, hi in tasks:
+            assert len(np.unique(plan.shard_of(keys[lo:hi]))) <= per_task
+
+
+def test_bad_rank_is_refused():
+    with pytest.raises(ValueError, match="rank=2"):
+        RankPlan.of(listing([3]), seed=0, shuffle=True, rank=2, world_size=2, per_task=1)
+
+
+def split_of_all_keys(plan: RankPlan, epoch: int) -> np.ndarray:
+    """What a rank's keys are by definition: its slice of every key of the epoch."""
+    return np.array_split(plan.all_keys(epoch), plan.world_size)[plan.rank]
+
+
+@pytest.mark.parametrize("trial", range(40))
+def test_a_rank_builds_its_slice_alone_as_the_split_of_the_whole_epoch(trial):
+    rng = np.random.default_rng(trial)
+    sizes = rng.integers(0, 9, rng.integers(1, 30)).tolist()  # empty shards too
+    sizes[rng.integers(len(sizes))] += 1  # at least one sample
+    world = int(rng.integers(1, 12))
+    kw = {"shuffle": bool(rng.integers(2)), "resume_epoch": -1, "consumed": None}
+    if rng.integers(2):  # a resumed epoch: any keys consumed, even all of them
+        kw["resume_epoch"] = 1
+        kw["consumed"] = rng.random(sum(sizes)) < rng.choice([0.0, 0.3, 0.9, 1.0])
+    for plan in plans(listing(sizes), world, **kw):
+        for epoch in range(3):
+            assert np.array_equal(plan.keys(epoch), split_of_all_keys(plan, epoch)), (sizes, world)
+            assert plan.keys(epoch).dtype == np.int64 and not plan.keys(epoch).flags.writeable
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_weights_even_out_the_slices_weight(world):
+    lst = listing([40, 37, 24])
+    weights = np.random.default_rng(0).integers(1, 100, lst.num_samples)
+    ranks = plans(lst, world, weights=weights)
+    for epoch in (0, 1):
+        parts = ranks[0].split(epoch)
+        np.testing.assert_array_equal(np.concatenate(parts), ranks[0].all_keys(epoch))
+        for r, plan in enumerate(ranks):
+            np.testing.assert_array_equal(plan.keys(epoch), parts[r])
+            assert plan.sizes(epoch) == [len(p) for p in parts]
+        sums = [int(weights[p].sum()) for p in parts]
+        assert max(sums) - min(sums) <= 2 * weights.max(), sums
+    with pytest.raises(ValueError, match="weights has shape"):
+        plans(lst, world, weights=weights[:-1])

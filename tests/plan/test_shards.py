@@ -1,0 +1,65 @@
+import pytest
+
+from raypipe import PipelineConfig
+from raypipe.formats import Reader, infer_format
+from raypipe.plan.shards import epoch_order, list_shards
+from tests.conftest import FORMAT_SIZES
+
+
+@pytest.mark.parametrize("fmt", ["imagefolder", "webdataset", "parquet"])
+def test_listing_has_dense_stable_keys(datasets, fmt):
+    config = PipelineConfig(source=str(datasets[fmt]))
+    a, b = list_shards(config), list_shards(config)
+    assert a == b and a.format == fmt
+    keys = []
+    for shard in a.shards:
+        samples = list(Reader(fmt).read(shard.path, shard.first_key, shard.label))
+        assert len(samples) == shard.num_samples
+        assert all(s.error is None and s.data for s in samples)
+        keys += [s.key for s in samples]
+    assert keys == list(range(61)) == list(range(a.num_samples))
+
+
+def test_imagefolder_labels_follow_sorted_class_names(datasets):
+    listing = list_shards(PipelineConfig(source=str(datasets["imagefolder"])))
+    assert listing.classes == ("cat", "dog", "emu")
+    counts = [sum(1 for s in listing.shards if s.label == i) for i in range(3)]
+    assert counts == [FORMAT_SIZES["imagefolder"][c] for c in listing.classes]
+
+
+def test_glob_and_list_sources(datasets):
+    wds = datasets["webdataset"]
+    by_glob = list_shards(PipelineConfig(source=str(wds / "*.tar")))
+    by_list = list_shards(PipelineConfig(source=[str(p) for p in sorted(wds.glob("*.tar"))]))
+    assert by_glob == by_list and by_glob.num_samples == 61
+
+
+def test_epoch_order_is_a_seeded_permutation(datasets):
+    shards = list_shards(PipelineConfig(source=str(datasets["imagefolder"]))).shards
+    e0 = epoch_order(shards, seed=1, epoch=0, shuffle=True)
+    assert e0 == epoch_order(shards, seed=1, epoch=0, shuffle=True)
+    assert sorted(e0, key=lambda s: s.first_key) == list(shards)
+    assert e0 != epoch_order(shards, seed=1, epoch=1, shuffle=True)
+    assert e0 != epoch_order(shards, seed=2, epoch=0, shuffle=True)
+    assert epoch_order(shards, seed=1, epoch=0, shuffle=False) == list(shards)
+
+
+def test_format_inference(datasets):
+    for fmt, path in datasets.items():
+        assert infer_format([str(path)]) == fmt
+
+
+@pytest.mark.parametrize(
+    "source, match",
+    [("/does/not/exist", "does not exist"), ("/tmp/*.nothing-here", "matches nothing")],
+)
+def test_bad_sources(source, match):
+    with pytest.raises(ValueError, match=match):
+        list_shards(PipelineConfig(source=source))
+
+
+def test_empty_image_folder(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match="no images"):
+        list_shards(PipelineConfig(source=str(tmp_path), format="imagefolder"))

@@ -1,0 +1,1 @@
+"""The pool: the policy that follows the trainer, elastic runs."""

@@ -1,0 +1,72 @@
+import numpy as np
+import pytest
+
+from raypipe.preprocess.augment import center_box, plan, random_resized_box, sample_rng
+from raypipe.preprocess.pillow import pillow_decode_crop as decode_crop
+from tests.conftest import image_bytes
+
+
+@pytest.mark.parametrize("w, h", [(400, 300), (31, 97), (1, 1), (640, 20)])
+def test_random_resized_box_stays_inside(w, h):
+    for key in range(200):
+        rng = sample_rng(0, 0, key)
+        b = random_resized_box(w, h, rng, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3))
+        assert b.left >= 0 and b.top >= 0 and b.width > 0 and b.height > 0
+        assert b.left + b.width <= w and b.top + b.height <= h
+
+
+def test_augmentation_depends_only_on_seed_epoch_key():
+    data = image_bytes(np.random.default_rng(0), size=(96, 80))
+
+    def run(seed, epoch, key):
+        rng = sample_rng(seed, epoch, key)
+        choose = lambda w, h: plan(  # noqa: E731
+            w, h, train=True, rng=rng, scale=(0.08, 1.0), ratio=(0.75, 1.33), flip=True
+        )
+        return decode_crop(data, 32, choose)
+
+    a = run(1, 2, 3)
+    assert a.shape == (3, 32, 32) and a.dtype == np.uint8 and a.flags.c_contiguous
+    assert np.array_equal(a, run(1, 2, 3))
+    others = [run(1, 2, k) for k in range(4, 12)] + [run(1, e, 3) for e in range(3, 8)]
+    assert sum(not np.array_equal(a, o) for o in others) >= len(others) - 1
+
+
+def test_eval_is_center_crop_and_deterministic():
+    data = image_bytes(np.random.default_rng(1), fmt="PNG", size=(64, 48))
+    choose = lambda w, h: plan(  # noqa: E731
+        w, h, train=False, rng=None, scale=(1, 1), ratio=(1, 1), flip=True
+    )
+    a = decode_crop(data, 24, choose)
+    assert a.shape == (3, 24, 24)
+    assert np.array_equal(a, decode_crop(data, 24, choose))
+    box = center_box(64, 48)
+    assert box.width == box.height == 48 * 0.875
+    assert box.left == (64 - box.width) / 2
+
+
+def test_flip_mirrors_the_same_crop():
+    data = image_bytes(np.random.default_rng(2), fmt="PNG", size=(40, 40))
+    from raypipe.preprocess.augment import Box, Plan
+
+    box = Box(4, 6, 20, 20)
+    plain = decode_crop(data, 16, lambda w, h: Plan(box, False))
+    flipped = decode_crop(data, 16, lambda w, h: Plan(box, True))
+    assert np.array_equal(plain[:, :, ::-1], flipped)
+
+
+def test_jpeg_draft_decode_matches_full_decode():
+    """Draft (DCT-scaled) decoding must give nearly the image a full decode gives."""
+    from PIL import Image
+
+    from raypipe.preprocess.augment import Box, Plan
+
+    rng = np.random.default_rng(3)
+    data = image_bytes(rng, size=(800, 600))
+    box = Box(0, 0, 800, 600)
+    got = decode_crop(data, 64, lambda w, h: Plan(box, False)).astype(int)
+    import io
+
+    full = Image.open(io.BytesIO(data)).convert("RGB").resize((64, 64), Image.Resampling.BILINEAR)
+    want = np.asarray(full).transpose(2, 0, 1).astype(int)
+    assert np.abs(got - want).mean() < 4

@@ -1,0 +1,183 @@
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from raypipe.preprocess import decode
+from raypipe.preprocess.augment import Box, Plan, plan, sample_rng
+from raypipe.preprocess.pillow import pillow_decode_crop
+from tests.conftest import image_bytes
+
+
+def chooser(key: int, *, train: bool = True, seed: int = 0, epoch: int = 0):
+    rng = sample_rng(seed, epoch, key)
+    return lambda w, h: plan(
+        w, h, train=train, rng=rng, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip=True
+    )
+
+
+def both(data: bytes, size: int, key: int, **kw) -> tuple[np.ndarray, np.ndarray]:
+    fast = decode.decode_crop(data, size, chooser(key, **kw))
+    standard = pillow_decode_crop(data, size, chooser(key, **kw))
+    return np.ascontiguousarray(fast), standard
+
+
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("image_size", [(400, 300), (1600, 1200)])
+def test_fast_matches_standard_on_the_same_boxes(train, image_size):
+    """Same seeded crop box and flip; only resampling arithmetic may differ a little.
+
+    The images are blocky noise, a harsh case for resampling; on photos the mean
+    difference is well under one grey level (benchmarks/ingest.py reports it).
+    """
+    rng = np.random.default_rng(0)
+    for key in range(12):
+        data = image_bytes(rng, size=image_size)
+        assert decode.fast_decodable(data)
+        fast, standard = both(data, 64, key, train=train)
+        assert fast.shape == standard.shape == (3, 64, 64) and fast.dtype == np.uint8
+        diff = np.abs(fast.astype(int) - standard.astype(int))
+        assert diff.mean() < 3.5, (key, diff.mean())
+        assert np.percentile(diff, 99) <= 20, (key, np.percentile(diff, 99))
+
+
+def test_preprocessor_caps_opencv_threads_at_its_cpus(tmp_path):
+    """A pool actor's resizes use the CPUs it reserved, not a thread per core of the node
+    (torch's too: this process has imported it)."""
+    import cv2
+    import torch
+
+    from raypipe.config import PipelineConfig
+    from raypipe.preprocess.actor import Preprocessor
+
+    before = cv2.getNumThreads(), torch.get_num_threads()
+    try:
+        for cpus, threads in ((1.0, 1), (0.5, 1), (2.0, 2)):
+            cv2.setNumThreads(8)
+            torch.set_num_threads(8)
+            Preprocessor(PipelineConfig(source=str(tmp_path), actor_cpus=cpus), "imagefolder", 0)
+            assert (cv2.getNumThreads(), torch.get_num_threads()) == (threads, threads), cpus
+    finally:
+        cv2.setNumThreads(before[0])
+        torch.set_num_threads(before[1])
+
+
+def test_flip_is_the_mirror_of_the_same_crop():
+    data = image_bytes(np.random.default_rng(1), size=(200, 150))
+    box = Box(10, 20, 120, 100)
+    plain = decode.decode_crop(data, 32, lambda w, h: Plan(box, False))
+    flipped = decode.decode_crop(data, 32, lambda w, h: Plan(box, True))
+    assert np.array_equal(plain[:, :, ::-1], flipped)
+
+
+def test_deterministic_per_seed_epoch_key():
+    data = image_bytes(np.random.default_rng(2), size=(320, 240))
+    a = decode.decode_crop(data, 48, chooser(5, seed=1, epoch=2))
+    assert np.array_equal(a, decode.decode_crop(data, 48, chooser(5, seed=1, epoch=2)))
+    others = [decode.decode_crop(data, 48, chooser(k, seed=1, epoch=2)) for k in range(6, 12)]
+    assert sum(not np.array_equal(a, o) for o in others) >= len(others) - 1
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "BMP", "WEBP"])
+def test_other_formats_fall_back_to_pillow_exactly(fmt):
+    data = image_bytes(np.random.default_rng(3), fmt=fmt, size=(90, 70))
+    assert not decode.fast_decodable(data)
+    for key in range(4):
+        fast, standard = both(data, 32, key)
+        assert np.array_equal(fast, standard)
+
+
+def _jpeg(img: Image.Image, **save) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", **save)
+    return buf.getvalue()
+
+
+def test_exif_rotated_and_cmyk_jpegs_take_pillow_with_the_same_plan():
+    base = Image.open(io.BytesIO(image_bytes(np.random.default_rng(4), size=(120, 80))))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90°: width and height swap after transposition
+    rotated = _jpeg(base, exif=exif.tobytes())
+    assert decode.exif_orientation(rotated) == 6
+    cmyk = _jpeg(base.convert("CMYK"))
+    for data in (rotated, cmyk):
+        assert not decode.fast_decodable(data)
+        for key in range(4):
+            fast, standard = both(data, 32, key)
+            assert np.array_equal(fast, standard)
+    upright = Image.Exif()
+    upright[0x0112] = 1
+    assert decode.exif_orientation(_jpeg(base, exif=upright.tobytes())) == 1
+    assert decode.exif_orientation(_jpeg(base)) == 1
+
+
+def test_grayscale_jpeg_becomes_three_equal_channels():
+    gray = Image.open(io.BytesIO(image_bytes(np.random.default_rng(5), size=(100, 100))))
+    data = _jpeg(gray.convert("L"))
+    assert decode.fast_decodable(data)
+    fast, standard = both(data, 40, 0)
+    assert np.array_equal(fast[0], fast[1]) and np.array_equal(fast[1], fast[2])
+    assert np.abs(fast.astype(int) - standard.astype(int)).mean() < 2.0
+
+
+def test_plan_is_drawn_once_even_when_decoding_fails():
+    data = image_bytes(np.random.default_rng(6), size=(100, 80))
+    calls = []
+
+    def choose(w, h):
+        calls.append((w, h))
+        return Plan(Box(0, 0, w, h), False)
+
+    with pytest.raises(Exception):  # noqa: B017 - either decoder's error is a bad sample
+        decode.decode_crop(data[: len(data) // 3], 16, choose)
+    assert len(calls) <= 1
+    calls.clear()
+    decode.decode_crop(data, 16, choose)
+    assert calls == [(100, 80)]
+
+
+@pytest.mark.parametrize("box", [Box(0, 0, 300, 120), Box(0, 0, 120, 300)])
+def test_an_axis_that_shrinks_is_low_passed_when_the_other_grows(box):
+    """1-pixel checks across an axis that shrinks (300 → 224) while the other grows
+    (120 → 224): Pillow's filter greys them out; bilinear sampling alone would keep most of
+    their contrast as moiré bands (std 43 here)."""
+    x = np.arange(400)
+    checks = np.where((x[None, :] + x[:, None]) % 2 == 0, 255, 0).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(np.repeat(checks[:, :, None], 3, axis=2)).save(
+        buf, format="JPEG", quality=100, subsampling=0
+    )
+    data = buf.getvalue()
+    fast = np.ascontiguousarray(decode.decode_crop(data, 224, lambda w, h: Plan(box, False)))
+    standard = pillow_decode_crop(data, 224, lambda w, h: Plan(box, False))
+    assert standard.std() < 25  # Pillow's output is close to uniform grey
+    assert fast.std() < standard.std() + 18, (fast.std(), standard.std())
+    assert abs(fast.mean() - standard.mean()) < 3
+
+
+@pytest.mark.parametrize("shape", [(224, 224), (31, 17), (1, 5)])
+def test_put_chw_writes_every_layout_as_its_chw_copy(shape):
+    """decode_crop's CHW view of an HWC array, a mirrored view, contiguous CHW arrays and
+    other strides all land in the block's planes as numpy's own copy would put them."""
+    rng = np.random.default_rng(7)
+    h, w = shape
+    hwc = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+    chw = np.ascontiguousarray(hwc.transpose(2, 0, 1))
+    wide = rng.integers(0, 256, (3, h, 2 * w), dtype=np.uint8)
+    for image in (
+        hwc.transpose(2, 0, 1),
+        hwc[:, ::-1].transpose(2, 0, 1),
+        chw,
+        chw[:, ::-1],
+        wide[:, :, ::2],
+    ):
+        block = np.zeros((4, 3, h, w), dtype=np.uint8)
+        decode.put_chw(block[2], image)
+        assert np.array_equal(block[2], image)
+        assert not block[[0, 1, 3]].any()  # nothing written beside its row
+
+
+def test_put_chw_refuses_a_wrong_shape():
+    with pytest.raises(ValueError):
+        decode.put_chw(np.zeros((3, 8, 8), np.uint8), np.zeros((3, 8, 9), np.uint8))

@@ -1,0 +1,189 @@
+"""Samples with no image through a real local Ray: token and tabular Parquet read straight
+through or by a transform, padded with masks; audio WebDataset members decoded."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raypipe import PipelineConfig
+from raypipe.preprocess.samples.fields import decode_member
+from raypipe.skips.records import BadSample
+from tests.properties import check_exactly_once_and_equal
+from tests.ranks import run_ranks
+
+TOKEN_FILES = [37, 25, 18]  # 80 documents
+
+
+def make_tokens(root, sizes=TOKEN_FILES, *, seed: int = 0, max_len: int = 40):
+    """Parquet files of ``tokens`` (list<int32>, every token id in the dataset once: a
+    running count) and ``label``; returns the documents by key."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    docs, start = [], 0
+    for f, n in enumerate(sizes):
+        part = []
+        for _ in range(n):
+            length = int(rng.integers(1, max_len + 1))
+            part.append(np.arange(start, start + length, dtype=np.int32))
+            start += length
+        table = pa.table({"tokens": pa.array([d.tolist() for d in part], pa.list_(pa.int32())),
+                          "label": pa.array([len(d) % 3 for d in part], pa.int64())})  # fmt: skip
+        pq.write_table(table, root / f"part-{f:03d}.parquet", row_group_size=16)
+        docs.extend(part)
+    return docs
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tokens")
+    return root, make_tokens(root)
+
+
+def config(source, **kw) -> PipelineConfig:
+    base = {"source": str(source), "image_column": None, "batch_size": 8, "actors": (1, 1),
+            "follow": False, "seed": 3}  # fmt: skip
+    return PipelineConfig(**{**base, **kw})
+
+
+def test_tokens_straight_through_padded_with_masks(ray_session, tokens):
+    root, docs = tokens
+    out, _ = run_ranks(config(root), 2, 1)
+    ranks = [r[0] for r in out]
+    check_exactly_once_and_equal(ranks, batch_size=8, good=range(len(docs)),
+                                 left_over=2 * 8 - 1)  # fmt: skip
+    for batch in (b for r in ranks for b in r):
+        assert batch["tokens"].dtype == np.int32 and batch["tokens_mask"].dtype == bool
+        assert batch["tokens"].shape[1] == max(len(docs[k]) for k in batch["key"])
+        for row, mask, key, label in zip(batch["tokens"], batch["tokens_mask"], batch["key"],
+                                         batch["label"], strict=True):  # fmt: skip
+            doc = docs[key]
+            assert mask.sum() == len(doc) and mask[: len(doc)].all()
+            np.testing.assert_array_equal(row[mask], doc)
+            assert (row[~mask] == 0).all() and label == len(doc) % 3
+
+
+def test_tokens_through_a_transform(ray_session, tokens):
+    root, docs = tokens
+    out, _ = run_ranks(config(root, transform="tests.user_transforms:shifted_ids"), 1, 1,
+                       drop_last=False)  # fmt: skip
+    batches = out[0][0]
+    keys = np.concatenate([b["key"] for b in batches])
+    assert sorted(keys.tolist()) == list(range(len(docs)))
+    for b in batches:
+        assert set(b) == {"ids", "ids_mask", "length", "label", "key"}
+        for ids, mask, n, key in zip(b["ids"], b["ids_mask"], b["length"], b["key"], strict=True):
+            np.testing.assert_array_equal(ids[mask], docs[key].astype(np.int64) + 1)
+            assert n == len(docs[key])
+
+
+def test_a_table_of_floats(ray_session, tmp_path):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(45, 3)).astype(np.float32)
+    table = pa.table({"a": x[:, 0], "b": x[:, 1], "c": x[:, 2],
+                      "label": pa.array(np.arange(45) % 2, pa.int64())})  # fmt: skip
+    pq.write_table(table, tmp_path / "table.parquet", row_group_size=10)
+    out, _ = run_ranks(config(tmp_path, batch_size=10), 1, 1, drop_last=False)
+    batches = out[0][0]
+    assert [len(b["key"]) for b in batches] == [10, 10, 10, 10, 5]
+    for b in batches:
+        assert set(b) == {"a", "b", "c", "label", "key"} and b["a"].dtype == np.float32
+        np.testing.assert_array_equal(np.stack([b["a"], b["b"], b["c"]], 1), x[b["key"]])
+        np.testing.assert_array_equal(b["label"], b["key"] % 2)
+
+
+def write_audio(root, clips: dict[str, tuple[np.ndarray, int, str]], *, labels=True):
+    """A WebDataset tar: each clip ``stem: (samples, rate, format)`` as ``stem.<format>``
+    (written by soundfile), and ``stem.cls``."""
+    import soundfile
+
+    root.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(root / "audio-000.tar", "w") as tar:
+        for i, (stem, (samples, rate, fmt)) in enumerate(clips.items()):
+            buf = io.BytesIO()
+            soundfile.write(buf, samples, rate, format=fmt.upper(), subtype="PCM_16")
+            members = {fmt: buf.getvalue(), "cls": str(i % 4).encode()} if labels else {}
+            for ext, data in members.items():
+                info = tarfile.TarInfo(f"{stem}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def pcm16(rng, frames: int) -> np.ndarray:
+    """Random samples that 16-bit PCM stores exactly."""
+    return (rng.integers(-2000, 2000, frames) / 32768).astype(np.float32)
+
+
+def test_flac_audio_decoded_and_cropped_by_a_transform(ray_session, tmp_path):
+    pytest.importorskip("soundfile")
+    rng = np.random.default_rng(2)
+    clips = {f"c{i:03d}": (pcm16(rng, 500 + 37 * i), 16000, "flac") for i in range(12)}
+    write_audio(tmp_path, clips)
+    cfg = config(tmp_path, transform="tests.user_transforms:cropped_audio", label_member="cls",
+                 batch_size=4)  # fmt: skip
+    out, _ = run_ranks(cfg, 1, 1, drop_last=False)
+    batches = out[0][0]
+    assert sorted(np.concatenate([b["key"] for b in batches]).tolist()) == list(range(12))
+    stems = sorted(clips)
+    for b in batches:
+        assert b["audio"].dtype == np.float32 and b["audio"].shape == (len(b["key"]), 400)
+        assert (b["rate"] == 16000).all()
+        for audio, key, label in zip(b["audio"], b["key"], b["label"], strict=True):
+            np.testing.assert_array_equal(audio, clips[stems[key]][0][:400])
+            assert label == key % 4
+
+
+def test_audio_members_resampled_and_bad_ones_skipped(ray_session, tmp_path):
+    pytest.importorskip("soundfile")
+    rng = np.random.default_rng(4)
+    clips = {f"w{i:03d}": (pcm16(rng, 800 + 8 * i), 8000, "wav") for i in range(6)}
+    write_audio(tmp_path, clips)
+    with tarfile.open(tmp_path / "audio-000.tar", "a") as tar:
+        info = tarfile.TarInfo("zbad.wav")
+        info.size = 12
+        tar.addfile(info, io.BytesIO(b"not a wav!!!"))
+    cfg = config(tmp_path, sample_rate=16000, batch_size=3, max_skipped=0.5)
+    out, stats = run_ranks(cfg, 1, 1, drop_last=False)
+    batches = out[0][0]
+    assert stats[0][0]["skipped"] == {"bad_audio": 1}
+    assert sorted(np.concatenate([b["key"] for b in batches]).tolist()) == list(range(6))
+    for b in batches:
+        assert (b["sample_rate"] == 16000).all() and "cls" in b
+        lengths = b["audio_mask"].sum(1)
+        np.testing.assert_array_equal(lengths, [2 * (800 + 8 * k) for k in b["key"]])
+
+
+def test_an_audio_member_that_does_not_decode_is_bad_audio():
+    pytest.importorskip("soundfile")
+    with pytest.raises(BadSample) as e:
+        decode_member("flac", b"\x00" * 64)
+    assert e.value.reason == "bad_audio"
+    assert decode_member("cls", b" 3\n") == {"cls": 3}
+    assert decode_member("tokens", [1, 2]) == {"tokens": [1, 2]}
+
+
+def test_a_field_whose_type_changes_stops_the_run(ray_session, tmp_path):
+    from raypipe.preprocess.usermap import TransformOutputError
+
+    for f, dtype in enumerate((pa.int32(), pa.int64())):
+        table = pa.table({"tokens": pa.array([[1, 2], [3]] * 4, pa.list_(dtype))})
+        pq.write_table(table, tmp_path / f"part-{f}.parquet")
+    cfg = config(tmp_path, shuffle_files=False, batch_size=2)
+    with pytest.raises(
+        TransformOutputError,
+        match=r"field 'tokens' is int(32|64) with 1 dims at key .* but int(64|32)",
+    ):
+        run_ranks(cfg, 1, 1, drop_last=False)
+
+
+def test_npy_and_json_members_are_fields():
+    buf = io.BytesIO()
+    np.save(buf, np.arange(5, dtype=np.int16))
+    np.testing.assert_array_equal(decode_member("ids.npy", buf.getvalue())["ids"], np.arange(5))
+    assert decode_member("json", b'{"a": 1}') == {"json": {"a": 1}}
+    assert decode_member("txt", b"hello") == {"txt": "hello"}

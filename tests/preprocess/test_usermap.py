@@ -1,0 +1,232 @@
+"""Your own transform in the actors, through a real local Ray and the warm pipeline: seeds,
+image + mask, ragged outputs and the default collate, skips and raise, bad transforms."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from raypipe import Pipeline, PipelineConfig, SampleError, SkipLog
+from raypipe.loader.collate import pad_collate
+from raypipe.preprocess.usermap import TransformOutputError
+from tests import user_transforms
+
+T = "tests.user_transforms"
+
+
+def run(config: PipelineConfig, epochs: int = 1, **kw) -> list[list[dict]]:
+    """Every batch of every epoch (one rank), with each key checked once per epoch."""
+    out = []
+    with Pipeline(config, epochs=epochs, device="cpu", **kw) as pipe:
+        for _, batches in pipe.epochs():
+            got = [b for b in batches]
+            keys = [k for b in got for k in b["key"].tolist()]
+            assert len(keys) == len(set(keys))
+            out.append(got)
+    return out
+
+
+def by_key(batches: list[dict], field: str) -> dict[int, np.ndarray]:
+    return {
+        k: np.asarray(v) for b in batches for k, v in zip(b["key"].tolist(), b[field], strict=True)
+    }
+
+
+def test_global_generators_are_seeded_per_sample(ray_session, datasets):
+    config = PipelineConfig(source=str(datasets["parquet"]), batch_size=4, actors=(2, 2),
+                            transform=f"{T}:noisy", seed=3)  # fmt: skip
+    a, b = run(config, epochs=2), run(config.replace(actors=(1, 1)), epochs=2)
+    for epoch in range(2):
+        da, db = by_key(a[epoch], "draws"), by_key(b[epoch], "draws")
+        assert da.keys() == db.keys() and len(da) == 60
+        assert all(np.array_equal(da[k], db[k]) for k in da)  # same seed, key: same draws
+    e0, e1 = by_key(a[0], "draws"), by_key(a[1], "draws")
+    assert all(not np.array_equal(e0[k], e1[k]) for k in e0.keys() & e1.keys())
+    other = by_key(run(config.replace(seed=4))[0], "draws")
+    assert all(not np.array_equal(other[k], e0[k]) for k in other.keys() & e0.keys())
+    image = a[0][0]["image"]
+    assert image.shape == (4, 3, 8, 8) and image.dtype.is_floating_point  # normalized uint8
+
+
+def png(value: int, size=(16, 12), mode="RGB") -> bytes:
+    out = io.BytesIO()
+    Image.new(mode, size, value if mode == "L" else (value,) * 3).save(out, "PNG")
+    return out.getvalue()
+
+
+def mask_shards(root, n: int) -> None:
+    import webdataset as wds
+
+    root.mkdir(parents=True)
+    with wds.TarWriter(str(root / "shard-0000.tar")) as sink:
+        for i in range(n):
+            mask = np.zeros((12, 16), np.uint8)
+            mask[:, :8] = i % 7 + 1  # left half labelled: a flip moves it right
+            m = io.BytesIO()
+            Image.fromarray(mask, "L").save(m, "PNG")
+            sink.write({"__key__": f"s{i:04d}", "jpg": png(40 + i), "mask.png": m.getvalue(),
+                        "cls": i % 3, "json": {"source": f"cam{i % 2}"}})  # fmt: skip
+
+
+def test_image_and_mask_batch_together(ray_session, tmp_path):
+    mask_shards(tmp_path / "wds", 18)
+    config = PipelineConfig(source=str(tmp_path / "wds"), batch_size=6, actors=(1, 1),
+                            transform=f"{T}:with_mask")  # fmt: skip
+    (batches,) = run(config, normalize=False)
+    assert len(batches) == 3
+    for b in batches:
+        assert b["image"].shape == (6, 3, 8, 8) and b["mask"].shape == (6, 8, 8)
+        assert b["meta"] == [f"cam{k % 2}" for k in b["key"].tolist()]  # a list of strings
+        for k, mask in zip(b["key"].tolist(), b["mask"].numpy(), strict=True):
+            left, right = mask[:, :4], mask[:, 4:]
+            assert {int(left.max()), int(right.max())} == {0, k % 7 + 1}  # flipped together
+            assert (left.any() and not right.any()) or (right.any() and not left.any())
+
+
+def test_ragged_outputs_pad_with_a_correct_mask(ray_session, datasets):
+    config = PipelineConfig(source=str(datasets["webdataset"]), batch_size=5, actors=(1, 1),
+                            transform=f"{T}:tokens", rows_per_block=3)  # fmt: skip
+    (batches,) = run(config)
+    assert sum(len(b["key"]) for b in batches) == 60
+    for b in batches:
+        tokens, mask = b["tokens"], b["tokens_mask"]
+        assert tokens.shape[:1] == mask.shape[:1] == (5,) and mask.shape == tokens.shape
+        for k, row, m in zip(b["key"].tolist(), tokens.numpy(), mask.numpy(), strict=True):
+            n = k % 5 + 1
+            assert m.sum() == n and m[:n].all()
+            assert row[:n].tolist() == list(range(100 * k, 100 * k + n)) and not row[n:].any()
+
+
+def test_pad_collate_alone():
+    column = np.empty(3, dtype=object)
+    column[:] = [np.ones((2, 4)), np.ones((3, 4)), np.ones((1, 4))]
+    out = pad_collate({"boxes": column, "key": np.arange(3)})
+    assert out["boxes"].shape == (3, 3, 4) and out["boxes_mask"].tolist() == [
+        [True, True, False], [True, True, True], [True, False, False]
+    ]  # fmt: skip
+    assert out["boxes"][2, 1:].abs().sum() == 0
+
+
+def test_a_failing_transform_skips_exactly_and_raise_names_the_file(ray_session, datasets):
+    config = PipelineConfig(source=str(datasets["imagefolder"]), batch_size=4, actors=(1, 1),
+                            transform=f"{T}:fails_on_every_20th", max_skipped=0.1)  # fmt: skip
+    skips = SkipLog.create()
+    with Pipeline(config, epochs=1, device="cpu", skips=skips) as pipe:
+        for _, batches in pipe.epochs():
+            keys = [k for b in batches for k in b["key"].tolist()]
+            report = skips.epoch(0).report()
+    assert report["by_reason"] == {"transform_error": 4}  # keys 0, 20, 40, 60 of 61
+    assert {r["key"] for r in report["records"]} == {0, 20, 40, 60}
+    assert all("augmentation failed" in r["detail"] and str(datasets["imagefolder"]) in r["where"]
+               for r in report["records"])  # fmt: skip
+    assert len(keys) == 56 and not {0, 20, 40, 60} & set(keys)
+    with pytest.raises(SampleError) as e:
+        run(config.replace(on_error="raise"))
+    assert "transform_error" in str(e.value) and str(datasets["imagefolder"]) in str(e.value)
+
+
+def test_outputs_that_change_dtype_fail_naming_field_key_and_file(ray_session, datasets):
+    config = PipelineConfig(source=str(datasets["parquet"]), batch_size=4, actors=(1, 1),
+                            transform=f"{T}:dtype_changes_at_7", shuffle_files=False)  # fmt: skip
+    with pytest.raises(TransformOutputError) as e:
+        run(config)
+    message = str(e.value)
+    assert "field 'value'" in message and "key 7" in message and ".parquet:row7" in message
+    assert "\n" not in message
+
+
+def test_per_batch_torch_input_and_user_collate(ray_session, datasets):
+    source = str(datasets["parquet"])
+    batch = PipelineConfig(source=source, batch_size=4, actors=(1, 1), rows_per_block=4,
+                           transform=f"{T}:batch_mean", transform_batch=True)  # fmt: skip
+    (batches,) = run(batch)
+    assert sum(len(b["key"]) for b in batches) == 60 and batches[0]["mean"].dtype.is_floating_point
+    tensor = PipelineConfig(source=source, batch_size=4, actors=(1, 1), transform_input="torch",
+                            transform=f"{T}:torch_input", collate=f"{T}:sum_collate")  # fmt: skip
+    (batches,) = run(tensor)
+    assert all(set(b) == {"label_sum", "key"} for b in batches) and len(batches) == 15
+
+
+def not_importable(sample):
+    return sample
+
+
+@pytest.mark.parametrize(
+    "transform, words",
+    [
+        (lambda s: s, "cannot be pickled by reference"),
+        ("tests.no_such_module:f", "cannot import it"),
+        (f"{T}:no_such_function", "cannot import it"),
+        ("no-colon", "expected 'module:attribute'"),
+        (3, "not callable"),
+    ],
+)
+def test_bad_transforms_fail_before_any_work(transform, words):
+    with pytest.raises(ValueError) as e:
+        PipelineConfig(source="data", transform=transform)
+    assert str(e.value).startswith("PipelineConfig.transform=") and words in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_module_level_callable_is_accepted_as_it_is():
+    config = PipelineConfig(source="data", transform=user_transforms.noisy)
+    assert config.transform is user_transforms.noisy
+
+
+def test_two_ranks_equal_batches_exactly_once_with_a_transform_and_skips(ray_session, datasets):
+    from tests.ranks import run_ranks
+
+    config = PipelineConfig(source=str(datasets["webdataset"]), batch_size=4, actors=(2, 2),
+                            rows_per_block=3, transform=f"{T}:fails_on_every_20th",
+                            max_skipped=0.1)  # fmt: skip
+    out, stats = run_ranks(config, 2, 2, keys_only=True, skips=SkipLog.create())
+    for epoch in range(2):
+        a, b = out[0][epoch], out[1][epoch]
+        assert len(a) == len(b) > 0 and all(len(x) == 4 for x in a + b)
+        keys = [k for batch in a + b for k in batch]
+        assert len(keys) == len(set(keys)) and not {0, 20, 40} & set(keys)
+        good = sum(stats[r][epoch]["good"] for r in range(2))
+        assert good == 60 - 3 and len(keys) >= good - 2 * 4
+
+
+def test_an_albumentations_pipeline_as_it_is(ray_session, tmp_path):
+    """Keyword targets (image, mask), its own generator seeded per sample: the same output
+    for the same (seed, epoch, key) whatever the pool, another one in another epoch."""
+    mask_shards(tmp_path / "wds", 12)
+    config = PipelineConfig(source=str(tmp_path / "wds"), batch_size=4, actors=(1, 1),
+                            transform=user_transforms.ALBU, shuffle_files=False)  # fmt: skip
+    a = run(config, epochs=2, normalize=False)
+    b = run(config.replace(actors=(2, 2)), epochs=1, normalize=False)
+    batch = a[0][0]
+    assert batch["image"].shape == (4, 8, 8, 3) and batch["mask"].shape == (4, 8, 8)
+    ia, ib, ia1 = by_key(a[0], "image"), by_key(b[0], "image"), by_key(a[1], "image")
+    assert len(ia) == 12 and all(np.array_equal(ia[k], ib[k]) for k in ia)
+    ma, ma1 = by_key(a[0], "mask"), by_key(a[1], "mask")
+    differ = sum(not (np.array_equal(ia[k], ia1[k]) and np.array_equal(ma[k], ma1[k])) for k in ia)
+    assert differ >= 9, differ
+
+
+def test_normalize_at_its_default_leaves_a_transforms_own_layout_alone(ray_session, tmp_path):
+    """The albumentations pipeline's H×W×3 uint8 images with ``normalize`` at its default:
+    the same bytes as with ``normalize=False``; declared ``channels_last``, normalized along
+    their last axis instead."""
+    from raypipe.config.loader import IMAGENET_MEAN, IMAGENET_STD
+
+    mask_shards(tmp_path / "wds", 12)
+    config = PipelineConfig(source=str(tmp_path / "wds"), batch_size=4, actors=(1, 1),
+                            transform=user_transforms.ALBU, shuffle_files=False)  # fmt: skip
+    assert config.normalize
+    raw = by_key(run(config, normalize=False)[0], "image")
+    kept = run(config)[0]
+    assert kept[0]["image"].shape == (4, 8, 8, 3) and kept[0]["image"].dtype == torch.uint8
+    assert all(np.array_equal(raw[k], v) for k, v in by_key(kept, "image").items())
+    normed = by_key(run(config.replace(channels_last=True))[0], "image")
+    mean, std = np.array(IMAGENET_MEAN), np.array(IMAGENET_STD)
+    assert len(normed) == 12
+    for k, v in normed.items():
+        assert v.dtype == np.float32 and v.shape == (8, 8, 3)
+        np.testing.assert_allclose(v, (raw[k] / 255 - mean) / std, rtol=1e-5, atol=1e-5)
