@@ -55,7 +55,8 @@ def preprocess_task(batch: dict[str, np.ndarray], **kwargs) -> Iterator[dict[str
 
 
 class Preprocessor:
-    """The map each pool actor runs: a batch of shard rows in, blocks of images out.
+    """The map each pool actor runs: a batch of task ids (or of shard rows) in, blocks of
+    images out.
 
     Args:
         tasks: the `RankTasks` the batch's ``id`` column names (each task its epoch and
@@ -76,7 +77,6 @@ class Preprocessor:
                  tasks: RankTasks | None = None):  # fmt: skip
         if epoch is None and tasks is None:
             raise ValueError("epoch=None needs tasks= (each task names its epoch)")
-
         self.config = config
         _limit_threads(config.actor_cpus)
         _yield_to_trainers()
