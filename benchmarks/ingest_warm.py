@@ -9,7 +9,8 @@ be measured interleaved on one machine: ``--ingest`` names the ``benchmarks/`` w
         --tag before --out /tmp/warm.jsonl
 
 Prints one JSON line and appends it to ``--out``: ``steady_img_s`` (median of epochs 2-5),
-``epoch_img_s``, ``iterator_ms_per_batch`` (best of 10 passes, blocks already in the store).
+``epoch_img_s`` (the first with the pool's start), ``first_batch_s``,
+``iterator_ms_per_batch`` (best of 10 passes, blocks already in the store).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
         "raypipe": str(Path(raypipe.__file__).parent),
         "steady_img_s": warm["steady_img_s"],
         "epoch_img_s": warm["epoch_img_s"],
+        "first_batch_s": warm["first_batch_s"],
         "iterator_ms_per_batch": ingest.iterator_cost(ready),
     }
     ingest.localray.shutdown()
