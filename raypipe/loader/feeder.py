@@ -257,14 +257,16 @@ class Feeder:
 
     def _put(self, item, stall: dict[str, float] | None = None) -> None:
         """Queue ``item`` for the consumer; raises `_Closed` once `close` was called."""
-        t0 = time.perf_counter()
+        t0, flushed = time.perf_counter(), False
         try:
             while not self._closed.is_set():
                 try:
                     self._queue.put(item, timeout=_POLL_S)
                     return
                 except queue.Full:
-                    continue
+                    if not flushed and time.perf_counter() - t0 > self._gate.FLUSH_S:
+                        self._gate.flush()  # peers may wait on rows only this rank holds
+                        flushed = True
             raise _Closed
         finally:
             held = time.perf_counter() - t0  # the data waited on the trainer: one reading

@@ -14,10 +14,19 @@ only once that is certain::
                          otherwise                  → ask again (a rank is still reading)
 
 Which rows a rank delivers is then a function of its planned keys and the bad samples
-only: the first ``n·B`` good rows of its slice, in the plan's order. Reports are sent
-without waiting; a rank blocks only when its cached answer does not settle batch ``k``.
-With no bad samples the answer settles every batch before it is asked for, and
+only: the first ``n·B`` good rows of its slice, in the plan's order. With no bad samples
 ``min planned // B`` batches come out of every rank.
+
+When a rank reports (the messages): not every block, but when its cached answer is about
+to run out — it settles fewer than ``ahead`` (+ ``rank % ahead``, to spread the ranks)
+batches past the next one — and it has rows it has not reported; at once when it has all
+its rows (``done``); and, polling, while it waits. Reports are sent without waiting and
+their answers read when they have come. A rank holding ``L`` batches ahead of the batch it
+asks for settles about ``(L - ahead) / 2`` batches per report, so the messages follow the
+lead: a report a batch with the default prefetch, one a second at ten steps a second with
+about 24 batches ahead (`benchmarks/scale.py`). No rank waits forever on rows a peer holds
+but has not reported: a peer's own last report covers its own next ``ahead`` batches, and
+a feeder held by its trainer for `FLUSH_S` reports what it holds (`Gate.flush`).
 
 A rank whose data fails (``on_error="raise"``, a skip budget spent) tells the ledger
 (`Gate.fail`); a rank waiting on it then raises the same error instead of waiting forever.
@@ -126,29 +135,36 @@ class Gate:
         run: names this group of ranks in the ledger (a restarted group gets a new one).
         rank: this rank.
         batch_size: rows per batch.
+        ahead: report when the cached answer settles fewer batches past the next one than
+            this (plus ``rank % ahead``); at least 1.
     """
 
     POLL_S = (0.001, 0.02)  # first and longest pause between two asks
+    FLUSH_S = 1.0  # a feeder held this long by its trainer reports the rows it holds
 
-    def __init__(self, ledger, run: str, rank: int, batch_size: int):
+    def __init__(self, ledger, run: str, rank: int, batch_size: int, *, ahead: int = 2):
+        if ahead < 1:
+            raise ValueError(f"{ahead=} must be >= 1")
         self.ledger, self.run, self.rank, self.batch_size = ledger, run, rank, batch_size
         self.waited_s = 0.0  # time spent waiting for other ranks
-        self._epoch, self._rows, self._done = -1, 0, False
-        self._answer: tuple[float, float, BaseException | None] = (0, _INF, None)
-        self._pending = None  # the last report's answer, not yet read
+        self.reports = 0  # messages sent to the ledger
+        self._low = (ahead + rank % ahead) * batch_size  # report below this many rows settled
+        self.start(-1, 0)
 
     def start(self, epoch: int, planned_min: int) -> None:
         """A new epoch; ``planned_min`` is the fewest samples any rank was given."""
         self._epoch, self._rows, self._done = epoch, 0, False
         self._planned_min = planned_min
-        self._answer, self._pending = (0, _INF, None), None
+        self._answer: tuple[float, float, BaseException | None] = (0, _INF, None)
+        self._pending = None  # the last report's answer, not yet read
+        self._next = 0  # the next batch this rank asks for
+        self._sent, self._sent_done = -1, False  # rows and done of the last report
 
     def add(self, rows: int, *, done: bool = False) -> None:
         """This rank now holds ``rows`` more good rows of the epoch (``done``: all of them)."""
         self._rows += rows
         self._done = self._done or done
-        if self.ledger is not None:
-            self._send()
+        self._report_if_low()
 
     def allows(self, k: int) -> bool:
         """True when every rank will yield batch ``k``; False when none will."""
@@ -157,34 +173,71 @@ class Gate:
             return False
         if self.ledger is None:  # one rank: the batch exists, so its rows are there
             return True
-        sure, final, _ = self._answer
-        if need <= sure:  # settled by an earlier answer: no round trip
+        if need <= self._answer[0]:  # settled by an earlier answer: no round trip
+            self._next = k + 1
+            self._report_if_low()
             return True
-        pause, t0 = self.POLL_S[0], time.perf_counter()
+        pause, t0, fresh = self.POLL_S[0], time.perf_counter(), False
         try:
             while True:
+                if self._pending is None:  # ask now, with this rank's rows
+                    self._send()
+                    fresh = True
                 sure, final, failed = self._read()
                 if failed is not None:  # a peer stopped: it will never send its rows
                     raise failed
                 if need <= sure:
+                    self._next = k + 1
                     return True
                 if need > final:
                     return False
-                time.sleep(pause)
-                pause = min(pause * 2, self.POLL_S[1])
-                self._send()
+                if fresh:
+                    time.sleep(pause)
+                    pause = min(pause * 2, self.POLL_S[1])
+                fresh = False
         finally:
             self.waited_s += time.perf_counter() - t0
+
+    def flush(self) -> None:
+        """Report the rows not reported yet (a feeder its trainer holds calls this)."""
+        if self.ledger is not None and (self._rows > self._sent or self._done > self._sent_done):
+            self._send()
 
     def fail(self, error: BaseException) -> None:
         """This rank stopped with ``error``: ranks waiting on it raise it too."""
         if self.ledger is not None:
             self.ledger.fail.remote(self.run, error)
 
+    def _report_if_low(self) -> None:
+        """Report when done, or when the cached answer is running out and there is news."""
+        if self.ledger is None:
+            return
+        if self._done and not self._sent_done:
+            self._send()
+            return
+        if self._rows <= self._sent or self._settled_ahead() >= self._low:
+            return
+        if self._pending is not None and self._arrived():  # a fresher answer is here
+            self._read()
+            if self._settled_ahead() >= self._low:
+                return
+        self._send()
+
+    def _settled_ahead(self) -> float:
+        """Rows the cached answer settles past the next batch this rank asks for."""
+        return self._answer[0] - (self._next + 1) * self.batch_size
+
     def _send(self) -> None:
+        self.reports += 1
+        self._sent, self._sent_done = self._rows, self._done
         self._pending = self.ledger.report.remote(
             self.run, self._epoch, self.rank, self._rows, self._done
         )
+
+    def _arrived(self) -> bool:
+        import ray
+
+        return bool(ray.wait([self._pending], timeout=0)[0])
 
     def _read(self) -> tuple[float, float, BaseException | None]:
         import ray
