@@ -23,6 +23,10 @@ way it was done before so that a change shows as a pair of numbers.
           batch. With --ledger-steps steps at lead 0, --lead-steps above.
           Then the reports per second one ledger actor serves, sent as fast as one
           driver can: the ranks it can serve at that many messages each.
+  pipeline  two ranks of a real `raypipe.Pipeline` (threads of this process, one ledger) over
+          the demo digits image folder, batch 8, one epoch, a 10 ms step: the ledger reports each rank
+          sends per batch with ``lead_batches`` 0 and --pipeline-lead; a check that the
+          feeder's lead does what the simulated lead does, not a timing.
   listing the driver's listing of a source (`raypipe.data.shards.list_shards`) on moto's S3
           server on 127.0.0.1 (`loopback_s3.py`): an image folder of --objects one-byte
           images in 100 class folders, and --tars one-sample WebDataset shards (each one
@@ -196,6 +200,67 @@ def listing_points(objects: list[int], tars: int) -> list[dict]:
                 assert len(listing.shards) == count, (len(listing.shards), count)
                 rows.append({"source": what, "objects": count, "seconds": seconds,
                              "server_fill_s": fill})  # fmt: skip
+    print("\nlist_shards on the loopback S3 server (moto)")
+    print(f"{'source':>8s} {'objects':>9s} {'seconds':>9s}")
+    for r in rows:
+        print(f"{r['source']:>8s} {r['objects']:9d} {r['seconds']:9.2f}")
+    return rows
+
+
+def pipeline_points(leads: list[int]) -> list[dict]:
+    """Reports per batch of two real Pipeline ranks over the demo digits, per lead."""
+    import threading
+
+    from raypipe import Pipeline, PipelineConfig
+    from raypipe.cli.demo import write_digits
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        write_digits(Path(tmp))
+        for lead in leads:
+            config = PipelineConfig(source=str(Path(tmp) / "digits" / "train"), image_size=8,
+                                    batch_size=8,
+                                    actors=(1, 1), rows_per_block=8, lead_batches=lead)  # fmt: skip
+            ledger = Pipeline.ledger(2)
+            got: dict[int, tuple[int, int]] = {}
+
+            def rank(r: int, config=config, ledger=ledger, got=got) -> None:
+                with Pipeline(config, epochs=1, rank=r, world_size=2, ledger=ledger,
+                              device="cpu", normalize=False) as pipe:  # fmt: skip
+                    batches = 0
+                    for _, epoch in pipe.epochs():
+                        for _ in epoch:
+                            time.sleep(STEP_S / 10)  # a train step of 10 ms
+                            batches += 1
+                    got[r] = (batches, pipe._gate.reports)
+
+            threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert got[0][0] == got[1][0], got  # equal batch counts
+            rows.extend({"lead_batches": lead, "rank": r, "batches": b, "reports": n,
+                         "reports_per_batch": n / b} for r, (b, n) in sorted(got.items()))  # fmt: skip
+    return rows
+
+
+def run_pipeline(lead: int) -> list[dict]:
+    """The pipeline part on its own local Ray, printed."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from ingest import start_ray
+
+    from raypipe.cli import localray
+
+    start_ray()
+    try:
+        rows = pipeline_points([0, lead])
+    finally:
+        localray.shutdown()
+    print("\ntwo Pipeline ranks over the demo digits, batch 8: ledger reports per batch")
+    for r in rows:
+        print(f"lead_batches={r['lead_batches']:3d} rank {r['rank']}: {r['batches']} batches, "
+              f"{r['reports']} reports, {r['reports_per_batch']:.2f} per batch")  # fmt: skip
     return rows
 
 
@@ -251,8 +316,10 @@ def main(argv: list[str] | None = None) -> dict:
                    help="image-folder sizes listed (default: %(default)s)")  # fmt: skip
     p.add_argument("--tars", type=int, default=1000, help="WebDataset shards listed "
                    "(counted one by one; default: %(default)s)")  # fmt: skip
-    p.add_argument("--parts", nargs="+", choices=("plan", "state", "ledger", "listing"),
-                   default=["plan", "state", "ledger", "listing"])  # fmt: skip
+    p.add_argument("--pipeline-lead", type=int, default=16, help="(default: %(default)s)")
+    p.add_argument("--parts", nargs="+",
+                   choices=("plan", "state", "ledger", "pipeline", "listing"),
+                   default=["plan", "state", "ledger", "pipeline", "listing"])  # fmt: skip
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
     args = p.parse_args(argv)
     if min(args.ranks) < 1 or args.samples < max(args.ranks) or args.shards < 1:
@@ -312,12 +379,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"one ledger actor serves {cap:,.0f} reports/s: at 1 per rank per second, "
               f"{cap:,.0f} ranks")  # fmt: skip
         plot(result, args.out / "scale.png")
+    if "pipeline" in args.parts:
+        result["pipeline"] = run_pipeline(args.pipeline_lead)
     if "listing" in args.parts:
         result["listing"] = listing_points([int(n) for n in args.objects], args.tars)
-        print("\nlist_shards on the loopback S3 server (moto)")
-        print(f"{'source':>8s} {'objects':>9s} {'seconds':>9s}")
-        for r in result["listing"]:
-            print(f"{r['source']:>8s} {r['objects']:9d} {r['seconds']:9.2f}")
     path = args.out / "scale.json"  # a run of some parts keeps the others' figures
     old = json.loads(path.read_text()) if path.exists() else {}
     path.write_text(json.dumps({**old, **result}, indent=2))
