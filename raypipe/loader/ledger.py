@@ -22,11 +22,12 @@ to run out — it settles fewer than ``ahead`` (+ ``rank % ahead``, to spread th
 batches past the next one — and it has rows it has not reported; at once when it has all
 its rows (``done``); and, polling, while it waits. Reports are sent without waiting and
 their answers read when they have come. A rank holding ``L`` batches ahead of the batch it
-asks for settles about ``(L - ahead) / 2`` batches per report, so the messages follow the
-lead: a report a batch with the default prefetch, one a second at ten steps a second with
-about 24 batches ahead (`benchmarks/scale.py`). No rank waits forever on rows a peer holds
-but has not reported: a peer's own last report covers its own next ``ahead`` batches, and
-a feeder held by its trainer for `FLUSH_S` reports what it holds (`Gate.flush`).
+asks for reports about every ``L / 3`` batches, so the messages follow the lead
+(``PipelineConfig.lead_batches``): about two a batch at lead 0; under one a second at ten
+steps a second with 32 batches ahead up to 256 ranks, 48 at 1,024 (`benchmarks/scale.py`).
+No rank waits forever on rows a peer holds but has not reported: a peer's own last report
+covers its own next ``ahead`` batches, and a feeder held by its trainer for `FLUSH_S`
+reports what it holds (`Gate.flush`).
 
 A rank whose data fails (``on_error="raise"``, a skip budget spent) tells the ledger
 (`Gate.fail`); a rank waiting on it then raises the same error instead of waiting forever.
