@@ -12,16 +12,30 @@ way it was done before so that a change shows as a pair of numbers.
           bytes on disk and seconds to save and load; before: the raw bits (N/8 bytes).
   ledger  the equal-batches ledger (`raypipe.loader.ledger`, a real actor on a local
           Ray) and N simulated ranks on clean data, one block and one batch per 100 ms
-          step: messages per rank per second and the wait on the ledger per step. The
-          ranks are driven round-robin from one thread: every rank's block of a step is
-          reported before any rank asks for its batch. With --ledger-steps steps.
+          step, each rank holding --leads batches of rows pulled ahead of the batch it
+          asks for (0: the feeder today, which asks for a batch as soon as its rows are
+          in): messages per rank per second in mid-epoch (the report each rank sends at
+          an epoch's start and end left out) and the wait on the ledger per step after
+          the first (the epoch's first batch waits for every rank's first report; its
+          wait is apart); before: a report on every block, as the gate did. The ranks are driven
+          round-robin from one thread, no faster than real time (slower from 64 ranks
+          at lead 0): every rank's block of a step is pulled before any rank asks for its
+          batch. With --ledger-steps steps at lead 0, --lead-steps above.
           Then the reports per second one ledger actor serves, sent as fast as one
           driver can: the ranks it can serve at that many messages each.
+  pipeline  two ranks of a real `raypipe.Pipeline` (threads of this process, one ledger) over
+          the demo digits image folder, batch 8, one epoch, a 10 ms step: the ledger reports each rank
+          sends per batch with ``lead_batches`` 0 and --pipeline-lead; a check that the
+          feeder's lead does what the simulated lead does, not a timing.
+  listing the driver's listing of a source (`raypipe.plan.shards.list_shards`) on moto's S3
+          server on 127.0.0.1 (`loopback_s3.py`): an image folder of --objects one-byte
+          images in 100 class folders, and --tars one-sample WebDataset shards (each one
+          is opened to count its samples).
 
     python benchmarks/scale.py [--ranks 8 64 256 1024] [--samples 1e9] [--shards 1e5]
 
-Prints tables and writes ``scale.json`` and ``scale.png`` (messages and wait against N)
-under --out.
+Prints tables and writes ``scale.json`` (updated with the parts run) and ``scale.png``
+(messages and wait against N) under --out.
 """
 
 from __future__ import annotations
@@ -104,38 +118,44 @@ def state_point(first, counts, world: int, out: Path) -> dict:
             "save_s": t1 - t0, "load_s": t2 - t1}  # fmt: skip
 
 
-def ledger_point(world: int, steps: int) -> dict:
-    """Messages and waits of ``world`` simulated ranks over ``steps`` clean steps."""
+def ledger_point(world: int, steps: int, lead: int, *, before: bool = False) -> dict:
+    """Messages and waits of ``world`` simulated ranks over ``steps`` clean steps, each
+    rank holding ``lead`` batches of rows pulled ahead of the batch it asks for."""
     import ray
 
     from raypipe.loader.ledger import Gate, create_ledger
 
     ledger = create_ledger(world)
-    sent = [0] * world
-
-    class Counted(Gate):
-        def _send(self) -> None:
-            sent[self.rank] += 1
-            super()._send()
-
-    gates = [Counted(ledger, "scale", r, BATCH) for r in range(world)]
-    planned = (steps + 2) * BATCH
+    gates = [Gate(ledger, "scale", r, BATCH) for r in range(world)]
+    planned = (steps + lead + 2) * BATCH
     for gate in gates:
         gate.start(0, planned)
+        if before:
+            gate._low = float("inf")  # report on every block, as the gate did before
+        gate.add(lead * BATCH)  # the rows pulled ahead before the first step
+    start = sum(g.reports for g in gates)  # one report per rank at the epoch's start
     t0 = time.perf_counter()
     for k in range(steps):
-        for gate in gates:  # each rank's block of this step arrives
-            gate.add(BATCH, done=k == steps - 1)
+        for gate in gates:  # each rank's block of this step arrives (mid-epoch: not done)
+            gate.add(BATCH)
         for gate in gates:  # then each rank asks for its batch
             assert gate.allows(k)
+        if k == 0:  # the first batch waits for every rank's first report: apart
+            first = np.array([g.waited_s for g in gates])
+        if (ahead := t0 + (k + 1) * STEP_S - time.perf_counter()) > 0:
+            time.sleep(ahead)  # no faster than real time: the actor sees a real load
     wall = time.perf_counter() - t0
     ray.kill(ledger)
-    waits = np.array([g.waited_s for g in gates]) / steps
-    return {"ranks": world, "steps": steps, "wall_s": wall,
-            "messages_per_rank_s": sum(sent) / world / (steps * STEP_S),
+    waits = (np.array([g.waited_s for g in gates]) - first) / (steps - 1)
+    return {"ranks": world, "steps": steps, "lead_batches": lead, "before": before,
+            "wall_s": wall,
+            "messages_per_rank_s": (sum(g.reports for g in gates) - start) / world
+                                   / (steps * STEP_S),
             "wait_per_step_ms": float(np.median(waits)) * 1e3,
             "wait_per_step_max_ms": float(waits.max()) * 1e3,
             "wait_share_of_step": float(np.median(waits)) / STEP_S,
+            "wait_share_max": float(waits.max()) / STEP_S,
+            "first_batch_wait_max_ms": float(first.max()) * 1e3,
             "simulated_s_per_wall_s": steps * STEP_S / wall}  # fmt: skip
 
 
@@ -155,25 +175,128 @@ def ledger_capacity(reports: int) -> dict:
     return {"reports": reports, "served_per_s": reports / wall}
 
 
+def listing_points(objects: list[int], tars: int) -> list[dict]:
+    """Seconds `list_shards` takes over an image folder of each of ``objects`` sizes, and
+    over ``tars`` WebDataset shards, on a filled moto S3 server on loopback."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from loopback_s3 import BUCKET, moto_server, storage_options
+
+    from raypipe import PipelineConfig
+    from raypipe.plan.shards import list_shards
+
+    rows = []
+    for n in objects:
+        t0 = time.perf_counter()
+        with moto_server(images=n, tars=tars if n == objects[-1] else 0) as url:
+            fill = time.perf_counter() - t0
+            for what, count in (("images", n), ("tars", tars if n == objects[-1] else 0)):
+                if not count:
+                    continue
+                config = PipelineConfig(source=f"s3://{BUCKET}/{what}",
+                                        storage_options=storage_options(url))  # fmt: skip
+                t0 = time.perf_counter()
+                listing = list_shards(config)
+                seconds = time.perf_counter() - t0
+                assert len(listing.shards) == count, (len(listing.shards), count)
+                rows.append({"source": what, "objects": count, "seconds": seconds,
+                             "server_fill_s": fill})  # fmt: skip
+    print("\nlist_shards on the loopback S3 server (moto)")
+    print(f"{'source':>8s} {'objects':>9s} {'seconds':>9s}")
+    for r in rows:
+        print(f"{r['source']:>8s} {r['objects']:9d} {r['seconds']:9.2f}")
+    return rows
+
+
+def pipeline_points(leads: list[int]) -> list[dict]:
+    """Reports per batch of two real Pipeline ranks over the demo digits, per lead."""
+    import threading
+
+    from raypipe import Pipeline, PipelineConfig
+    from raypipe.cli.demo import write_digits
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        write_digits(Path(tmp))
+        for lead in leads:
+            config = PipelineConfig(source=str(Path(tmp) / "digits" / "train"), image_size=8,
+                                    batch_size=8,
+                                    actors=(1, 1), rows_per_block=8, lead_batches=lead)  # fmt: skip
+            ledger = Pipeline.ledger(2)
+            got: dict[int, tuple[int, int]] = {}
+
+            def rank(r: int, config=config, ledger=ledger, got=got) -> None:
+                with Pipeline(config, epochs=1, rank=r, world_size=2, ledger=ledger,
+                              device="cpu", normalize=False) as pipe:  # fmt: skip
+                    batches = 0
+                    for _, epoch in pipe.epochs():
+                        for _ in epoch:
+                            time.sleep(STEP_S / 10)  # a train step of 10 ms
+                            batches += 1
+                    got[r] = (batches, pipe._gate.reports)
+
+            threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert got[0][0] == got[1][0], got  # equal batch counts
+            rows.extend({"lead_batches": lead, "rank": r, "batches": b, "reports": n,
+                         "reports_per_batch": n / b} for r, (b, n) in sorted(got.items()))  # fmt: skip
+    return rows
+
+
+def run_pipeline(lead: int) -> list[dict]:
+    """The pipeline part on its own local Ray, printed."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from ingest import start_ray
+
+    from raypipe.cli import localray
+
+    start_ray()
+    try:
+        rows = pipeline_points([0, lead])
+    finally:
+        localray.shutdown()
+    print("\ntwo Pipeline ranks over the demo digits, batch 8: ledger reports per batch")
+    for r in rows:
+        print(f"lead_batches={r['lead_batches']:3d} rank {r['rank']}: {r['batches']} batches, "
+              f"{r['reports']} reports, {r['reports_per_batch']:.2f} per batch")  # fmt: skip
+    return rows
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["ledger"]
-    n = [r["ranks"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.plot(n, [r["messages_per_rank_s"] for r in rows], "o-", label="now")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, rows in _ledger_series(result["ledger"]).items():
+        n = [r["ranks"] for r in rows]
+        a.plot(n, [r["messages_per_rank_s"] for r in rows], "o-", label=label)
+        (line,) = b.plot(n, [100 * r["wait_share_of_step"] for r in rows], "o-", label=label)
+        b.plot(n, [100 * r.get("wait_share_max", np.nan) for r in rows], "x:",
+               color=line.get_color())  # fmt: skip
     a.axhline(1, color="grey", ls="--", label="goal: 1")
     a.set(xscale="log", yscale="log", xlabel="ranks", ylabel="messages per rank per second")
-    b.plot(n, [100 * r["wait_share_of_step"] for r in rows], "o-", label="median rank")
     b.axhline(1, color="grey", ls="--", label="goal: 1 %")
-    b.set(xscale="log", xlabel="ranks", ylabel="wait on the ledger, % of a 100 ms step")
+    b.set_yscale("symlog", linthresh=0.01)
+    b.set_ylim(bottom=0)
+    b.set(xscale="log", xlabel="ranks",
+          ylabel="wait on the ledger, % of a step")  # fmt: skip
+    b.set_title("median rank (o), worst rank (x)", fontsize=9)
     for ax in (a, b):
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def _ledger_series(rows: list[dict]) -> dict[str, list[dict]]:
+    series: dict[str, list[dict]] = {}
+    for r in rows:
+        label = f"{'before' if r['before'] else 'now'}, {r['lead_batches']} batches ahead"
+        series.setdefault(label, []).append(r)
+    return series
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -183,9 +306,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--shards", type=float, default=1e5, help="shards (default: %(default)g)")
     p.add_argument("--before-samples", type=float, default=1e8,
                    help="samples for the 'before' plans (default: %(default)g)")  # fmt: skip
-    p.add_argument("--ledger-steps", type=int, default=20, help="(default: %(default)s)")
-    p.add_argument("--parts", nargs="+", choices=("plan", "state", "ledger"),
-                   default=["plan", "state", "ledger"])  # fmt: skip
+    p.add_argument("--ledger-steps", type=int, default=40, help="(default: %(default)s)")
+    p.add_argument("--lead-steps", type=int, default=100,
+                   help="steps with a lead above 0 (default: %(default)s)")  # fmt: skip
+    p.add_argument("--leads", type=int, nargs="+", default=[0, 16, 32, 48],
+                   help="batches of rows each simulated rank holds ahead of the batch it "
+                   "asks for (default: %(default)s; before: the first)")  # fmt: skip
+    p.add_argument("--objects", type=float, nargs="+", default=[1e4, 1e5],
+                   help="image-folder sizes listed (default: %(default)s)")  # fmt: skip
+    p.add_argument("--tars", type=int, default=1000, help="WebDataset shards listed "
+                   "(counted one by one; default: %(default)s)")  # fmt: skip
+    p.add_argument("--pipeline-lead", type=int, default=16, help="(default: %(default)s)")
+    p.add_argument("--parts", nargs="+",
+                   choices=("plan", "state", "ledger", "pipeline", "listing"),
+                   default=["plan", "state", "ledger", "pipeline", "listing"])  # fmt: skip
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
     args = p.parse_args(argv)
     if min(args.ranks) < 1 or args.samples < max(args.ranks) or args.shards < 1:
@@ -220,23 +354,38 @@ def main(argv: list[str] | None = None) -> dict:
 
         start_ray()
         try:
-            result["ledger"] = [ledger_point(w, args.ledger_steps) for w in args.ranks]
+            result["ledger"] = [
+                ledger_point(
+                    w, args.ledger_steps if lead == 0 else args.lead_steps, lead, before=before
+                )  # fmt: skip
+                for before, lead in [(True, args.leads[0])] + [(False, x) for x in args.leads]
+                for w in args.ranks
+            ]
             result["ledger_capacity"] = ledger_capacity(20_000)
         finally:
             localray.shutdown()
         print(f"\nthe ledger on clean data, {args.ledger_steps} steps of {STEP_S * 1e3:.0f} ms")
-        print(f"{'ranks':>6s} {'msgs/rank/s':>12s} {'wait ms/step':>13s} {'max ms':>8s} "
-              f"{'% of step':>10s} {'sim s / wall s':>15s}")  # fmt: skip
-        for r in result["ledger"]:
-            print(f"{r['ranks']:6d} {r['messages_per_rank_s']:12.1f} {r['wait_per_step_ms']:13.3f} "
-                  f"{r['wait_per_step_max_ms']:8.2f} {100 * r['wait_share_of_step']:10.2f} "
-                  f"{r['simulated_s_per_wall_s']:15.2f}")  # fmt: skip
+        print(f"{'gate':>25s} {'ranks':>6s} {'msgs/rank/s':>12s} {'wait ms/step':>13s} "
+              f"{'max ms':>8s} {'% of step':>10s} {'max %':>7s} {'1st batch max ms':>17s} "
+              f"{'sim s / wall s':>15s}")  # fmt: skip
+        for label, rows in _ledger_series(result["ledger"]).items():
+            for r in rows:
+                print(f"{label:>25s} {r['ranks']:6d} {r['messages_per_rank_s']:12.2f} "
+                      f"{r['wait_per_step_ms']:13.3f} {r['wait_per_step_max_ms']:8.2f} "
+                      f"{100 * r['wait_share_of_step']:10.3f} {100 * r['wait_share_max']:7.2f} "
+                      f"{r['first_batch_wait_max_ms']:17.1f} "
+                      f"{r['simulated_s_per_wall_s']:15.2f}")  # fmt: skip
         cap = result["ledger_capacity"]["served_per_s"]
-        print(f"one ledger actor serves {cap:,.0f} reports/s: at "
-              f"{result['ledger'][-1]['messages_per_rank_s']:.0f} per rank per second, "
-              f"{cap / result['ledger'][-1]['messages_per_rank_s']:,.0f} ranks")  # fmt: skip
+        print(f"one ledger actor serves {cap:,.0f} reports/s: at 1 per rank per second, "
+              f"{cap:,.0f} ranks")  # fmt: skip
         plot(result, args.out / "scale.png")
-    (args.out / "scale.json").write_text(json.dumps(result, indent=2))
+    if "pipeline" in args.parts:
+        result["pipeline"] = run_pipeline(args.pipeline_lead)
+    if "listing" in args.parts:
+        result["listing"] = listing_points([int(n) for n in args.objects], args.tars)
+    path = args.out / "scale.json"  # a run of some parts keeps the others' figures
+    old = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**old, **result}, indent=2))
     print(f"wrote {args.out / 'scale.json'}")
     return result
 

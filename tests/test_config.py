@@ -31,6 +31,7 @@ def test_defaults_and_list_coercion(tmp_path):
         ("mean", (0.5, 0.5)),
         ("actor_cpus", 0),
         ("shuffle_buffer", -3),
+        ("lead_batches", -1),
         ("source", ""),
         ("source", ()),
     ],

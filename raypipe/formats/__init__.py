@@ -147,10 +147,7 @@ def infer_format(paths: list[str], storage: Storage | None = None) -> str:
     dirs = [p for p in paths if storage.kind(p) == "dir"]
     for p in paths:
         if p in dirs:
-            for i, f in enumerate(storage.walk(p)):
-                files.append(f)
-                if i > 64:
-                    break
+            files.extend(storage.first_files(p, 66))
         else:
             files.append(p)
     exts = {os.path.splitext(f)[1].lower() for f in files}

@@ -12,7 +12,8 @@
 ```
 
 In flight at once: the executor's blocks in the object store (epoch e+1 while the trainer
-is still on epoch e), one block and one partial batch here, ``prefetch`` batches in the
+is still on epoch e), one block and one partial batch here (and ``lead`` batches of blocks
+pulled ahead of the batch the gate is asked about, when set), ``prefetch`` batches in the
 queue. Time is accounted per epoch to the stage that held the thread, so ``stalls(e)``
 says whether this rank's data was waiting on Ray (actors, read, object store), on other
 ranks, on its own conversion, or on the trainer.
@@ -20,6 +21,7 @@ ranks, on its own conversion, or on the trainer.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import threading
@@ -36,13 +38,27 @@ from raypipe.loader.rebatch import rebatch
 from raypipe.loader.shuffle import shuffled
 from raypipe.plan.rankplan import RankPlan
 
-__all__ = ["Feeder"]
+__all__ = ["Feeder", "held_ahead"]
 assert __all__ == sorted(__all__)
 
 Columns = dict[str, np.ndarray]
 _END, _BATCH, _FAIL = "end", "batch", "fail"
 _POLL_S = 0.05  # how often a blocked put checks for close()
 STAGES = ("ray_s", "peers_s", "iterator_s", "trainer_s")
+
+
+def held_ahead(blocks: Iterator[Columns], rows: int) -> Iterator[Columns]:
+    """``blocks`` in order, each once ``rows`` more rows were pulled after it (or the blocks
+    ended): what a rank tells its gate runs ``rows`` ahead of the batches it forms."""
+    held: collections.deque[Columns] = collections.deque()
+    count = 0
+    for block in blocks:
+        held.append(block)
+        count += len(block["key"])
+        while held and count - len(held[0]["key"]) >= rows:
+            count -= len(held[0]["key"])
+            yield held.popleft()
+    yield from held
 
 
 class _Closed(Exception):
@@ -67,15 +83,17 @@ class Feeder:
         form: step 3 in place of re-batching: `raypipe.loader.buckets.Bucketing` or
             `raypipe.loader.packing.Packing`, called ``form(rows, epoch, plan, counts)``;
             ``form.gated`` False: it fixes equal batch counts itself (no ledger).
+        lead: batches of rows pulled (and told to the gate) ahead of the batch the gate
+            is asked about (`held_ahead`): the gate reports less often.
     """
 
     def __init__(self, start, plan: RankPlan, gate: Gate, epochs: range, *, batch_size: int,
                  prefetch: int, shuffle_buffer: int = 0, seed: int = 0, demand=None,
-                 drop_last: bool = True, form=None):  # fmt: skip
+                 drop_last: bool = True, form=None, lead: int = 0):  # fmt: skip
         self._start, self._plan, self._gate, self._epochs = start, plan, gate, epochs
         self._stop = None
         self._batch_size, self._buffer, self._seed = batch_size, shuffle_buffer, seed
-        self._drop_last, self._form = drop_last, form
+        self._drop_last, self._form, self._lead = drop_last, form, lead * batch_size
         self._queue: queue.Queue = queue.Queue(maxsize=max(prefetch, 1))
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raypipe-feeder", daemon=True)
@@ -189,7 +207,7 @@ class Feeder:
                 yield {k: v for k, v in block.items() if k != "epoch"}
             self._gate.add(0, done=True)
 
-        source, formed = mine(), {}
+        source, formed = held_ahead(mine(), self._lead), {}
         batches = self._batches(source, e, formed)
         k = rows = 0
         t0, ray0 = time.perf_counter(), stall["ray_s"]
@@ -233,14 +251,16 @@ class Feeder:
 
     def _put(self, item, stall: dict[str, float] | None = None) -> None:
         """Queue ``item`` for the consumer; raises `_Closed` once `close` was called."""
-        t0 = time.perf_counter()
+        t0, flushed = time.perf_counter(), False
         try:
             while not self._closed.is_set():
                 try:
                     self._queue.put(item, timeout=_POLL_S)
                     return
                 except queue.Full:
-                    continue
+                    if not flushed and time.perf_counter() - t0 > self._gate.FLUSH_S:
+                        self._gate.flush()  # peers may wait on rows only this rank holds
+                        flushed = True
             raise _Closed
         finally:
             held = time.perf_counter() - t0  # the data waited on the trainer: one reading

@@ -14,19 +14,28 @@ only once that is certain::
                          otherwise                  → ask again (a rank is still reading)
 
 Which rows a rank delivers is then a function of its planned keys and the bad samples
-only: the first ``n·B`` good rows of its slice, in the plan's order. Reports are sent
-without waiting; a rank blocks only when its cached answer does not settle batch ``k``.
-With no bad samples the answer settles every batch before it is asked for, and
-``min planned // B`` batches come out of every rank.
+only: the first ``n·B`` good rows of its slice, in the plan's order.
+
+When a rank reports (the messages): not every block, but when its cached answer is about
+to run out — it settles fewer than ``ahead`` (+ ``rank % ahead``, to spread the ranks)
+batches past the next one — and it has rows it has not reported; at once when it has all
+its rows (``done``); and, polling, while it waits. Reports are sent without waiting and
+their answers read when they have come. A rank holding ``L`` batches ahead of the batch it
+asks for reports about every ``L / 3`` batches, so the messages follow the lead
+(``PipelineConfig.lead_batches``): about two a batch at lead 0; under one a second at ten
+steps a second with 32 batches ahead up to 256 ranks, 48 at 1,024 (`benchmarks/scale.py`).
+No rank waits forever on rows a peer holds but has not reported: a peer's own last report
+covers its own next ``ahead`` batches, and a feeder held by its trainer for `FLUSH_S`
+reports what it holds (`Gate.flush`).
 
 A rank whose data fails (``on_error="raise"``, a skip budget spent) tells the ledger
 (`Gate.fail`); a rank waiting on it then raises the same error instead of waiting forever.
 
 Ranks that build their pipelines themselves (`raypipe.Loader`: torchrun, a user's own
 trainer) first `join` the ledger with their rank, world size and settings, and wait there
-until every rank did (`wait_for_ranks`); a rank that disagrees stops them all before any
-work, with one line naming the difference. Such ranks may share the ledger by name
-(`named_ledger`) instead of a handle passed around.
+until every rank did (`raypipe.train.ranks.wait_for_ranks`); a rank that disagrees stops
+them all before any work, with one line naming the difference. Such ranks may share the
+ledger by name (`raypipe.train.ranks.named_ledger`) instead of a handle passed around.
 """
 
 from __future__ import annotations
@@ -38,8 +47,6 @@ __all__ = [
     "Gate",
     "RanksDisagree",
     "create_ledger",
-    "named_ledger",
-    "wait_for_ranks",
 ]
 assert __all__ == sorted(__all__)
 
@@ -126,29 +133,36 @@ class Gate:
         run: names this group of ranks in the ledger (a restarted group gets a new one).
         rank: this rank.
         batch_size: rows per batch.
+        ahead: report when the cached answer settles fewer batches past the next one than
+            this (plus ``rank % ahead``); at least 1.
     """
 
     POLL_S = (0.001, 0.02)  # first and longest pause between two asks
+    FLUSH_S = 1.0  # a feeder held this long by its trainer reports the rows it holds
 
-    def __init__(self, ledger, run: str, rank: int, batch_size: int):
+    def __init__(self, ledger, run: str, rank: int, batch_size: int, *, ahead: int = 2):
+        if ahead < 1:
+            raise ValueError(f"{ahead=} must be >= 1")
         self.ledger, self.run, self.rank, self.batch_size = ledger, run, rank, batch_size
         self.waited_s = 0.0  # time spent waiting for other ranks
-        self._epoch, self._rows, self._done = -1, 0, False
-        self._answer: tuple[float, float, BaseException | None] = (0, _INF, None)
-        self._pending = None  # the last report's answer, not yet read
+        self.reports = 0  # messages sent to the ledger
+        self._low = (ahead + rank % ahead) * batch_size  # report below this many rows settled
+        self.start(-1, 0)
 
     def start(self, epoch: int, planned_min: int) -> None:
         """A new epoch; ``planned_min`` is the fewest samples any rank was given."""
         self._epoch, self._rows, self._done = epoch, 0, False
         self._planned_min = planned_min
-        self._answer, self._pending = (0, _INF, None), None
+        self._answer: tuple[float, float, BaseException | None] = (0, _INF, None)
+        self._pending = None  # the last report's answer, not yet read
+        self._next = 0  # the next batch this rank asks for
+        self._sent, self._sent_done = -1, False  # rows and done of the last report
 
     def add(self, rows: int, *, done: bool = False) -> None:
         """This rank now holds ``rows`` more good rows of the epoch (``done``: all of them)."""
         self._rows += rows
         self._done = self._done or done
-        if self.ledger is not None:
-            self._send()
+        self._report_if_low()
 
     def allows(self, k: int) -> bool:
         """True when every rank will yield batch ``k``; False when none will."""
@@ -157,34 +171,71 @@ class Gate:
             return False
         if self.ledger is None:  # one rank: the batch exists, so its rows are there
             return True
-        sure, final, _ = self._answer
-        if need <= sure:  # settled by an earlier answer: no round trip
+        if need <= self._answer[0]:  # settled by an earlier answer: no round trip
+            self._next = k + 1
+            self._report_if_low()
             return True
-        pause, t0 = self.POLL_S[0], time.perf_counter()
+        pause, t0, fresh = self.POLL_S[0], time.perf_counter(), False
         try:
             while True:
+                if self._pending is None:  # ask now, with this rank's rows
+                    self._send()
+                    fresh = True
                 sure, final, failed = self._read()
                 if failed is not None:  # a peer stopped: it will never send its rows
                     raise failed
                 if need <= sure:
+                    self._next = k + 1
                     return True
                 if need > final:
                     return False
-                time.sleep(pause)
-                pause = min(pause * 2, self.POLL_S[1])
-                self._send()
+                if fresh:
+                    time.sleep(pause)
+                    pause = min(pause * 2, self.POLL_S[1])
+                fresh = False
         finally:
             self.waited_s += time.perf_counter() - t0
+
+    def flush(self) -> None:
+        """Report the rows not reported yet (a feeder its trainer holds calls this)."""
+        if self.ledger is not None and (self._rows > self._sent or self._done > self._sent_done):
+            self._send()
 
     def fail(self, error: BaseException) -> None:
         """This rank stopped with ``error``: ranks waiting on it raise it too."""
         if self.ledger is not None:
             self.ledger.fail.remote(self.run, error)
 
+    def _report_if_low(self) -> None:
+        """Report when done, or when the cached answer is running out and there is news."""
+        if self.ledger is None:
+            return
+        if self._done and not self._sent_done:
+            self._send()
+            return
+        if self._rows <= self._sent or self._settled_ahead() >= self._low:
+            return
+        if self._pending is not None and self._arrived():  # a fresher answer is here
+            self._read()
+            if self._settled_ahead() >= self._low:
+                return
+        self._send()
+
+    def _settled_ahead(self) -> float:
+        """Rows the cached answer settles past the next batch this rank asks for."""
+        return self._answer[0] - (self._next + 1) * self.batch_size
+
     def _send(self) -> None:
+        self.reports += 1
+        self._sent, self._sent_done = self._rows, self._done
         self._pending = self.ledger.report.remote(
             self.run, self._epoch, self.rank, self._rows, self._done
         )
+
+    def _arrived(self) -> bool:
+        import ray
+
+        return bool(ray.wait([self._pending], timeout=0)[0])
 
     def _read(self) -> tuple[float, float, BaseException | None]:
         import ray
@@ -209,46 +260,3 @@ def create_ledger(world_size: int):
         )  # fmt: skip
         .remote(world_size)
     )
-
-
-def named_ledger(name: str, world_size: int):
-    """The `EpochLedger` actor called ``name``, made by the first rank that asks (no CPUs).
-
-    It belongs to that rank's process and ends with it: every rank leaves it
-    (`EpochLedger.leave`) and waits for the others before its process ends (`raypipe.Loader.close` does)."""
-    import ray
-
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"ledger={name!r} must be a non-empty name or a Pipeline.ledger handle")
-    return (
-        ray.remote(EpochLedger)
-        .options(
-            name=f"raypipe-ledger-{name}",
-            namespace=NAMESPACE,
-            get_if_exists=True,
-            num_cpus=0,
-            max_restarts=0,
-        )  # fmt: skip
-        .remote(world_size)
-    )
-
-
-def wait_for_ranks(ledger, run: str, *, rank: int, world_size: int, settings: dict[str, str],
-                   timeout_s: float) -> None:  # fmt: skip
-    """Join ``run`` and return once all ``world_size`` ranks did; `RanksDisagree` (on every
-    rank) when one differs, TimeoutError when they do not all come in ``timeout_s``."""
-    import ray
-
-    count, failed = ray.get(ledger.join.remote(run, rank, world_size, settings))
-    deadline, pause = time.monotonic() + timeout_s, Gate.POLL_S[0]
-    while failed is None and count < world_size:
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"{count} of world_size={world_size} ranks started in {timeout_s:.0f} s: "
-                "is every rank running, with the same world size?"
-            )
-        time.sleep(pause)
-        pause = min(pause * 2, 0.2)
-        count, failed = ray.get(ledger.joined.remote(run))
-    if failed is not None:
-        raise failed

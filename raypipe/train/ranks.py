@@ -5,7 +5,7 @@
  resolve_world   rank, world size: given, else torch.distributed's, else RANK / WORLD_SIZE
  join_ranks      the ledger: a handle, a name, or a name rank 0 broadcasts over
                  torch.distributed; every rank joins it with its settings and waits for
-                 the others (raypipe.loader.ledger.wait_for_ranks): one that disagrees
+                 the others (wait_for_ranks): one that disagrees
                  stops them all before work
  leave           a named ledger ends with the process that made it: ranks wait for each other
 ```
@@ -21,11 +21,18 @@ from typing import Any
 
 from raypipe import localnode
 from raypipe.config import PipelineConfig
-from raypipe.loader.ledger import named_ledger, wait_for_ranks
+from raypipe.loader.ledger import NAMESPACE, EpochLedger, Gate
 from raypipe.plan.shards import Listing
 from raypipe.train.state import fingerprint
 
-__all__ = ["join_ranks", "leave", "resolve_world", "run_settings"]
+__all__ = [
+    "join_ranks",
+    "leave",
+    "named_ledger",
+    "resolve_world",
+    "run_settings",
+    "wait_for_ranks",
+]
 assert __all__ == sorted(__all__)
 
 
@@ -103,3 +110,46 @@ def leave(ledger, run: str, rank: int, timeout_s: float = 60.0) -> None:
             remaining = ray.get(ledger.leave.remote(run, rank))
     except ray.exceptions.RayActorError:  # its maker is gone: nobody waits on it
         return
+
+
+def named_ledger(name: str, world_size: int):
+    """The `EpochLedger` actor called ``name``, made by the first rank that asks (no CPUs).
+
+    It belongs to that rank's process and ends with it: every rank leaves it
+    (`EpochLedger.leave`) and waits for the others before its process ends (`raypipe.Loader.close` does)."""
+    import ray
+
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"ledger={name!r} must be a non-empty name or a Pipeline.ledger handle")
+    return (
+        ray.remote(EpochLedger)
+        .options(
+            name=f"raypipe-ledger-{name}",
+            namespace=NAMESPACE,
+            get_if_exists=True,
+            num_cpus=0,
+            max_restarts=0,
+        )  # fmt: skip
+        .remote(world_size)
+    )
+
+
+def wait_for_ranks(ledger, run: str, *, rank: int, world_size: int, settings: dict[str, str],
+                   timeout_s: float) -> None:  # fmt: skip
+    """Join ``run`` and return once all ``world_size`` ranks did; `RanksDisagree` (on every
+    rank) when one differs, TimeoutError when they do not all come in ``timeout_s``."""
+    import ray
+
+    count, failed = ray.get(ledger.join.remote(run, rank, world_size, settings))
+    deadline, pause = time.monotonic() + timeout_s, Gate.POLL_S[0]
+    while failed is None and count < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{count} of world_size={world_size} ranks started in {timeout_s:.0f} s: "
+                "is every rank running, with the same world size?"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
+        count, failed = ray.get(ledger.joined.remote(run))
+    if failed is not None:
+        raise failed

@@ -15,7 +15,7 @@ import pytest
 
 from raypipe import Pipeline, PipelineConfig
 from raypipe.cli import main
-from raypipe.formats.storage import StorageError
+from raypipe.formats.storage import Storage, StorageError
 from raypipe.plan.shards import list_shards
 
 BUCKET = "raypipe-test"
@@ -105,6 +105,15 @@ def test_s3_source_reads_exactly_once_with_the_local_keys(ray_session, datasets,
     assert b.classes == a.classes
     got, want = keys_and_labels(remote), keys_and_labels(local)
     assert got == want and len(got) == a.num_samples // 4 * 4
+
+
+@pytest.mark.parametrize("fmt", ["imagefolder", "webdataset"])
+def test_first_files_are_the_walks_first_without_listing_all(s3, fmt):
+    storage = Storage.for_source(f"s3://{BUCKET}/", s3["options"])
+    root = f"s3://{BUCKET}/{fmt}"
+    walked = list(storage.walk(root))
+    for count in (1, 3, len(walked) + 1):
+        assert storage.first_files(root, count) == walked[:count]
 
 
 def test_credentials_from_the_environment(monkeypatch, s3):

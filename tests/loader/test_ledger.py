@@ -110,3 +110,46 @@ def test_join_names_the_first_disagreement_and_fails_the_run():
     fresh = EpochLedger(2)
     assert fresh.join("c", 1, 2, same) == (1, None) and fresh.join("c", 0, 2, same) == (2, None)
     assert fresh.leave("c", 0) == 1 and fresh.leave("c", 0) == 1 and fresh.leave("c", 1) == 0
+
+
+def test_64_ranks_with_bad_samples_yield_equal_counts_each_key_once(ray_session):
+    """64 ranks, each reading its own keys in random blocks with some bad, each holding a
+    random number of rows ahead (0 to 24 batches): the rarer reports still end every rank
+    at the same batch, and the batches hold each good key at most once."""
+    world, batch_size, planned = 64, 4, 96
+    rng = random.Random(32)
+    bad = [set(rng.sample(range(planned), rng.choice([0, 0, 0, 1, 3, 9]))) for _ in range(world)]
+    ledger = create_ledger(world)
+    out: list[list[int]] = [[] for _ in range(world)]
+
+    def rank(r: int) -> None:
+        local = random.Random(r)
+        good = [r * planned + i for i in range(planned) if i not in bad[r]]
+        lead = local.randint(0, 24) * batch_size  # rows pulled ahead of the batch asked for
+        gate = Gate(ledger, "wide", r, batch_size, ahead=local.choice([1, 2, 4]))
+        gate.start(0, planned)
+        have = k = 0
+        while True:
+            while have < len(good) and have < (k + 1) * batch_size + lead:
+                n = min(local.randint(1, 2 * batch_size), len(good) - have)
+                have += n
+                gate.add(n, done=have == len(good))
+            if have == len(good):
+                gate.add(0, done=True)
+            if (k + 1) * batch_size > have or not gate.allows(k):
+                break
+            out[r].extend(good[k * batch_size : (k + 1) * batch_size])
+            k += 1
+            time.sleep(local.random() * 0.002)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    n = min(planned - len(b) for b in bad) // batch_size
+    assert [len(keys) for keys in out] == [n * batch_size] * world
+    every = [key for keys in out for key in keys]
+    assert len(every) == len(set(every))  # no key twice
+    assert all(key - r * planned not in bad[r] for r, keys in enumerate(out) for key in keys)

@@ -46,6 +46,43 @@ def test_epochs_exactly_once_and_equal_with_skips_two_ranks(ray_session, tmp_pat
     assert len(orders) > 1, "epochs should read in different orders"
 
 
+def test_a_lead_of_rows_keeps_epochs_exactly_once_and_equal_with_skips(ray_session, tmp_path):
+    """``lead_batches``: each rank pulls rows ahead of the batch it gates and so reports
+    less often; with bad samples the ranks still end every epoch at the same batch."""
+    source, expected = mixed_source(tmp_path, "webdataset")
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=6, actors=(2, 2),
+                            rows_per_block=4, max_skipped=None, lead_batches=3)  # fmt: skip
+    log = SkipLog.create()
+    out, stats = run_ranks(config, 2, 2, skips=log, pause_s=(0.0, 0.01))
+    total = stats[0][0]["planned"] + stats[1][0]["planned"]
+    bad = sum(expected.values())
+    for epoch in range(2):
+        good_rows = [stats[r][epoch]["good"] for r in range(2)]
+        assert sum(good_rows) == total - bad
+        keys = check_epoch(out, epoch, 6, set(range(total)))
+        assert len(keys) == 2 * 6 * (min(good_rows) // 6)
+
+
+def test_held_ahead_yields_every_block_in_order_once_rows_ran_ahead():
+    from raypipe.loader.feeder import held_ahead
+
+    sizes, pulled = [3, 1, 4, 1, 5], []
+
+    def blocks():
+        for i, n in enumerate(sizes):
+            pulled.append(i)
+            yield {"key": np.arange(n) + 10 * i}
+
+    seen = []
+    for block in held_ahead(blocks(), 5):
+        i = int(block["key"][0]) // 10
+        seen.append(i)
+        ahead = sum(sizes[i + 1 : pulled[-1] + 1])
+        assert ahead >= 5 or pulled[-1] == len(sizes) - 1  # 5 rows after it, or the end
+    assert seen == [0, 1, 2, 3, 4]
+    assert [int(b["key"][0]) for b in held_ahead(iter([{"key": np.arange(2)}]), 0)] == [0]
+
+
 @pytest.mark.parametrize("shuffle_buffer", [0, 7])
 def test_without_drop_last_every_good_sample_comes_once_per_epoch_nothing_dropped(
     ray_session, tmp_path, shuffle_buffer

@@ -477,6 +477,7 @@ INVALID = {
     "normalize": ["yes", 0],
     "pin_memory": [1, None],
     "prefetch_batches": [-1, 1.5, True],
+    "lead_batches": [-1, 1.5, True],
     "channels_last": ["no"],
     "bucket_by": ["", 3, "tokens"],  # "tokens": images with no transform have no lengths
     "buckets": [0, (8, 4), (0, 4), "8"],
