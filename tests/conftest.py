@@ -38,10 +38,11 @@ def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
 
 @pytest.fixture(autouse=True)
 def _collect_cycles(request):
-    """After a test on the session's Ray, collect reference cycles: an error a test keeps
-    (its traceback) can hold a failed execution's pool actors, and their CPUs, until
-    Python's cycle collector runs (Ray Data releases a failed execution's actors to
-    reference counting), and a later test may need those CPUs."""
+    """After a test on the session's Ray, collect reference cycles: a Ray Data execution
+    that a test drives itself (``build_dataset(...).materialize()``) and that fails leaves
+    its pool actors, and their CPUs, in reference cycles until Python's cycle collector
+    runs, and a later test may need those CPUs (raypipe's own iterators collect them:
+    `raypipe.loader.errors.collect_failed`)."""
     yield
     if "ray_session" in request.fixturenames:
         gc.collect()

@@ -28,7 +28,18 @@ def execute(ds, follower=None):
         from raypipe.pool.autoscale import follow
 
         follow(executor, follower)
-    return bundles, (lambda: executor.shutdown(force=True)) if executor else (lambda: None)
+    if executor is None:
+        return bundles, lambda: None
+
+    def stop() -> None:
+        executor.shutdown(force=True)
+        # the executor is its scheduling thread: once it has ended, what a failed run left
+        # in its frames is garbage that `raypipe.loader.errors.collect_failed` can free
+        join = getattr(executor, "join", None)
+        if join is not None:
+            join(timeout=10)
+
+    return bundles, stop
 
 
 def dataset_columns(ds) -> Iterator[Columns]:

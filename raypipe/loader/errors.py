@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TypeVar
 
-__all__ = ["raising_ours", "unwrapped"]
+__all__ = ["collect_failed", "raising_ours", "unwrapped"]
 assert __all__ == sorted(__all__)
 
 T = TypeVar("T")
@@ -41,8 +41,37 @@ def raising_ours(items: Iterator[T]) -> Iterator[T]:
     """``items``, with a raypipe error that reaches them through Ray raised as itself."""
     try:
         yield from items
+        return
     except Exception as e:
-        ours = unwrapped(e)
+        failed, ours = e, unwrapped(e)
         if ours is e:
             raise
-        raise ours from None
+    # raised here, not in the handler, so that it does not carry Ray's error as its
+    # context, with the failed execution's frames and pool actors (`collect_failed`)
+    collect_failed(failed)
+    del failed
+    raise ours
+
+
+def collect_failed(error: BaseException) -> None:
+    """End the pool actors of the Ray Data execution that failed with ``error`` now.
+
+    Ray Data releases a failed execution's actors to reference counting, and the handles
+    sit in reference cycles and in the frames of its scheduling thread that the error's
+    traceback keeps (a log handler that keeps records keeps them too): the actors and
+    their CPUs stay taken until Python's cycle collector next runs, if ever, and the next
+    pipeline waits for them. Clearing the finished frames' locals (the traceback's lines
+    stay) and one collection free them.
+    """
+    import gc
+    import traceback
+
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
+    gc.collect()

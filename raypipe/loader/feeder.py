@@ -32,7 +32,7 @@ import numpy as np
 
 from raypipe.loader.blocks import block_columns
 from raypipe.loader.demand import Demand
-from raypipe.loader.errors import unwrapped
+from raypipe.loader.errors import collect_failed, unwrapped
 from raypipe.loader.ledger import Gate
 from raypipe.loader.rebatch import rebatch
 from raypipe.loader.shuffle import shuffled
@@ -91,7 +91,8 @@ class Feeder:
                  prefetch: int, shuffle_buffer: int = 0, seed: int = 0, demand=None,
                  drop_last: bool = True, form=None, lead: int = 0):  # fmt: skip
         self._start, self._plan, self._gate, self._epochs = start, plan, gate, epochs
-        self._stop = None
+        self._stop, self._failed = None, None  # the error the execution failed with
+        self.failed = False  # the execution failed (known once closed)
         self._batch_size, self._buffer, self._seed = batch_size, shuffle_buffer, seed
         self._drop_last, self._form, self._lead = drop_last, form, lead * batch_size
         self._queue: queue.Queue = queue.Queue(maxsize=max(prefetch, 1))
@@ -159,6 +160,10 @@ class Feeder:
         self._thread.join(timeout=10)
         if stop is None and self._stop is not None:  # the thread started it meanwhile
             self._stop()
+        self._start = self._stop = None  # the execution's last references on this side
+        if self._failed is not None:
+            collect_failed(self._failed)
+            self.failed, self._failed = True, None
 
     # -- the thread -----------------------------------------------------------------
 
@@ -174,6 +179,7 @@ class Feeder:
         except _Closed:
             return
         except BaseException as e:  # reaches the consumer, unless it is gone, and the peers
+            self._failed = e
             error = unwrapped(e)
             with contextlib.suppress(Exception):  # a ledger that is gone: nobody waits
                 self._gate.fail(error)

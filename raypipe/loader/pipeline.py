@@ -33,6 +33,7 @@ from raypipe.loader.collate import collate_for
 from raypipe.loader.demand import Demand
 from raypipe.loader.device import resolve_device
 from raypipe.loader.devicedecode import device_map_for
+from raypipe.loader.errors import collect_failed
 from raypipe.loader.feeder import Feeder
 from raypipe.loader.iterator import TorchBatches
 from raypipe.loader.ledger import Gate, create_ledger
@@ -213,8 +214,10 @@ class Pipeline:
     def __enter__(self) -> Pipeline:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, error, tb) -> None:
         self.close()
+        if self._feeder is not None and self._feeder.failed and error is not None:
+            collect_failed(error)  # what the error's way out released: the pool's actors
 
 
 def batch_form(config: PipelineConfig, listing: Listing, drop_last: bool):

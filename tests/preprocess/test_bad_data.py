@@ -728,6 +728,44 @@ def test_raise_stops_every_pipeline_rank_with_the_actors_own_error(ray_session, 
         assert any(f"bad sample {w} (key " in str(error) for w in places)
 
 
+def test_a_failed_pipeline_frees_its_cpus_while_its_error_is_kept(ray_session, tmp_path,
+                                                                   pillow_limit):  # fmt: skip
+    """Ray Data releases a failed execution's pool actors to reference counting, and they
+    sit in reference cycles: with no collection they would keep their CPUs for as long as
+    the error is kept, and the next pipeline would wait for them."""
+    import gc
+    import logging
+    import time
+
+    import ray
+
+    from raypipe import Pipeline
+
+    source, _ = mixed_source(tmp_path, "webdataset")
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=5, on_error="raise")
+    cpus = ray.cluster_resources()["CPU"]
+    # pytest keeps every log record, and Ray Data logs the failure with its traceback,
+    # whose frames hold the actors: a user's process, whose handlers write and forget
+    # records, keeps none of them
+    logging.disable(logging.ERROR)
+    gc.collect()
+    gc.disable()  # only what raypipe collects itself is collected
+    try:
+        with pytest.raises(SampleError) as kept, Pipeline(config, epochs=1, device="cpu") as pipe:
+            for _, batches in pipe.epochs():
+                for _ in batches:
+                    pass
+        deadline = time.monotonic() + 30
+        while ray.available_resources().get("CPU", 0) < cpus and time.monotonic() < deadline:
+            time.sleep(0.1)
+        free = ray.available_resources().get("CPU", 0)
+        assert free == cpus, f"{cpus - free} CPUs still held with the error kept"
+        assert str(kept.value).startswith("bad sample ")
+    finally:
+        gc.enable()
+        logging.disable(logging.NOTSET)
+
+
 # --- through Ray Train: the report the job writes, and the error the trainer sees -------
 
 
