@@ -17,7 +17,7 @@ a private name of Ray's).
                   _cluster_autoscaler (its _send_resource_request); on an actor pool
                   _config, _running_actors, _release_running_actor and the two heaps
                   select_actors reads; ActorPoolScalingRequest.downscale
- loader.blocks    Dataset._execute_to_iterator
+ loader.blocks    Dataset._execute_to_iterator; the executor it returns is its thread (join)
  train.checkpoint ray.train.v2._internal.exceptions.CheckpointManagerInitializationError
  train.rendezvous ray.train.torch.config._TorchBackend, _set_torch_distributed_env_vars
 ```
@@ -60,6 +60,7 @@ INTERNALS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("watch", "ray._private.state", "actors", ("param:actor_state_name",)),
     ("watch", "ray._private.state", "nodes", ("callable",)),
     ("blocks", "ray.data.dataset", "Dataset", ("attr:_execute_to_iterator",)),
+    ("blocks", _EXECUTOR, "StreamingExecutor", ("attr:join", "attr:shutdown")),
     ("checkpoint", "ray.train.v2._internal.exceptions", "CheckpointManagerInitializationError",
      ("class",)),
     ("rendezvous", "ray.train.torch.config", "_TorchBackend", ("class", "attr:on_start")),

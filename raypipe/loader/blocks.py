@@ -33,11 +33,10 @@ def execute(ds, follower=None):
 
     def stop() -> None:
         executor.shutdown(force=True)
-        # the executor is its scheduling thread: once it has ended, what a failed run left
-        # in its frames is garbage that `raypipe.loader.errors.collect_failed` can free
-        join = getattr(executor, "join", None)
-        if join is not None:
-            join(timeout=10)
+        # the executor is its scheduling thread (`raypipe.rayapi` checks it): once that has
+        # ended, what a failed run left in its frames is garbage that
+        # `raypipe.loader.errors.collect_failed` can free
+        executor.join(timeout=10)
 
     return bundles, stop
 
