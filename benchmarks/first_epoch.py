@@ -16,7 +16,7 @@ all of them) times, for one rank:
 
 and reports the median and range of each over the runs.
 
-    python benchmarks/first_epoch.py [--repeats 5] [--epochs 4] [--setup-s 0]
+    python benchmarks/first_epoch.py [--repeats 5] [--epochs 4] [--setup-s 0] [--compute tasks]
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ from raypipe.config import PipelineConfig
 from raypipe.plan.shards import list_shards
 
 
-def one_run(corpus: Path, epochs: int, setup_s: float = 0.0) -> dict:
+def one_run(corpus: Path, epochs: int, setup_s: float = 0.0, compute: str = "actors") -> dict:
     """One Pipeline from nothing to the end of ``epochs`` epochs, timed by phase."""
     from raypipe import Pipeline
 
-    config = PipelineConfig(source=str(corpus), batch_size=BATCH, image_size=IMAGE, seed=SEED)
+    config = PipelineConfig(source=str(corpus), batch_size=BATCH, image_size=IMAGE, seed=SEED,
+                            compute=compute)  # fmt: skip
     t0 = time.perf_counter()
     listing = list_shards(config)
     t_list = time.perf_counter()
@@ -88,6 +89,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--setup-s", type=float, default=0.0,
                    help="a trainer's set-up inside `with pipeline:` before epochs() "
                    "(default: %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--compute",
+        choices=("actors", "tasks"),
+        default="actors",
+        help="PipelineConfig.compute (default: %(default)s)",
+    )
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
     args = p.parse_args(argv)
     if args.epochs < 2 or args.repeats < 1:
@@ -99,19 +106,20 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             runs = []
             for r in range(args.repeats):
-                runs.append(one_run(corpus, args.epochs, args.setup_s))
+                runs.append(one_run(corpus, args.epochs, args.setup_s, args.compute))
                 print(f"run {r}: " + json.dumps({k: round(v, 3) for k, v in runs[-1].items()
                                                  if isinstance(v, float)}), flush=True)  # fmt: skip
         finally:
             localray.shutdown()
     result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                           "python": sys.version.split()[0]},
-              "size": args.size, "epochs": args.epochs, "setup_s": args.setup_s, "runs": runs,
+              "size": args.size, "epochs": args.epochs, "setup_s": args.setup_s,
+              "compute": args.compute, "runs": runs,
               "summary": summary(runs)}  # fmt: skip
     print(f"\n{'':20s} {'median':>9s} {'min':>9s} {'max':>9s}   ({args.repeats} runs)")
     for k, v in result["summary"].items():
         print(f"{k:20s} {v['median']:9.3f} {v['min']:9.3f} {v['max']:9.3f}")
-    name = f"first_epoch-setup{args.setup_s:g}.json"
+    name = f"first_epoch-setup{args.setup_s:g}-{args.compute}.json"
     (args.out / name).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out / name}")
     return result

@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import threading
 
 __all__ = [
     "AUTH_TOKEN_LOGGER", "INTERNALS", "RAY_VERSION", "actor_autoscaler", "actor_table",
@@ -44,6 +45,7 @@ __all__ = [
 assert __all__ == sorted(__all__)
 
 RAY_VERSION = "2.60.0"  # the Ray whose internals raypipe uses, checked by `check`
+_CHECKING, _CHECKED = threading.Lock(), {}  # groups -> what `check_names` found
 AUTH_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
 _EXECUTOR = "ray.data._internal.execution.streaming_executor"
 _POOL = "ray.data._internal.execution.operators.actor_pool_map_operator"
@@ -89,25 +91,27 @@ def check(groups: tuple[str, ...] | None = None) -> list[str]:
     the version, then every name of `INTERNALS` (of ``groups``, or all) and its shape."""
     import ray
 
-    problems = (
-        [] if ray.__version__ == RAY_VERSION else [f"Ray {ray.__version__} is not {RAY_VERSION}"]
-    )
-    return problems + check_names(groups)
+    wrong = [f"Ray {ray.__version__} is not {RAY_VERSION}"] * (ray.__version__ != RAY_VERSION)
+    return wrong + check_names(groups)
 
 
 def check_names(groups: tuple[str, ...] | None = None) -> list[str]:
-    """`check` without the version: every name of `INTERNALS` (of ``groups``) and its shape."""
-    problems = []
-    for group, module, name, shape in INTERNALS:
-        if groups is not None and group not in groups:
-            continue
-        try:
-            obj = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as e:
-            problems.append(f"{module}.{name} is gone ({type(e).__name__}: {e})")
-            continue
-        problems += [f"{module}.{name}: {w}" for w in shape if not _has(obj, w)]
-    return problems
+    """`check` without the version, once per process: a source check parses Ray's modules,
+    and CPython 3.11's parser can fail with two threads at it (``SystemError``)."""
+    with _CHECKING:
+        if groups not in _CHECKED:
+            _CHECKED[groups] = [p for entry in INTERNALS for p in _problems(groups, *entry)]
+        return list(_CHECKED[groups])
+
+
+def _problems(groups, group: str, module: str, name: str, shape: tuple[str, ...]) -> list[str]:
+    if groups is not None and group not in groups:
+        return []
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        return [f"{module}.{name} is gone ({type(e).__name__}: {e})"]
+    return [f"{module}.{name}: {w}" for w in shape if not _has(obj, w)]
 
 
 def _has(obj, want: str) -> bool:

@@ -1,0 +1,149 @@
+"""Scaled decoding: CPU per image with libjpeg-turbo's DCT scaling against full-size decoding,
+for the same crop plans, on photos of ImageNet's sizes and larger.
+
+For each size, --images photos (crops of scikit-learn's two sample photos, resized to
+W×H, JPEG quality 90) are decoded and cropped to 224 by raypipe's fast path
+(`raypipe.preprocess.decode.decode_crop`, random-resized-crop with flips, seeded plans):
+once as shipped, where the DCT decodes at 1/2, 1/4 or 1/8 scale whenever the crop keeps
+224 pixels across, and once with that scaling off (every image decoded at full size).
+The two alternate over --rounds rounds on one thread; each round gives CPU seconds per
+image (``time.process_time``), and the table shows medians. Also: how often a plan decodes
+scaled, and how far the two outputs are apart (grey levels, mean and worst pixel).
+
+    python benchmarks/decode.py [--images 64] [--rounds 5] [--sizes 500x375 1024x768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from raypipe.preprocess import decode
+from raypipe.preprocess.augment import plan, sample_rng
+
+SIZE, SEED = 224, 0
+SIZES = ("500x375", "640x480", "1024x768", "1600x1200")
+
+
+def photos(width: int, height: int, n: int, seed: int = SEED) -> list[bytes]:
+    """``n`` JPEGs of ``width``×``height``: random crops of the sample photos, resized."""
+    from PIL import Image
+    from sklearn.datasets import load_sample_images
+
+    sources = [Image.fromarray(a) for a in load_sample_images().images]
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        src = sources[i % len(sources)]
+        scale = rng.uniform(0.6, 1.0)  # a crop of the photo with the target's aspect
+        w = min(src.width, int(src.height * scale * width / height))
+        h = int(w * height / width)
+        x, y = rng.integers(0, src.width - w + 1), rng.integers(0, src.height - h + 1)
+        img = src.crop((x, y, x + w, y + h)).resize((width, height), Image.Resampling.LANCZOS)
+        if rng.random() < 0.5:
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        buf = io.BytesIO()
+        img.save(buf, format="JPEG", quality=90)
+        out.append(buf.getvalue())
+    return out
+
+
+def chooser(key: int):
+    rng = sample_rng(SEED, 0, key)
+    return lambda w, h: plan(w, h, train=True, rng=rng, scale=(0.08, 1.0),
+                             ratio=(3 / 4, 4 / 3), flip=True)  # fmt: skip
+
+
+def full_size(width: int, height: int, box, size: int) -> int:
+    return 1  # every decode at full size: the DCT scaling off
+
+
+def decode_all(images: list[bytes], scaled: bool) -> tuple[float, list[np.ndarray]]:
+    """CPU seconds per image, and the outputs."""
+    shipped = decode._dct_reduction
+    decode._dct_reduction = shipped if scaled else full_size
+    try:
+        c0 = time.process_time()
+        outs = [np.ascontiguousarray(decode.decode_crop(d, SIZE, chooser(k)))
+                for k, d in enumerate(images)]  # fmt: skip
+        return (time.process_time() - c0) / len(images), outs
+    finally:
+        decode._dct_reduction = shipped
+
+
+def scaled_share(images: list[bytes]) -> float:
+    """The share of plans whose decode is scaled (k > 1)."""
+    scaled = 0
+    for k, data in enumerate(images):
+        height, width = decode.jpeg_size(data)
+        box = chooser(k)(width, height).box
+        scaled += decode._dct_reduction(width, height, box, SIZE) > 1
+    return scaled / len(images)
+
+
+def one_size(width: int, height: int, n: int, rounds: int) -> dict:
+    images = photos(width, height, n)
+    decode_all(images[:8], True), decode_all(images[:8], False)  # imports, warm caches
+    cpu = {"scaled": [], "full": []}
+    for r in range(rounds):  # alternate, and which goes first
+        for mode in ("scaled", "full") if r % 2 == 0 else ("full", "scaled"):
+            cpu[mode].append(decode_all(images, mode == "scaled")[0])
+    (_, a), (_, b) = decode_all(images, True), decode_all(images, False)
+    diff = [np.abs(x.astype(np.int16) - y.astype(np.int16)) for x, y in zip(a, b, strict=True)]
+    med = {m: statistics.median(v) for m, v in cpu.items()}
+    return {
+        "size": f"{width}x{height}", "images": n, "mean_jpeg_kib": sum(map(len, images)) / n / 1024,
+        "scaled_share": scaled_share(images),
+        "cpu_ms_scaled": med["scaled"] * 1e3, "cpu_ms_full": med["full"] * 1e3,
+        "speedup": med["full"] / med["scaled"],
+        "cpu_ms_rounds": {m: [round(x * 1e3, 3) for x in v] for m, v in cpu.items()},
+        "mean_abs_diff": float(np.mean([d.mean() for d in diff])),
+        "p99_abs_diff": float(np.percentile(np.concatenate([d.ravel() for d in diff]), 99)),
+        "max_abs_diff": int(max(d.max() for d in diff)),
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--images", type=int, default=64, help="photos per size (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=5, help="(default: %(default)s)")
+    p.add_argument("--sizes", nargs="+", default=list(SIZES), help="WxH (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
+    args = p.parse_args(argv)
+    try:
+        sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes]
+    except ValueError:
+        p.error(f"--sizes takes WxH, e.g. 500x375, not {args.sizes}")
+    if args.images < 1 or args.rounds < 1 or any(len(s) != 2 or min(s) < SIZE for s in sizes):
+        p.error(f"--images and --rounds must be >= 1 and every size at least {SIZE}x{SIZE}")
+    import cv2
+
+    cv2.setNumThreads(1)  # one thread, as in a pool actor
+    rows = []
+    for width, height in sizes:
+        rows.append(one_size(width, height, args.images, args.rounds))
+        r = rows[-1]
+        print(f"{r['size']:>10s}  scaled {r['cpu_ms_scaled']:6.2f} ms  full {r['cpu_ms_full']:6.2f} ms"
+              f"  x{r['speedup']:.2f}  scaled plans {r['scaled_share']:.0%}  diff mean "
+              f"{r['mean_abs_diff']:.2f} p99 {r['p99_abs_diff']:.0f} max {r['max_abs_diff']}",
+              flush=True)  # fmt: skip
+    result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                          "python": sys.version.split()[0]},
+              "images": args.images, "rounds": args.rounds, "rows": rows}  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "decode.json").write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out / 'decode.json'}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
