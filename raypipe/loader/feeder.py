@@ -213,7 +213,7 @@ class Feeder:
                 yield {k: v for k, v in block.items() if k != "epoch"}
             self._gate.add(0, done=True)
 
-        source, formed = held_ahead(mine(), self._lead), {}
+        source, formed = (held_ahead(mine(), self._lead) if self._lead else mine()), {}
         batches = self._batches(source, e, formed)
         k = rows = 0
         t0, ray0 = time.perf_counter(), stall["ray_s"]
