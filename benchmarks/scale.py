@@ -118,7 +118,15 @@ def state_point(first, counts, world: int, out: Path) -> dict:
             "save_s": t1 - t0, "load_s": t2 - t1}  # fmt: skip
 
 
-def ledger_point(world: int, steps: int, lead: int, *, before: bool = False) -> dict:
+def default_lead(store_gib: float) -> int:
+    """The lead ``lead_batches=None`` gives a rank of a batch of 256 224×224 images on a
+    node of ``store_gib`` GiB of object store shared by 8 ranks (`raypipe.plan.blocksize`)."""
+    from raypipe.plan.blocksize import RANKS_PER_NODE, lead_for
+
+    return lead_for(BATCH * 3 * 224 * 224, store_gib * 2**30 / RANKS_PER_NODE)
+
+
+def ledger_point(world: int, steps: int, lead: int) -> dict:
     """Messages and waits of ``world`` simulated ranks over ``steps`` clean steps, each
     rank holding ``lead`` batches of rows pulled ahead of the batch it asks for."""
     import ray
@@ -130,8 +138,6 @@ def ledger_point(world: int, steps: int, lead: int, *, before: bool = False) -> 
     planned = (steps + lead + 2) * BATCH
     for gate in gates:
         gate.start(0, planned)
-        if before:
-            gate._low = float("inf")  # report on every block, as the gate did before
         gate.add(lead * BATCH)  # the rows pulled ahead before the first step
     start = sum(g.reports for g in gates)  # one report per rank at the epoch's start
     t0 = time.perf_counter()
@@ -147,7 +153,8 @@ def ledger_point(world: int, steps: int, lead: int, *, before: bool = False) -> 
     wall = time.perf_counter() - t0
     ray.kill(ledger)
     waits = (np.array([g.waited_s for g in gates]) - first) / (steps - 1)
-    return {"ranks": world, "steps": steps, "lead_batches": lead, "before": before,
+    worst = int(np.argmax(waits))
+    return {"ranks": world, "steps": steps, "lead_batches": lead, "before": False,
             "wall_s": wall,
             "messages_per_rank_s": (sum(g.reports for g in gates) - start) / world
                                    / (steps * STEP_S),
@@ -155,6 +162,7 @@ def ledger_point(world: int, steps: int, lead: int, *, before: bool = False) -> 
             "wait_per_step_max_ms": float(waits.max()) * 1e3,
             "wait_share_of_step": float(np.median(waits)) / STEP_S,
             "wait_share_max": float(waits.max()) / STEP_S,
+            "worst_rank": worst, "ranks_waiting": int((waits > 0.001 * STEP_S).sum()),
             "first_batch_wait_max_ms": float(first.max()) * 1e3,
             "simulated_s_per_wall_s": steps * STEP_S / wall}  # fmt: skip
 
@@ -294,7 +302,7 @@ def plot(result: dict, path: Path) -> None:
 def _ledger_series(rows: list[dict]) -> dict[str, list[dict]]:
     series: dict[str, list[dict]] = {}
     for r in rows:
-        label = f"{'before' if r['before'] else 'now'}, {r['lead_batches']} batches ahead"
+        label = f"{'before' if r.get('before') else 'now'}, {r['lead_batches']} batches ahead"
         series.setdefault(label, []).append(r)
     return series
 
@@ -309,9 +317,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--ledger-steps", type=int, default=40, help="(default: %(default)s)")
     p.add_argument("--lead-steps", type=int, default=100,
                    help="steps with a lead above 0 (default: %(default)s)")  # fmt: skip
-    p.add_argument("--leads", type=int, nargs="+", default=[0, 16, 32, 48],
+    p.add_argument("--leads", type=int, nargs="+", default=[0, 8, 16],
                    help="batches of rows each simulated rank holds ahead of the batch it "
-                   "asks for (default: %(default)s; before: the first)")  # fmt: skip
+                   "asks for, besides the default's (default: %(default)s)")  # fmt: skip
+    p.add_argument("--store-gib", type=float, default=57.6,
+                   help="object store of the simulated ranks' node, 8 ranks to a node, which "
+                   "sizes the default lead (default: %(default)s, Ray's 30 %% of a "
+                   "192 GiB GPU node)")  # fmt: skip
     p.add_argument("--objects", type=float, nargs="+", default=[1e4, 1e5],
                    help="image-folder sizes listed (default: %(default)s)")  # fmt: skip
     p.add_argument("--tars", type=int, default=1000, help="WebDataset shards listed "
@@ -353,14 +365,15 @@ def main(argv: list[str] | None = None) -> dict:
         from raypipe.cli import localray
 
         start_ray()
+        lead = default_lead(args.store_gib)
+        leads = sorted(set(args.leads) | {lead})
         try:
             result["ledger"] = [
-                ledger_point(
-                    w, args.ledger_steps if lead == 0 else args.lead_steps, lead, before=before
-                )  # fmt: skip
-                for before, lead in [(True, args.leads[0])] + [(False, x) for x in args.leads]
+                ledger_point(w, args.ledger_steps if x == 0 else args.lead_steps, x)
+                for x in leads
                 for w in args.ranks
             ]
+            result["ledger_default_lead"] = {"store_gib": args.store_gib, "lead_batches": lead}
             result["ledger_capacity"] = ledger_capacity(20_000)
         finally:
             localray.shutdown()

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import time
 
+from raypipe.loader.waiters import Waiters, held
+
 __all__ = [
     "EpochLedger",
     "Gate",
@@ -68,6 +70,7 @@ class EpochLedger:
         self._failed: dict[str, BaseException] = {}
         self._joined: dict[str, dict[int, dict[str, str]]] = {}  # run -> rank -> settings
         self._left: dict[str, set[int]] = {}
+        self._waiters = Waiters()  # answers held by `settle`
 
     def join(self, run: str, rank: int, world_size: int, settings: dict[str, str]):
         """Rank ``rank`` of ``run`` starts with ``world_size`` ranks and ``settings`` (name:
@@ -108,6 +111,7 @@ class EpochLedger:
     def fail(self, run: str, error: BaseException) -> None:
         """A rank of ``run`` stopped with ``error`` (the first one is kept)."""
         self._failed.setdefault(run, error)
+        self._waiters.wake_all(run)
 
     def report(self, run: str, epoch: int, rank: int, rows: int, done: bool):
         """Record rank's rows of ``epoch``; returns ``(min sure rows, min final rows, the
@@ -118,11 +122,26 @@ class EpochLedger:
             self._final[key] = [_INF] * self.world_size
             for old in [k for k in self._rows if k[0] == run and k[1] < epoch - 2]:
                 del self._rows[old], self._final[old]
+                self._waiters.forget(old)
         rows_now = self._rows[key]
         rows_now[rank] = max(rows_now[rank], rows)
         if done:
             self._final[key][rank] = rows
-        return min(rows_now), min(self._final[key]), self._failed.get(run)
+        sure, final = min(rows_now), min(self._final[key])
+        self._waiters.wake(key, sure, final)
+        return sure, final, self._failed.get(run)
+
+    async def settle(self, run: str, epoch: int, rank: int, rows: int, done: bool,
+                     want: float):  # fmt: skip
+        """`report`, its answer held until ``want`` rows are settled, the epoch is sure to
+        end below them, the run failed, or `raypipe.loader.waiters.WAIT_S` passed."""
+        sure, final, failed = self.report(run, epoch, rank, rows, done)
+        if failed is None and sure < want <= final:
+            await held(self._waiters.hold((run, epoch), want))
+            if (run, epoch) in self._rows:
+                sure, final = min(self._rows[run, epoch]), min(self._final[run, epoch])
+            failed = self._failed.get(run)
+        return sure, final, failed
 
 
 class Gate:
@@ -134,19 +153,18 @@ class Gate:
         rank: this rank.
         batch_size: rows per batch.
         ahead: report when the cached answer settles fewer batches past the next one than
-            this (plus ``rank % ahead``); at least 1.
+            this; at least 1.
     """
 
-    POLL_S = (0.001, 0.02)  # first and longest pause between two asks
     FLUSH_S = 1.0  # a feeder held this long by its trainer reports the rows it holds
 
-    def __init__(self, ledger, run: str, rank: int, batch_size: int, *, ahead: int = 2):
+    def __init__(self, ledger, run: str, rank: int, batch_size: int, *, ahead: int = 4):
         if ahead < 1:
             raise ValueError(f"{ahead=} must be >= 1")
         self.ledger, self.run, self.rank, self.batch_size = ledger, run, rank, batch_size
         self.waited_s = 0.0  # time spent waiting for other ranks
         self.reports = 0  # messages sent to the ledger
-        self._low = (ahead + rank % ahead) * batch_size  # report below this many rows settled
+        self._low = ahead * batch_size  # report below this many rows settled
         self.start(-1, 0)
 
     def start(self, epoch: int, planned_min: int) -> None:
@@ -154,7 +172,7 @@ class Gate:
         self._epoch, self._rows, self._done = epoch, 0, False
         self._planned_min = planned_min
         self._answer: tuple[float, float, BaseException | None] = (0, _INF, None)
-        self._pending = None  # the last report's answer, not yet read
+        self._pending: list[tuple[object, float]] = []  # (answer ref, want) not yet read
         self._next = 0  # the next batch this rank asks for
         self._sent, self._sent_done = -1, False  # rows and done of the last report
 
@@ -175,13 +193,11 @@ class Gate:
             self._next = k + 1
             self._report_if_low()
             return True
-        pause, t0, fresh = self.POLL_S[0], time.perf_counter(), False
+        t0 = time.perf_counter()
         try:
+            self._collect()
             while True:
-                if self._pending is None:  # ask now, with this rank's rows
-                    self._send()
-                    fresh = True
-                sure, final, failed = self._read()
+                sure, final, failed = self._answer
                 if failed is not None:  # a peer stopped: it will never send its rows
                     raise failed
                 if need <= sure:
@@ -189,17 +205,15 @@ class Gate:
                     return True
                 if need > final:
                     return False
-                if fresh:
-                    time.sleep(pause)
-                    pause = min(pause * 2, self.POLL_S[1])
-                fresh = False
+                ask = next((ref for ref, want in self._pending if want == need), None)
+                self._collect(ask if ask is not None else self._send(need))  # held answer
         finally:
             self.waited_s += time.perf_counter() - t0
 
     def flush(self) -> None:
         """Report the rows not reported yet (a feeder its trainer holds calls this)."""
         if self.ledger is not None and (self._rows > self._sent or self._done > self._sent_done):
-            self._send()
+            self._send(0)
 
     def fail(self, error: BaseException) -> None:
         """This rank stopped with ``error``: ranks waiting on it raise it too."""
@@ -207,42 +221,55 @@ class Gate:
             self.ledger.fail.remote(self.run, error)
 
     def _report_if_low(self) -> None:
-        """Report when done, or when the cached answer is running out and there is news."""
+        """Report when done, or when the cached answer is running out and there is news
+        and no answer still to come will settle the next batch."""
         if self.ledger is None:
             return
+        want = min(self._rows, (self._next + 1) * self.batch_size + self._low)
         if self._done and not self._sent_done:
-            self._send()
+            self._send(want)
             return
         if self._rows <= self._sent or self._settled_ahead() >= self._low:
             return
-        if self._pending is not None and self._arrived():  # a fresher answer is here
-            self._read()
-            if self._settled_ahead() >= self._low:
-                return
-        self._send()
+        self._collect()
+        if self._settled_ahead() >= self._low:
+            return
+        if any(w >= (self._next + 1) * self.batch_size for _, w in self._pending):
+            return  # its answer, once the peers have the rows, settles the next batch
+        self._send(want)
 
     def _settled_ahead(self) -> float:
         """Rows the cached answer settles past the next batch this rank asks for."""
         return self._answer[0] - (self._next + 1) * self.batch_size
 
-    def _send(self) -> None:
+    def _send(self, want: float):
+        """Report this rank's rows; the answer is held until ``want`` rows are settled."""
         self.reports += 1
         self._sent, self._sent_done = self._rows, self._done
-        self._pending = self.ledger.report.remote(
-            self.run, self._epoch, self.rank, self._rows, self._done
+        ref = self.ledger.settle.remote(
+            self.run, self._epoch, self.rank, self._rows, self._done, want
         )
+        self._pending.append((ref, want))
+        return ref
 
-    def _arrived(self) -> bool:
+    def _collect(self, wait_for=None) -> None:
+        """Read the answers that have come (and ``wait_for``'s, waiting for it): the
+        freshest counts of each kind are kept."""
         import ray
 
-        return bool(ray.wait([self._pending], timeout=0)[0])
-
-    def _read(self) -> tuple[float, float, BaseException | None]:
-        import ray
-
-        if self._pending is not None:
-            self._answer, self._pending = ray.get(self._pending), None
-        return self._answer
+        if wait_for is not None:
+            ray.wait([wait_for])
+        if not self._pending:
+            return
+        refs = [ref for ref, _ in self._pending]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        if not ready:
+            return
+        self._pending = [(ref, want) for ref, want in self._pending if ref not in ready]
+        sure, final, failed = self._answer
+        for s, f, e in ray.get(list(ready)):
+            sure, final, failed = max(sure, s), min(final, f), failed or e
+        self._answer = (sure, final, failed)
 
 
 def create_ledger(world_size: int):
@@ -256,6 +283,7 @@ def create_ledger(world_size: int):
         .options(
             num_cpus=0,
             max_restarts=0,
+            max_concurrency=max(1000, 4 * world_size),  # answers `settle` holds
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
         )  # fmt: skip
         .remote(world_size)
