@@ -13,24 +13,26 @@ way it was done before so that a change shows as a pair of numbers.
   ledger  the equal-batches ledger (`raypipe.loader.ledger`, a real actor on a local
           Ray) and N simulated ranks on clean data, one block and one batch per 100 ms
           step, each rank holding --leads batches of rows pulled ahead of the batch it
-          asks for (0: the feeder today, which asks for a batch as soon as its rows are
-          in): messages per rank per second in mid-epoch (the report each rank sends at
-          an epoch's start and end left out) and the wait on the ledger per step after
-          the first (the epoch's first batch waits for every rank's first report; its
-          wait is apart); before: a report on every block, as the gate did. The ranks are driven
-          round-robin from one thread, no faster than real time (slower from 64 ranks
-          at lead 0): every rank's block of a step is pulled before any rank asks for its
-          batch. With --ledger-steps steps at lead 0, --lead-steps above.
+          asks for (0: a feeder that asks for a batch as soon as its rows are in), and
+          the lead ``lead_batches=None`` gives on a node of --store-gib of object store
+          shared by 8 ranks (the default): messages per rank per second in mid-epoch
+          (the report each rank sends at an epoch's start and end left out) and the
+          wait on the ledger per step after the first (the epoch's first batch waits
+          for every rank's first report; its wait is apart). The ranks are driven
+          round-robin from one thread, no faster than real time (slower at 1,024 ranks
+          at lead 0): every rank's block of a step is pulled before any rank asks for
+          its batch. With --ledger-steps steps at lead 0, --lead-steps above.
           Then the reports per second one ledger actor serves, sent as fast as one
           driver can: the ranks it can serve at that many messages each.
   pipeline  two ranks of a real `raypipe.Pipeline` (threads of this process, one ledger) over
           the demo digits image folder, batch 8, one epoch, a 10 ms step: the ledger reports each rank
-          sends per batch with ``lead_batches`` 0 and --pipeline-lead; a check that the
-          feeder's lead does what the simulated lead does, not a timing.
+          sends per batch with ``lead_batches`` 0 and --pipeline-lead (the default: sized
+          from the store); a check that the feeder's lead does what the simulated lead
+          does, not a timing.
   listing the driver's listing of a source (`raypipe.plan.shards.list_shards`) on moto's S3
           server on 127.0.0.1 (`loopback_s3.py`): an image folder of --objects one-byte
           images in 100 class folders, and --tars one-sample WebDataset shards (each one
-          is opened to count its samples).
+          is opened to count its samples, `raypipe.plan.shards.COUNT_THREADS` at once).
 
     python benchmarks/scale.py [--ranks 8 64 256 1024] [--samples 1e9] [--shards 1e5]
 
@@ -216,7 +218,8 @@ def listing_points(objects: list[int], tars: int) -> list[dict]:
 
 
 def pipeline_points(leads: list[int]) -> list[dict]:
-    """Reports per batch of two real Pipeline ranks over the demo digits, per lead."""
+    """Reports per batch of two real Pipeline ranks over the demo digits, per lead (None:
+    the default, sized from the store)."""
     import threading
 
     from raypipe import Pipeline, PipelineConfig
@@ -240,7 +243,7 @@ def pipeline_points(leads: list[int]) -> list[dict]:
                         for _ in epoch:
                             time.sleep(STEP_S / 10)  # a train step of 10 ms
                             batches += 1
-                    got[r] = (batches, pipe._gate.reports)
+                    got[r] = (batches, pipe._gate.reports, pipe.config.lead_batches)
 
             threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
             for t in threads:
@@ -248,12 +251,13 @@ def pipeline_points(leads: list[int]) -> list[dict]:
             for t in threads:
                 t.join()
             assert got[0][0] == got[1][0], got  # equal batch counts
-            rows.extend({"lead_batches": lead, "rank": r, "batches": b, "reports": n,
-                         "reports_per_batch": n / b} for r, (b, n) in sorted(got.items()))  # fmt: skip
+            rows.extend({"lead_set": lead, "lead_batches": x, "rank": r, "batches": b,
+                         "reports": n, "reports_per_batch": n / b}
+                        for r, (b, n, x) in sorted(got.items()))  # fmt: skip
     return rows
 
 
-def run_pipeline(lead: int) -> list[dict]:
+def run_pipeline(lead: int | None) -> list[dict]:
     """The pipeline part on its own local Ray, printed."""
     sys.path.insert(0, str(Path(__file__).parent))
     from ingest import start_ray
@@ -267,7 +271,8 @@ def run_pipeline(lead: int) -> list[dict]:
         localray.shutdown()
     print("\ntwo Pipeline ranks over the demo digits, batch 8: ledger reports per batch")
     for r in rows:
-        print(f"lead_batches={r['lead_batches']:3d} rank {r['rank']}: {r['batches']} batches, "
+        print(f"lead_batches={r['lead_set']} ({r['lead_batches']}) rank {r['rank']}: "
+              f"{r['batches']} batches, "
               f"{r['reports']} reports, {r['reports_per_batch']:.2f} per batch")  # fmt: skip
     return rows
 
@@ -328,7 +333,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="image-folder sizes listed (default: %(default)s)")  # fmt: skip
     p.add_argument("--tars", type=int, default=1000, help="WebDataset shards listed "
                    "(counted one by one; default: %(default)s)")  # fmt: skip
-    p.add_argument("--pipeline-lead", type=int, default=16, help="(default: %(default)s)")
+    p.add_argument("--pipeline-lead", type=int, default=None,
+                   help="besides 0 (default: the default lead, sized from the store)")  # fmt: skip
     p.add_argument("--parts", nargs="+",
                    choices=("plan", "state", "ledger", "pipeline", "listing"),
                    default=["plan", "state", "ledger", "pipeline", "listing"])  # fmt: skip

@@ -16,17 +16,18 @@ only once that is certain::
 Which rows a rank delivers is then a function of its planned keys and the bad samples
 only: the first ``n·B`` good rows of its slice, in the plan's order.
 
-When a rank reports (the messages): not every block, but when its cached answer is about
-to run out — it settles fewer than ``ahead`` (+ ``rank % ahead``, to spread the ranks)
-batches past the next one — and it has rows it has not reported; at once when it has all
-its rows (``done``); and, polling, while it waits. Reports are sent without waiting and
-their answers read when they have come. A rank holding ``L`` batches ahead of the batch it
-asks for reports about every ``L / 3`` batches, so the messages follow the lead
-(``PipelineConfig.lead_batches``): about two a batch at lead 0; under one a second at ten
-steps a second with 32 batches ahead up to 256 ranks, 48 at 1,024 (`benchmarks/scale.py`).
-No rank waits forever on rows a peer holds but has not reported: a peer's own last report
-covers its own next ``ahead`` batches, and a feeder held by its trainer for `FLUSH_S`
-reports what it holds (`Gate.flush`).
+When a rank reports (the messages): when its cached answer settles fewer than ``ahead``
+batches past the next one and it has rows it has not reported, unless an answer still to
+come settles the next batch; at once when it has all its rows (``done``); and when it must
+wait. The ledger holds each answer until the rows the rank asked for are settled
+(`raypipe.loader.waiters`): ranks in step (DDP) report the same batch in the same step, and
+the round's last report answers them all with the fresh minimum. A rank holding ``L``
+batches ahead of the batch it asks for reports every ``L - ahead - 1`` batches or so
+(``PipelineConfig.lead_batches``, 20 by default within the rank's store share): about 0.6
+a second at ten steps a second at 1,024 ranks (`benchmarks/scale.py`). No rank waits
+forever on rows a peer holds but has not reported: a peer past a batch has reported its
+rows, a peer before it asks when it gets there, and a feeder held by its trainer for
+`FLUSH_S` reports what it holds (`Gate.flush`).
 
 A rank whose data fails (``on_error="raise"``, a skip budget spent) tells the ledger
 (`Gate.fail`); a rank waiting on it then raises the same error instead of waiting forever.
