@@ -185,19 +185,22 @@ def ledger_capacity(reports: int) -> dict:
     return {"reports": reports, "served_per_s": reports / wall}
 
 
-def listing_points(objects: list[int], tars: int) -> list[dict]:
+def listing_points(objects: list[int], tars: int, latency_ms: float = 0) -> list[dict]:
     """Seconds `list_shards` takes over an image folder of each of ``objects`` sizes, and
-    over ``tars`` WebDataset shards, on a filled moto S3 server on loopback."""
+    over ``tars`` WebDataset shards, on a filled moto S3 server on loopback answering each
+    request ``latency_ms`` late."""
     sys.path.insert(0, str(Path(__file__).parent))
     from loopback_s3 import BUCKET, moto_server, storage_options
 
     from raypipe import PipelineConfig
+    from raypipe.plan import shards as shards_module
     from raypipe.plan.shards import list_shards
 
     rows = []
     for n in objects:
         t0 = time.perf_counter()
-        with moto_server(images=n, tars=tars if n == objects[-1] else 0) as url:
+        with moto_server(images=n, tars=tars if n == objects[-1] else 0,
+                         latency_ms=latency_ms) as url:  # fmt: skip
             fill = time.perf_counter() - t0
             for what, count in (("images", n), ("tars", tars if n == objects[-1] else 0)):
                 if not count:
@@ -209,11 +212,13 @@ def listing_points(objects: list[int], tars: int) -> list[dict]:
                 seconds = time.perf_counter() - t0
                 assert len(listing.shards) == count, (len(listing.shards), count)
                 rows.append({"source": what, "objects": count, "seconds": seconds,
-                             "server_fill_s": fill})  # fmt: skip
+                             "server_fill_s": fill, "latency_ms": latency_ms,
+                             "count_threads": shards_module.COUNT_THREADS})  # fmt: skip
     print("\nlist_shards on the loopback S3 server (moto)")
-    print(f"{'source':>8s} {'objects':>9s} {'seconds':>9s}")
+    print(f"{'source':>8s} {'objects':>9s} {'seconds':>9s} {'latency ms':>11s} {'threads':>8s}")
     for r in rows:
-        print(f"{r['source']:>8s} {r['objects']:9d} {r['seconds']:9.2f}")
+        print(f"{r['source']:>8s} {r['objects']:9d} {r['seconds']:9.2f} {latency_ms:11g} "
+              f"{r['count_threads']:8d}")  # fmt: skip
     return rows
 
 
@@ -277,6 +282,15 @@ def run_pipeline(lead: int | None) -> list[dict]:
     return rows
 
 
+def run_listing(args) -> list[dict]:
+    """The listing part, with ``--count-threads`` shards counted at once if given."""
+    from raypipe.plan import shards as shards_module
+
+    if args.count_threads is not None:
+        shards_module.COUNT_THREADS = args.count_threads
+    return listing_points([int(n) for n in args.objects], args.tars, args.latency_ms)
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -333,6 +347,10 @@ def main(argv: list[str] | None = None) -> dict:
                    help="image-folder sizes listed (default: %(default)s)")  # fmt: skip
     p.add_argument("--tars", type=int, default=1000, help="WebDataset shards listed "
                    "(counted one by one; default: %(default)s)")  # fmt: skip
+    p.add_argument("--latency-ms", type=float, default=0,
+                   help="the S3 server answers each request this late (default: %(default)s)")
+    p.add_argument("--count-threads", type=int, default=None,
+                   help="shards counted at once (default: raypipe's COUNT_THREADS)")
     p.add_argument("--pipeline-lead", type=int, default=None,
                    help="besides 0 (default: the default lead, sized from the store)")  # fmt: skip
     p.add_argument("--parts", nargs="+",
@@ -401,7 +419,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "pipeline" in args.parts:
         result["pipeline"] = run_pipeline(args.pipeline_lead)
     if "listing" in args.parts:
-        result["listing"] = listing_points([int(n) for n in args.objects], args.tars)
+        result["listing"] = run_listing(args)
     path = args.out / "scale.json"  # a run of some parts keeps the others' figures
     old = json.loads(path.read_text()) if path.exists() else {}
     path.write_text(json.dumps({**old, **result}, indent=2))

@@ -56,7 +56,8 @@ def store_share(world_size: int = 1, *, here: bool = False) -> float | None:
     stores = [
         n["Resources"]["object_store_memory"]
         for n in ray.nodes()
-        if n["Alive"] and n["Resources"].get("object_store_memory")
+        if n["Alive"]
+        and n["Resources"].get("object_store_memory")
         and (node is None or n["NodeID"] == node)
     ]
     return min(stores) / min(world_size, RANKS_PER_NODE) if stores else None
