@@ -321,7 +321,8 @@ def plot(result: dict, path: Path) -> None:
 def _ledger_series(rows: list[dict]) -> dict[str, list[dict]]:
     series: dict[str, list[dict]] = {}
     for r in rows:
-        label = f"{'before' if r.get('before') else 'now'}, {r['lead_batches']} batches ahead"
+        gate = r.get("gate", "before" if r.get("before") else "now")
+        label = f"{gate}, {r['lead_batches']} batches ahead"
         series.setdefault(label, []).append(r)
     return series
 

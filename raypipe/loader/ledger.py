@@ -157,6 +157,7 @@ class Gate:
             this; at least 1.
     """
 
+    POLL_S = (0.001, 0.02)  # first and longest pause between two asks of `ranks` joining
     FLUSH_S = 1.0  # a feeder held this long by its trainer reports the rows it holds
 
     def __init__(self, ledger, run: str, rank: int, batch_size: int, *, ahead: int = 4):
