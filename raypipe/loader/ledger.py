@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import time
 
-from raypipe.loader.waiters import Waiters, held
+from raypipe.loader.waiters import Waiters, concurrency, held
 
 __all__ = [
     "EpochLedger",
@@ -285,7 +285,7 @@ def create_ledger(world_size: int):
         .options(
             num_cpus=0,
             max_restarts=0,
-            max_concurrency=max(1000, 4 * world_size),  # answers `settle` holds
+            max_concurrency=concurrency(world_size),  # answers `settle` holds
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
         )  # fmt: skip
         .remote(world_size)

@@ -18,10 +18,16 @@ import asyncio
 import heapq
 import itertools
 
-__all__ = ["WAIT_S", "Waiters", "held"]
+__all__ = ["WAIT_S", "Waiters", "concurrency", "held"]
 assert __all__ == sorted(__all__)
 
 WAIT_S = 0.5  # the longest an answer is held: the rank then asks again
+
+
+def concurrency(world_size: int) -> int:
+    """Calls a ledger of ``world_size`` ranks runs at once (its actor's ``max_concurrency``):
+    every rank may have an answer held and another report on the way, with room to spare."""
+    return max(1000, 4 * world_size)
 
 
 class Waiters:

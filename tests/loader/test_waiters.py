@@ -39,3 +39,40 @@ def test_a_held_answer_ends_with_a_finished_rank_a_failure_or_the_wait():
         assert loop.time() - t0 == pytest.approx(waiters.WAIT_S, abs=0.2)  # then asks again
 
     asyncio.run(run())
+
+
+def test_ranks_in_step_report_about_once_per_lead(ray_session):
+    """16 ranks in step (a barrier per 20 ms step, as DDP's gradient exchange makes them),
+    each 20 batches ahead: each round of reports settles about the whole lead, so a rank
+    sends a report every ~15 batches (a spread of thresholds and answers on arrival: every
+    ~7). The step is far longer than a round of 16 reports takes the actor."""
+    import threading
+    import time
+
+    from raypipe.loader.ledger import Gate, create_ledger
+
+    world, batch, lead, steps = 16, 4, 20, 90
+    ledger = create_ledger(world)
+    gates = [Gate(ledger, "step", r, batch) for r in range(world)]
+    barrier = threading.Barrier(world, timeout=60)
+    yielded = [0] * world
+
+    def rank(r: int) -> None:
+        gate = gates[r]
+        gate.start(0, (steps + lead) * batch)
+        gate.add(lead * batch)
+        for k in range(steps):
+            gate.add(batch)
+            assert gate.allows(k)
+            yielded[r] += 1
+            time.sleep(0.02)  # the train step
+            barrier.wait()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert yielded == [steps] * world
+    reports = [g.reports for g in gates]
+    assert max(reports) <= 2 + steps // 10, reports  # the epoch's first report, then rounds
