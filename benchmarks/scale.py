@@ -128,15 +128,17 @@ def default_lead(store_gib: float) -> int:
     return lead_for(BATCH * 3 * 224 * 224, store_gib * 2**30 / RANKS_PER_NODE)
 
 
-def ledger_point(world: int, steps: int, lead: int) -> dict:
+def ledger_point(world: int, steps: int, lead: int, ahead: int | None = None) -> dict:
     """Messages and waits of ``world`` simulated ranks over ``steps`` clean steps, each
-    rank holding ``lead`` batches of rows pulled ahead of the batch it asks for."""
+    rank holding ``lead`` batches of rows pulled ahead of the batch it asks for; ``ahead``:
+    the gates' threshold in batches (None: the default)."""
     import ray
 
     from raypipe.loader.ledger import Gate, create_ledger
 
     ledger = create_ledger(world)
-    gates = [Gate(ledger, "scale", r, BATCH) for r in range(world)]
+    options = {} if ahead is None else {"ahead": ahead}
+    gates = [Gate(ledger, "scale", r, BATCH, **options) for r in range(world)]
     planned = (steps + lead + 2) * BATCH
     for gate in gates:
         gate.start(0, planned)
@@ -340,6 +342,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--leads", type=int, nargs="+", default=[0, 8, 16],
                    help="batches of rows each simulated rank holds ahead of the batch it "
                    "asks for, besides the default's (default: %(default)s)")  # fmt: skip
+    p.add_argument("--ahead", type=int, default=None,
+                   help="the gates' reporting threshold in batches (default: the Gate's)")
     p.add_argument("--store-gib", type=float, default=57.6,
                    help="object store of the simulated ranks' node, 8 ranks to a node, which "
                    "sizes the default lead (default: %(default)s, Ray's 30 %% of a "
@@ -394,7 +398,7 @@ def main(argv: list[str] | None = None) -> dict:
         leads = sorted(set(args.leads) | {lead})
         try:
             result["ledger"] = [
-                ledger_point(w, args.ledger_steps if x == 0 else args.lead_steps, x)
+                ledger_point(w, args.ledger_steps if x == 0 else args.lead_steps, x, args.ahead)
                 for x in leads
                 for w in args.ranks
             ]
