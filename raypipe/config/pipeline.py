@@ -71,9 +71,9 @@ class PipelineConfig:
         prefetch_batches: batches each rank holds ready ahead of its trainer.
         lead_batches: batches of rows each rank of a multi-rank run pulls ahead of the batch
             it asks the equal-batches ledger about, so that its reports run ahead and it
-            sends fewer (one per lead less about 5 batches); memory in the rank's node's
+            sends fewer (one per lead less about 4 batches); memory in the rank's node's
             object store for that many batches. None (the default): 20, or fewer when
-            they would be over 20 % of one rank's share of the smallest store
+            they would be over 20 % of one rank's share of its own node's store
             (`raypipe.plan.blocksize`). 0: none (a report about every batch).
         channels_last: images laid out as ``torch.channels_last``.
         transform: your own map, run in the actors after decode instead of the built-in crop:

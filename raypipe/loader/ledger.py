@@ -22,7 +22,7 @@ come settles the next batch; at once when it has all its rows (``done``); and wh
 wait. The ledger holds each answer until the rows the rank asked for are settled
 (`raypipe.loader.waiters`): ranks in step (DDP) report the same batch in the same step, and
 the round's last report answers them all with the fresh minimum. A rank holding ``L``
-batches ahead of the batch it asks for reports every ``L - ahead - 1`` batches or so
+batches ahead of the batch it asks for reports every ``L - ahead`` batches or so
 (``PipelineConfig.lead_batches``, 20 by default within the rank's store share): about 0.6
 a second at ten steps a second at 1,024 ranks (`benchmarks/scale.py`). No rank waits
 forever on rows a peer holds but has not reported: a peer past a batch has reported its
