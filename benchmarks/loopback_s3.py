@@ -38,13 +38,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def moto_server(*, images: int = 0, classes: int = 100, tars: int = 0,
+def moto_server(*, images: int = 0, classes: int = 100, tars: int = 0, latency_ms: float = 0,
                 log_path: str = os.devnull) -> Iterator[str]:  # fmt: skip
-    """The URL of a filled moto S3 server on loopback, for the ``with`` block."""
+    """The URL of a filled moto S3 server on loopback, for the ``with`` block; each request
+    answered ``latency_ms`` late (a sleep per request, in its own server thread)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     args = ["--port", str(port), "--images", str(images), "--classes", str(classes),
-            "--tars", str(tars)]  # fmt: skip
+            "--tars", str(tars), "--latency-ms", str(latency_ms)]  # fmt: skip
     with open(log_path, "wb") as log:
         server = subprocess.Popen([sys.executable, __file__, *args], stdout=log,
                                   stderr=subprocess.STDOUT)  # fmt: skip
@@ -83,10 +84,19 @@ def _tar() -> bytes:
     return buf.getvalue()
 
 
-def _serve(port: int, images: int, classes: int, tars: int) -> None:
+def _serve(port: int, images: int, classes: int, tars: int, latency_ms: float = 0) -> None:
     from moto.core import DEFAULT_ACCOUNT_ID
     from moto.s3.models import s3_backends
-    from moto.server import ThreadedMotoServer
+    from moto.server import DomainDispatcherApplication, ThreadedMotoServer
+
+    if latency_ms:
+        answer = DomainDispatcherApplication.__call__
+
+        def late(self, environ, start_response):
+            time.sleep(latency_ms / 1e3)
+            return answer(self, environ, start_response)
+
+        DomainDispatcherApplication.__call__ = late
 
     backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
     backend.create_bucket(BUCKET, REGION)
@@ -107,5 +117,6 @@ if __name__ == "__main__":
     p.add_argument("--images", type=int, default=0)
     p.add_argument("--classes", type=int, default=100)
     p.add_argument("--tars", type=int, default=0)
+    p.add_argument("--latency-ms", type=float, default=0)
     a = p.parse_args()
-    _serve(a.port, a.images, a.classes, a.tars)
+    _serve(a.port, a.images, a.classes, a.tars, a.latency_ms)

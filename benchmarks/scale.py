@@ -13,24 +13,26 @@ way it was done before so that a change shows as a pair of numbers.
   ledger  the equal-batches ledger (`raypipe.loader.ledger`, a real actor on a local
           Ray) and N simulated ranks on clean data, one block and one batch per 100 ms
           step, each rank holding --leads batches of rows pulled ahead of the batch it
-          asks for (0: the feeder today, which asks for a batch as soon as its rows are
-          in): messages per rank per second in mid-epoch (the report each rank sends at
-          an epoch's start and end left out) and the wait on the ledger per step after
-          the first (the epoch's first batch waits for every rank's first report; its
-          wait is apart); before: a report on every block, as the gate did. The ranks are driven
-          round-robin from one thread, no faster than real time (slower from 64 ranks
-          at lead 0): every rank's block of a step is pulled before any rank asks for its
-          batch. With --ledger-steps steps at lead 0, --lead-steps above.
+          asks for (0: a feeder that asks for a batch as soon as its rows are in), and
+          the lead ``lead_batches=None`` gives on a node of --store-gib of object store
+          shared by 8 ranks (the default): messages per rank per second in mid-epoch
+          (the report each rank sends at an epoch's start and end left out) and the
+          wait on the ledger per step after the first (the epoch's first batch waits
+          for every rank's first report; its wait is apart). The ranks are driven
+          round-robin from one thread, no faster than real time (slower at 1,024 ranks
+          at lead 0): every rank's block of a step is pulled before any rank asks for
+          its batch. With --ledger-steps steps at lead 0, --lead-steps above.
           Then the reports per second one ledger actor serves, sent as fast as one
           driver can: the ranks it can serve at that many messages each.
   pipeline  two ranks of a real `raypipe.Pipeline` (threads of this process, one ledger) over
           the demo digits image folder, batch 8, one epoch, a 10 ms step: the ledger reports each rank
-          sends per batch with ``lead_batches`` 0 and --pipeline-lead; a check that the
-          feeder's lead does what the simulated lead does, not a timing.
+          sends per batch with ``lead_batches`` 0 and --pipeline-lead (the default: sized
+          from the store); a check that the feeder's lead does what the simulated lead
+          does, not a timing.
   listing the driver's listing of a source (`raypipe.plan.shards.list_shards`) on moto's S3
           server on 127.0.0.1 (`loopback_s3.py`): an image folder of --objects one-byte
           images in 100 class folders, and --tars one-sample WebDataset shards (each one
-          is opened to count its samples).
+          is opened to count its samples, `raypipe.plan.shards.COUNT_THREADS` at once).
 
     python benchmarks/scale.py [--ranks 8 64 256 1024] [--samples 1e9] [--shards 1e5]
 
@@ -118,20 +120,28 @@ def state_point(first, counts, world: int, out: Path) -> dict:
             "save_s": t1 - t0, "load_s": t2 - t1}  # fmt: skip
 
 
-def ledger_point(world: int, steps: int, lead: int, *, before: bool = False) -> dict:
+def default_lead(store_gib: float) -> int:
+    """The lead ``lead_batches=None`` gives a rank of a batch of 256 224×224 images on a
+    node of ``store_gib`` GiB of object store shared by 8 ranks (`raypipe.plan.blocksize`)."""
+    from raypipe.plan.blocksize import RANKS_PER_NODE, lead_for
+
+    return lead_for(BATCH * 3 * 224 * 224, store_gib * 2**30 / RANKS_PER_NODE)
+
+
+def ledger_point(world: int, steps: int, lead: int, ahead: int | None = None) -> dict:
     """Messages and waits of ``world`` simulated ranks over ``steps`` clean steps, each
-    rank holding ``lead`` batches of rows pulled ahead of the batch it asks for."""
+    rank holding ``lead`` batches of rows pulled ahead of the batch it asks for; ``ahead``:
+    the gates' threshold in batches (None: the default)."""
     import ray
 
     from raypipe.loader.ledger import Gate, create_ledger
 
     ledger = create_ledger(world)
-    gates = [Gate(ledger, "scale", r, BATCH) for r in range(world)]
+    options = {} if ahead is None else {"ahead": ahead}
+    gates = [Gate(ledger, "scale", r, BATCH, **options) for r in range(world)]
     planned = (steps + lead + 2) * BATCH
     for gate in gates:
         gate.start(0, planned)
-        if before:
-            gate._low = float("inf")  # report on every block, as the gate did before
         gate.add(lead * BATCH)  # the rows pulled ahead before the first step
     start = sum(g.reports for g in gates)  # one report per rank at the epoch's start
     t0 = time.perf_counter()
@@ -147,7 +157,8 @@ def ledger_point(world: int, steps: int, lead: int, *, before: bool = False) -> 
     wall = time.perf_counter() - t0
     ray.kill(ledger)
     waits = (np.array([g.waited_s for g in gates]) - first) / (steps - 1)
-    return {"ranks": world, "steps": steps, "lead_batches": lead, "before": before,
+    worst = int(np.argmax(waits))
+    return {"ranks": world, "steps": steps, "lead_batches": lead, "before": False,
             "wall_s": wall,
             "messages_per_rank_s": (sum(g.reports for g in gates) - start) / world
                                    / (steps * STEP_S),
@@ -155,6 +166,7 @@ def ledger_point(world: int, steps: int, lead: int, *, before: bool = False) -> 
             "wait_per_step_max_ms": float(waits.max()) * 1e3,
             "wait_share_of_step": float(np.median(waits)) / STEP_S,
             "wait_share_max": float(waits.max()) / STEP_S,
+            "worst_rank": worst, "ranks_waiting": int((waits > 0.001 * STEP_S).sum()),
             "first_batch_wait_max_ms": float(first.max()) * 1e3,
             "simulated_s_per_wall_s": steps * STEP_S / wall}  # fmt: skip
 
@@ -175,19 +187,22 @@ def ledger_capacity(reports: int) -> dict:
     return {"reports": reports, "served_per_s": reports / wall}
 
 
-def listing_points(objects: list[int], tars: int) -> list[dict]:
+def listing_points(objects: list[int], tars: int, latency_ms: float = 0) -> list[dict]:
     """Seconds `list_shards` takes over an image folder of each of ``objects`` sizes, and
-    over ``tars`` WebDataset shards, on a filled moto S3 server on loopback."""
+    over ``tars`` WebDataset shards, on a filled moto S3 server on loopback answering each
+    request ``latency_ms`` late."""
     sys.path.insert(0, str(Path(__file__).parent))
     from loopback_s3 import BUCKET, moto_server, storage_options
 
     from raypipe import PipelineConfig
+    from raypipe.plan import shards as shards_module
     from raypipe.plan.shards import list_shards
 
     rows = []
     for n in objects:
         t0 = time.perf_counter()
-        with moto_server(images=n, tars=tars if n == objects[-1] else 0) as url:
+        with moto_server(images=n, tars=tars if n == objects[-1] else 0,
+                         latency_ms=latency_ms) as url:  # fmt: skip
             fill = time.perf_counter() - t0
             for what, count in (("images", n), ("tars", tars if n == objects[-1] else 0)):
                 if not count:
@@ -199,16 +214,19 @@ def listing_points(objects: list[int], tars: int) -> list[dict]:
                 seconds = time.perf_counter() - t0
                 assert len(listing.shards) == count, (len(listing.shards), count)
                 rows.append({"source": what, "objects": count, "seconds": seconds,
-                             "server_fill_s": fill})  # fmt: skip
+                             "server_fill_s": fill, "latency_ms": latency_ms,
+                             "count_threads": shards_module.COUNT_THREADS})  # fmt: skip
     print("\nlist_shards on the loopback S3 server (moto)")
-    print(f"{'source':>8s} {'objects':>9s} {'seconds':>9s}")
+    print(f"{'source':>8s} {'objects':>9s} {'seconds':>9s} {'latency ms':>11s} {'threads':>8s}")
     for r in rows:
-        print(f"{r['source']:>8s} {r['objects']:9d} {r['seconds']:9.2f}")
+        print(f"{r['source']:>8s} {r['objects']:9d} {r['seconds']:9.2f} {latency_ms:11g} "
+              f"{r['count_threads']:8d}")  # fmt: skip
     return rows
 
 
 def pipeline_points(leads: list[int]) -> list[dict]:
-    """Reports per batch of two real Pipeline ranks over the demo digits, per lead."""
+    """Reports per batch of two real Pipeline ranks over the demo digits, per lead (None:
+    the default, sized from the store)."""
     import threading
 
     from raypipe import Pipeline, PipelineConfig
@@ -232,7 +250,7 @@ def pipeline_points(leads: list[int]) -> list[dict]:
                         for _ in epoch:
                             time.sleep(STEP_S / 10)  # a train step of 10 ms
                             batches += 1
-                    got[r] = (batches, pipe._gate.reports)
+                    got[r] = (batches, pipe._gate.reports, pipe.config.lead_batches)
 
             threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
             for t in threads:
@@ -240,12 +258,13 @@ def pipeline_points(leads: list[int]) -> list[dict]:
             for t in threads:
                 t.join()
             assert got[0][0] == got[1][0], got  # equal batch counts
-            rows.extend({"lead_batches": lead, "rank": r, "batches": b, "reports": n,
-                         "reports_per_batch": n / b} for r, (b, n) in sorted(got.items()))  # fmt: skip
+            rows.extend({"lead_set": lead, "lead_batches": x, "rank": r, "batches": b,
+                         "reports": n, "reports_per_batch": n / b}
+                        for r, (b, n, x) in sorted(got.items()))  # fmt: skip
     return rows
 
 
-def run_pipeline(lead: int) -> list[dict]:
+def run_pipeline(lead: int | None) -> list[dict]:
     """The pipeline part on its own local Ray, printed."""
     sys.path.insert(0, str(Path(__file__).parent))
     from ingest import start_ray
@@ -259,9 +278,19 @@ def run_pipeline(lead: int) -> list[dict]:
         localray.shutdown()
     print("\ntwo Pipeline ranks over the demo digits, batch 8: ledger reports per batch")
     for r in rows:
-        print(f"lead_batches={r['lead_batches']:3d} rank {r['rank']}: {r['batches']} batches, "
+        print(f"lead_batches={r['lead_set']} ({r['lead_batches']}) rank {r['rank']}: "
+              f"{r['batches']} batches, "
               f"{r['reports']} reports, {r['reports_per_batch']:.2f} per batch")  # fmt: skip
     return rows
+
+
+def run_listing(args) -> list[dict]:
+    """The listing part, with ``--count-threads`` shards counted at once if given."""
+    from raypipe.plan import shards as shards_module
+
+    if args.count_threads is not None:
+        shards_module.COUNT_THREADS = args.count_threads
+    return listing_points([int(n) for n in args.objects], args.tars, args.latency_ms)
 
 
 def plot(result: dict, path: Path) -> None:
@@ -294,7 +323,8 @@ def plot(result: dict, path: Path) -> None:
 def _ledger_series(rows: list[dict]) -> dict[str, list[dict]]:
     series: dict[str, list[dict]] = {}
     for r in rows:
-        label = f"{'before' if r['before'] else 'now'}, {r['lead_batches']} batches ahead"
+        gate = r.get("gate", "before" if r.get("before") else "now")
+        label = f"{gate}, {r['lead_batches']} batches ahead"
         series.setdefault(label, []).append(r)
     return series
 
@@ -309,14 +339,25 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--ledger-steps", type=int, default=40, help="(default: %(default)s)")
     p.add_argument("--lead-steps", type=int, default=100,
                    help="steps with a lead above 0 (default: %(default)s)")  # fmt: skip
-    p.add_argument("--leads", type=int, nargs="+", default=[0, 16, 32, 48],
+    p.add_argument("--leads", type=int, nargs="+", default=[0, 8, 16],
                    help="batches of rows each simulated rank holds ahead of the batch it "
-                   "asks for (default: %(default)s; before: the first)")  # fmt: skip
+                   "asks for, besides the default's (default: %(default)s)")  # fmt: skip
+    p.add_argument("--ahead", type=int, default=None,
+                   help="the gates' reporting threshold in batches (default: the Gate's)")
+    p.add_argument("--store-gib", type=float, default=57.6,
+                   help="object store of the simulated ranks' node, 8 ranks to a node, which "
+                   "sizes the default lead (default: %(default)s, Ray's 30 %% of a "
+                   "192 GiB GPU node)")  # fmt: skip
     p.add_argument("--objects", type=float, nargs="+", default=[1e4, 1e5],
                    help="image-folder sizes listed (default: %(default)s)")  # fmt: skip
     p.add_argument("--tars", type=int, default=1000, help="WebDataset shards listed "
                    "(counted one by one; default: %(default)s)")  # fmt: skip
-    p.add_argument("--pipeline-lead", type=int, default=16, help="(default: %(default)s)")
+    p.add_argument("--latency-ms", type=float, default=0,
+                   help="the S3 server answers each request this late (default: %(default)s)")
+    p.add_argument("--count-threads", type=int, default=None,
+                   help="shards counted at once (default: raypipe's COUNT_THREADS)")
+    p.add_argument("--pipeline-lead", type=int, default=None,
+                   help="besides 0 (default: the default lead, sized from the store)")  # fmt: skip
     p.add_argument("--parts", nargs="+",
                    choices=("plan", "state", "ledger", "pipeline", "listing"),
                    default=["plan", "state", "ledger", "pipeline", "listing"])  # fmt: skip
@@ -353,14 +394,15 @@ def main(argv: list[str] | None = None) -> dict:
         from raypipe.cli import localray
 
         start_ray()
+        lead = default_lead(args.store_gib)
+        leads = sorted(set(args.leads) | {lead})
         try:
             result["ledger"] = [
-                ledger_point(
-                    w, args.ledger_steps if lead == 0 else args.lead_steps, lead, before=before
-                )  # fmt: skip
-                for before, lead in [(True, args.leads[0])] + [(False, x) for x in args.leads]
+                ledger_point(w, args.ledger_steps if x == 0 else args.lead_steps, x, args.ahead)
+                for x in leads
                 for w in args.ranks
             ]
+            result["ledger_default_lead"] = {"store_gib": args.store_gib, "lead_batches": lead}
             result["ledger_capacity"] = ledger_capacity(20_000)
         finally:
             localray.shutdown()
@@ -382,7 +424,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "pipeline" in args.parts:
         result["pipeline"] = run_pipeline(args.pipeline_lead)
     if "listing" in args.parts:
-        result["listing"] = listing_points([int(n) for n in args.objects], args.tars)
+        result["listing"] = run_listing(args)
     path = args.out / "scale.json"  # a run of some parts keeps the others' figures
     old = json.loads(path.read_text()) if path.exists() else {}
     path.write_text(json.dumps({**old, **result}, indent=2))

@@ -71,8 +71,10 @@ class PipelineConfig:
         prefetch_batches: batches each rank holds ready ahead of its trainer.
         lead_batches: batches of rows each rank of a multi-rank run pulls ahead of the batch
             it asks the equal-batches ledger about, so that its reports run ahead and it
-            sends fewer (about one per third of the lead); memory on the rank's node for
-            that many batches. 0: none (a report about every batch).
+            sends fewer (one per lead less about 4 batches); memory in the rank's node's
+            object store for that many batches. None (the default): 20, or fewer when
+            they would be over 20 % of one rank's share of its own node's store
+            (`raypipe.plan.blocksize`). 0: none (a report about every batch).
         channels_last: images laid out as ``torch.channels_last``.
         transform: your own map, run in the actors after decode instead of the built-in crop:
             a callable or a ``"module:function"`` path, pickling by reference. It gets a
@@ -142,7 +144,7 @@ class PipelineConfig:
     normalize: bool = True
     pin_memory: bool = True
     prefetch_batches: int = 2
-    lead_batches: int = 0
+    lead_batches: int | None = None
     channels_last: bool = False
     max_image_pixels: int | None = 89_478_485  # Pillow's default limit
     transform: Any = None

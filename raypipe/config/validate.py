@@ -83,8 +83,8 @@ def _check_counts(c: PipelineConfig, bad: _Bad) -> None:
             raise bad(name, "must be an integer >= 1, or None")
     if not is_int(c.seed) or c.seed < 0:
         raise bad("seed", "must be an integer >= 0")
-    if not is_int(c.lead_batches) or c.lead_batches < 0:
-        raise bad("lead_batches", "must be an integer >= 0")
+    if c.lead_batches is not None and (not is_int(c.lead_batches) or c.lead_batches < 0):
+        raise bad("lead_batches", "must be an integer >= 0, or None")
     if c.max_skipped is not None and (not is_num(c.max_skipped) or not 0 <= c.max_skipped <= 1):
         raise bad("max_skipped", "must be a fraction 0 <= x <= 1, or None for no limit")
     limit = c.max_image_pixels

@@ -59,7 +59,7 @@ def _tar_index(storage: Storage, path: str, need_image: bool = True):
             while (member := tar.next()) is not None:
                 members.append(member)
             cut = None
-            if storage.size(path) - tar.offset < 2 * tarfile.BLOCKSIZE:
+            if f.seek(0, io.SEEK_END) - tar.offset < 2 * tarfile.BLOCKSIZE:  # no request
                 cut = "no end-of-archive marker"
         except tarfile.ReadError as e:
             cut = str(e)

@@ -16,17 +16,18 @@ only once that is certain::
 Which rows a rank delivers is then a function of its planned keys and the bad samples
 only: the first ``n·B`` good rows of its slice, in the plan's order.
 
-When a rank reports (the messages): not every block, but when its cached answer is about
-to run out — it settles fewer than ``ahead`` (+ ``rank % ahead``, to spread the ranks)
-batches past the next one — and it has rows it has not reported; at once when it has all
-its rows (``done``); and, polling, while it waits. Reports are sent without waiting and
-their answers read when they have come. A rank holding ``L`` batches ahead of the batch it
-asks for reports about every ``L / 3`` batches, so the messages follow the lead
-(``PipelineConfig.lead_batches``): about two a batch at lead 0; under one a second at ten
-steps a second with 32 batches ahead up to 256 ranks, 48 at 1,024 (`benchmarks/scale.py`).
-No rank waits forever on rows a peer holds but has not reported: a peer's own last report
-covers its own next ``ahead`` batches, and a feeder held by its trainer for `FLUSH_S`
-reports what it holds (`Gate.flush`).
+When a rank reports (the messages): when its cached answer settles fewer than ``ahead``
+batches past the next one and it has rows it has not reported, unless an answer still to
+come settles the next batch; at once when it has all its rows (``done``); and when it must
+wait. The ledger holds each answer until the rows the rank asked for are settled
+(`raypipe.loader.waiters`): ranks in step (DDP) report the same batch in the same step, and
+the round's last report answers them all with the fresh minimum. A rank holding ``L``
+batches ahead of the batch it asks for reports every ``L - ahead`` batches or so
+(``PipelineConfig.lead_batches``, 20 by default within the rank's store share): about 0.6
+a second at ten steps a second at 1,024 ranks (`benchmarks/scale.py`). No rank waits
+forever on rows a peer holds but has not reported: a peer past a batch has reported its
+rows, a peer before it asks when it gets there, and a feeder held by its trainer for
+`FLUSH_S` reports what it holds (`Gate.flush`).
 
 A rank whose data fails (``on_error="raise"``, a skip budget spent) tells the ledger
 (`Gate.fail`); a rank waiting on it then raises the same error instead of waiting forever.
@@ -41,6 +42,8 @@ ledger by name (`raypipe.train.ranks.named_ledger`) instead of a handle passed a
 from __future__ import annotations
 
 import time
+
+from raypipe.loader.waiters import Waiters, concurrency, held
 
 __all__ = [
     "EpochLedger",
@@ -68,6 +71,7 @@ class EpochLedger:
         self._failed: dict[str, BaseException] = {}
         self._joined: dict[str, dict[int, dict[str, str]]] = {}  # run -> rank -> settings
         self._left: dict[str, set[int]] = {}
+        self._waiters = Waiters()  # answers held by `settle`
 
     def join(self, run: str, rank: int, world_size: int, settings: dict[str, str]):
         """Rank ``rank`` of ``run`` starts with ``world_size`` ranks and ``settings`` (name:
@@ -108,6 +112,7 @@ class EpochLedger:
     def fail(self, run: str, error: BaseException) -> None:
         """A rank of ``run`` stopped with ``error`` (the first one is kept)."""
         self._failed.setdefault(run, error)
+        self._waiters.wake_all(run)
 
     def report(self, run: str, epoch: int, rank: int, rows: int, done: bool):
         """Record rank's rows of ``epoch``; returns ``(min sure rows, min final rows, the
@@ -118,11 +123,26 @@ class EpochLedger:
             self._final[key] = [_INF] * self.world_size
             for old in [k for k in self._rows if k[0] == run and k[1] < epoch - 2]:
                 del self._rows[old], self._final[old]
+                self._waiters.forget(old)
         rows_now = self._rows[key]
         rows_now[rank] = max(rows_now[rank], rows)
         if done:
             self._final[key][rank] = rows
-        return min(rows_now), min(self._final[key]), self._failed.get(run)
+        sure, final = min(rows_now), min(self._final[key])
+        self._waiters.wake(key, sure, final)
+        return sure, final, self._failed.get(run)
+
+    async def settle(self, run: str, epoch: int, rank: int, rows: int, done: bool,
+                     want: float):  # fmt: skip
+        """`report`, its answer held until ``want`` rows are settled, the epoch is sure to
+        end below them, the run failed, or `raypipe.loader.waiters.WAIT_S` passed."""
+        sure, final, failed = self.report(run, epoch, rank, rows, done)
+        if failed is None and sure < want <= final:
+            await held(self._waiters.hold((run, epoch), want))
+            if (run, epoch) in self._rows:
+                sure, final = min(self._rows[run, epoch]), min(self._final[run, epoch])
+            failed = self._failed.get(run)
+        return sure, final, failed
 
 
 class Gate:
@@ -134,19 +154,19 @@ class Gate:
         rank: this rank.
         batch_size: rows per batch.
         ahead: report when the cached answer settles fewer batches past the next one than
-            this (plus ``rank % ahead``); at least 1.
+            this; at least 1.
     """
 
-    POLL_S = (0.001, 0.02)  # first and longest pause between two asks
+    POLL_S = (0.001, 0.02)  # first and longest pause between two asks of `ranks` joining
     FLUSH_S = 1.0  # a feeder held this long by its trainer reports the rows it holds
 
-    def __init__(self, ledger, run: str, rank: int, batch_size: int, *, ahead: int = 2):
+    def __init__(self, ledger, run: str, rank: int, batch_size: int, *, ahead: int = 4):
         if ahead < 1:
             raise ValueError(f"{ahead=} must be >= 1")
         self.ledger, self.run, self.rank, self.batch_size = ledger, run, rank, batch_size
         self.waited_s = 0.0  # time spent waiting for other ranks
         self.reports = 0  # messages sent to the ledger
-        self._low = (ahead + rank % ahead) * batch_size  # report below this many rows settled
+        self._low = ahead * batch_size  # report below this many rows settled
         self.start(-1, 0)
 
     def start(self, epoch: int, planned_min: int) -> None:
@@ -154,7 +174,7 @@ class Gate:
         self._epoch, self._rows, self._done = epoch, 0, False
         self._planned_min = planned_min
         self._answer: tuple[float, float, BaseException | None] = (0, _INF, None)
-        self._pending = None  # the last report's answer, not yet read
+        self._pending: list[tuple[object, float]] = []  # (answer ref, want) not yet read
         self._next = 0  # the next batch this rank asks for
         self._sent, self._sent_done = -1, False  # rows and done of the last report
 
@@ -175,13 +195,11 @@ class Gate:
             self._next = k + 1
             self._report_if_low()
             return True
-        pause, t0, fresh = self.POLL_S[0], time.perf_counter(), False
+        t0 = time.perf_counter()
         try:
+            self._collect()
             while True:
-                if self._pending is None:  # ask now, with this rank's rows
-                    self._send()
-                    fresh = True
-                sure, final, failed = self._read()
+                sure, final, failed = self._answer
                 if failed is not None:  # a peer stopped: it will never send its rows
                     raise failed
                 if need <= sure:
@@ -189,17 +207,15 @@ class Gate:
                     return True
                 if need > final:
                     return False
-                if fresh:
-                    time.sleep(pause)
-                    pause = min(pause * 2, self.POLL_S[1])
-                fresh = False
+                ask = next((ref for ref, want in self._pending if want == need), None)
+                self._collect(ask if ask is not None else self._send(need))  # held answer
         finally:
             self.waited_s += time.perf_counter() - t0
 
     def flush(self) -> None:
         """Report the rows not reported yet (a feeder its trainer holds calls this)."""
         if self.ledger is not None and (self._rows > self._sent or self._done > self._sent_done):
-            self._send()
+            self._send(0)
 
     def fail(self, error: BaseException) -> None:
         """This rank stopped with ``error``: ranks waiting on it raise it too."""
@@ -207,42 +223,55 @@ class Gate:
             self.ledger.fail.remote(self.run, error)
 
     def _report_if_low(self) -> None:
-        """Report when done, or when the cached answer is running out and there is news."""
+        """Report when done, or when the cached answer is running out and there is news
+        and no answer still to come will settle the next batch."""
         if self.ledger is None:
             return
+        want = min(self._rows, (self._next + 1) * self.batch_size + self._low)
         if self._done and not self._sent_done:
-            self._send()
+            self._send(want)
             return
         if self._rows <= self._sent or self._settled_ahead() >= self._low:
             return
-        if self._pending is not None and self._arrived():  # a fresher answer is here
-            self._read()
-            if self._settled_ahead() >= self._low:
-                return
-        self._send()
+        self._collect()
+        if self._settled_ahead() >= self._low:
+            return
+        if any(w >= (self._next + 1) * self.batch_size for _, w in self._pending):
+            return  # its answer, once the peers have the rows, settles the next batch
+        self._send(want)
 
     def _settled_ahead(self) -> float:
         """Rows the cached answer settles past the next batch this rank asks for."""
         return self._answer[0] - (self._next + 1) * self.batch_size
 
-    def _send(self) -> None:
+    def _send(self, want: float):
+        """Report this rank's rows; the answer is held until ``want`` rows are settled."""
         self.reports += 1
         self._sent, self._sent_done = self._rows, self._done
-        self._pending = self.ledger.report.remote(
-            self.run, self._epoch, self.rank, self._rows, self._done
+        ref = self.ledger.settle.remote(
+            self.run, self._epoch, self.rank, self._rows, self._done, want
         )
+        self._pending.append((ref, want))
+        return ref
 
-    def _arrived(self) -> bool:
+    def _collect(self, wait_for=None) -> None:
+        """Read the answers that have come (and ``wait_for``'s, waiting for it): the
+        freshest counts of each kind are kept."""
         import ray
 
-        return bool(ray.wait([self._pending], timeout=0)[0])
-
-    def _read(self) -> tuple[float, float, BaseException | None]:
-        import ray
-
-        if self._pending is not None:
-            self._answer, self._pending = ray.get(self._pending), None
-        return self._answer
+        if wait_for is not None:
+            ray.wait([wait_for])
+        if not self._pending:
+            return
+        refs = [ref for ref, _ in self._pending]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        if not ready:
+            return
+        self._pending = [(ref, want) for ref, want in self._pending if ref not in ready]
+        sure, final, failed = self._answer
+        for s, f, e in ray.get(list(ready)):
+            sure, final, failed = max(sure, s), min(final, f), failed or e
+        self._answer = (sure, final, failed)
 
 
 def create_ledger(world_size: int):
@@ -256,6 +285,7 @@ def create_ledger(world_size: int):
         .options(
             num_cpus=0,
             max_restarts=0,
+            max_concurrency=concurrency(world_size),  # answers `settle` holds
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
         )  # fmt: skip
         .remote(world_size)

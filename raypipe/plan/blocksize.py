@@ -9,7 +9,14 @@ A rank's share of a node's store is the smallest store over the ranks that may s
  task       files_per_task × sample      <= 25 % of the share / (actors × tasks in flight)
  read-ahead the rank's execution          <= 50 % of the share (Ray Data's own fraction,
                                              of one rank's share instead of the whole store)
+ lead       lead_batches × batch            <= 20 % of the rank's share of its own node's
+                                             store, at most `LEAD_MAX` batches
 ```
+
+The lead is the blocks a rank of a multi-rank run holds (fetched: in its own node's store)
+ahead of the batch it asks the equal-batches ledger about, so that it reports rarely
+(`raypipe.loader.ledger`): `LEAD_MAX` batches keep a rank under one report a second at ten
+steps a second.
 
 Batches the rank holds (the feeder's queue, ``prefetch_batches``) are copies on the heap
 whenever a block is smaller than a batch, and at most a few blocks of the store otherwise.
@@ -21,9 +28,9 @@ import logging
 
 from raypipe.config import PipelineConfig
 
-__all__ = ["BLOCK_SHARE", "BLOCK_TARGET", "MAX_FILES_PER_TASK", "RANKS_PER_NODE",
-           "READ_AHEAD_SHARE", "TASKS_IN_FLIGHT", "TASK_SHARE", "rank_store_limit",
-           "sized_blocks", "store_share"]  # fmt: skip
+__all__ = ["BLOCK_SHARE", "BLOCK_TARGET", "LEAD_MAX", "LEAD_SHARE", "MAX_FILES_PER_TASK",
+           "RANKS_PER_NODE", "READ_AHEAD_SHARE", "TASKS_IN_FLIGHT", "TASK_SHARE", "lead_for",
+           "rank_store_limit", "sized_blocks", "store_share"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 log = logging.getLogger(__name__)
@@ -35,17 +42,23 @@ READ_AHEAD_SHARE = 0.5  # one rank's execution: Ray Data's default fraction, of 
 TASKS_IN_FLIGHT = 2  # Ray Data 2.60's tasks in flight per actor (2 × max_concurrency 1)
 RANKS_PER_NODE = 8  # ranks that may share one node's store: at most a node's GPUs
 MAX_FILES_PER_TASK = 256
+LEAD_SHARE = 0.2  # the lead's blocks, at most, by default
+LEAD_MAX = 20  # batches of lead by default: about 2/3 of a report a second at 10 steps/s
 
 
-def store_share(world_size: int = 1) -> float | None:
+def store_share(world_size: int = 1, *, here: bool = False) -> float | None:
     """Bytes of object store one rank of ``world_size`` may count on: the smallest alive
-    node's store over the ranks that may share it; None before Ray knows any store."""
+    node's store (``here``: this process's node's) over the ranks that may share it; None
+    before Ray knows any store."""
     import ray
 
+    node = ray.get_runtime_context().get_node_id() if here else None
     stores = [
         n["Resources"]["object_store_memory"]
         for n in ray.nodes()
-        if n["Alive"] and n["Resources"].get("object_store_memory")
+        if n["Alive"]
+        and n["Resources"].get("object_store_memory")
+        and (node is None or n["NodeID"] == node)
     ]
     return min(stores) / min(world_size, RANKS_PER_NODE) if stores else None
 
@@ -56,9 +69,18 @@ def rank_store_limit(world_size: int) -> float | None:
     return None if share is None else READ_AHEAD_SHARE * share
 
 
+def lead_for(batch_bytes: int, share: float | None) -> int:
+    """The default lead of a rank with ``share`` bytes of store: `LEAD_MAX` batches, or
+    what `LEAD_SHARE` of the share holds (`LEAD_MAX` when no store is known yet)."""
+    if share is None:
+        return LEAD_MAX
+    return max(0, min(LEAD_MAX, int(LEAD_SHARE * share // max(batch_bytes, 1))))
+
+
 def sized_blocks(config: PipelineConfig, *, world_size: int = 1,
                  actors: int | None = None) -> PipelineConfig:  # fmt: skip
-    """``config`` with ``rows_per_block`` and ``files_per_task`` set from the object store.
+    """``config`` with ``rows_per_block``, ``files_per_task`` and ``lead_batches`` set from
+    the object store.
 
     ``actors``: the most actors of one rank's pool (default ``config.actors[1]``). Unset
     fields are sized to fit (module docstring); a set block over 5 % of the share is warned
@@ -66,6 +88,10 @@ def sized_blocks(config: PipelineConfig, *, world_size: int = 1,
     actors = config.actors[1] if actors is None else actors
     sample = 3 * config.image_size**2
     share = store_share(world_size)
+    if config.lead_batches is None:
+        lead = 0 if world_size == 1 else lead_for(config.batch_size * sample,
+                                                  store_share(world_size, here=True))  # fmt: skip
+        config = config.replace(lead_batches=lead)
     if share is None:
         rows = config.rows_per_block or config.batch_size
         return config.replace(rows_per_block=rows,

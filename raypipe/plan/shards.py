@@ -15,6 +15,7 @@ import dataclasses
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -26,6 +27,7 @@ from raypipe.formats.storage import Storage
 FIELD_FORMATS = ("parquet", "webdataset")  # where samples with no image can be read
 SHARD_ROW = ("path", "first_key", "num_samples", "label", "done")  # the fields of `shard_row`
 PROGRESS_S = 5.0  # a listing longer than this says how far it is, every PROGRESS_S
+COUNT_THREADS = 32  # shards counted at once on the driver (`_counted`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,12 +80,12 @@ def list_shards(config: PipelineConfig) -> Listing:
     if not files:
         raise ValueError(f"no {fmt} shards found in source {config.source!r}")
     shards, key, shown = [], 0, time.monotonic()
-    for i, f in enumerate(files):
+    for i, pieces in enumerate(_counted(reader, files, listed)):
         if time.monotonic() - shown > PROGRESS_S:  # a remote listing reads every header
             print(f"raypipe: listing {config.source}: {i}/{len(files)} shards counted, "
                   f"{key} samples so far", file=sys.stderr, flush=True)  # fmt: skip
             shown = time.monotonic()
-        for piece, n in reader.pieces(f, listed):  # a large record file: several pieces
+        for piece, n in pieces:  # a large record file: several pieces
             shards.append(Shard(piece, key, n))
             key += n
     if key == 0:
@@ -91,6 +93,20 @@ def list_shards(config: PipelineConfig) -> Listing:
     classes, labels = get_format(fmt).labels(reader, files)
     reader = dataclasses.replace(reader, classes=classes)
     return Listing(fmt, tuple(shards), classes, reader, labels, _lengths(config, reader, shards))
+
+
+def _counted(reader: Reader, files: list[str],
+             listed: frozenset[str]) -> Iterator[list[tuple[str, int]]]:  # fmt: skip
+    """``reader.pieces`` of each file, in order, `COUNT_THREADS` files counted at once: a
+    remote file's headers cost a round trip or more, which threads overlap."""
+    if len(files) < 2:
+        yield from (reader.pieces(f, listed) for f in files)
+        return
+    pool = ThreadPoolExecutor(min(COUNT_THREADS, len(files)), thread_name_prefix="raypipe-count")
+    try:
+        yield from pool.map(lambda f: reader.pieces(f, listed), files)
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def _lengths(config: PipelineConfig, reader: Reader, shards: list[Shard]) -> np.ndarray | None:

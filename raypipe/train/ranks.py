@@ -22,6 +22,7 @@ from typing import Any
 from raypipe import localnode
 from raypipe.config import PipelineConfig
 from raypipe.loader.ledger import NAMESPACE, EpochLedger, Gate
+from raypipe.loader.waiters import concurrency
 from raypipe.plan.shards import Listing
 from raypipe.train.state import fingerprint
 
@@ -129,6 +130,7 @@ def named_ledger(name: str, world_size: int):
             get_if_exists=True,
             num_cpus=0,
             max_restarts=0,
+            max_concurrency=concurrency(world_size),  # answers `settle` holds
         )  # fmt: skip
         .remote(world_size)
     )

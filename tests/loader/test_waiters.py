@@ -1,0 +1,78 @@
+"""The ledger holds an answer until what the rank asked for is settled (one reply, no polls)."""
+
+import asyncio
+
+import pytest
+
+from raypipe.loader import waiters
+from raypipe.loader.ledger import EpochLedger
+
+
+def test_an_answer_is_held_until_every_rank_reported_the_rows_asked_for():
+    async def run():
+        ledger = EpochLedger(3)
+        first = asyncio.create_task(ledger.settle("a", 0, 0, 40, False, 32))
+        second = asyncio.create_task(ledger.settle("a", 0, 1, 36, False, 32))
+        await asyncio.sleep(0.05)
+        assert not first.done() and not second.done()  # rank 2 has sent nothing
+        third = await ledger.settle("a", 0, 2, 44, False, 32)  # the round's last report
+        assert third == (36, float("inf"), None)  # settled at once, fresh
+        assert await first == await second == (36, float("inf"), None)
+
+    asyncio.run(run())
+
+
+def test_a_held_answer_ends_with_a_finished_rank_a_failure_or_the_wait():
+    async def run():
+        ledger = EpochLedger(2)
+        short = asyncio.create_task(ledger.settle("a", 0, 0, 40, False, 32))
+        await asyncio.sleep(0.01)
+        assert await ledger.settle("a", 0, 1, 20, True, 20) == (20, 20, None)
+        assert await short == (20, 20, None)  # the epoch ends below 32: said at once
+        failing = asyncio.create_task(ledger.settle("b", 0, 0, 8, False, 8))
+        await asyncio.sleep(0.01)
+        ledger.fail("b", ValueError("bad shard"))
+        assert isinstance((await failing)[2], ValueError)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        assert await ledger.settle("c", 0, 0, 8, False, 8) == (0, float("inf"), None)
+        assert loop.time() - t0 == pytest.approx(waiters.WAIT_S, abs=0.2)  # then asks again
+
+    asyncio.run(run())
+
+
+def test_ranks_in_step_report_about_once_per_lead(ray_session):
+    """16 ranks in step (a barrier per 20 ms step, as DDP's gradient exchange makes them),
+    each 20 batches ahead: each round of reports settles about the whole lead, so a rank
+    sends a report every ~15 batches (a spread of thresholds and answers on arrival: every
+    ~7). The step is far longer than a round of 16 reports takes the actor."""
+    import threading
+    import time
+
+    from raypipe.loader.ledger import Gate, create_ledger
+
+    world, batch, lead, steps = 16, 4, 20, 90
+    ledger = create_ledger(world)
+    gates = [Gate(ledger, "step", r, batch) for r in range(world)]
+    barrier = threading.Barrier(world, timeout=60)
+    yielded = [0] * world
+
+    def rank(r: int) -> None:
+        gate = gates[r]
+        gate.start(0, (steps + lead) * batch)
+        gate.add(lead * batch)
+        for k in range(steps):
+            gate.add(batch)
+            assert gate.allows(k)
+            yielded[r] += 1
+            time.sleep(0.02)  # the train step
+            barrier.wait()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert yielded == [steps] * world
+    reports = [g.reports for g in gates]
+    assert max(reports) <= 2 + steps // 10, reports  # the epoch's first report, then rounds
