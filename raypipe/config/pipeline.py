@@ -119,7 +119,9 @@ class PipelineConfig:
             image. None (the default): off. See docs/configuration.md "The decoded cache".
         cache_max_side: the cached image's short side is at most this many pixels.
         cache_budget: bytes of cached pixels per node; the first samples decoded are kept
-            until it is full (no eviction). At least one block's worth.
+            until it is full (no eviction). At least one block's worth; with
+            ``cache="memory"`` at most half the smallest node's object store (the pixels
+            live there). None: a quarter of that store (memory), 2 GiB (disk).
         cache_dir: ``cache="disk"``: a node-local directory (made on each node); a later
             run with the same settings reuses what it holds.
     """
@@ -172,7 +174,7 @@ class PipelineConfig:
     sample_rate: int | None = None
     cache: Literal["memory", "disk"] | None = None
     cache_max_side: int = 320
-    cache_budget: int = 2 << 30
+    cache_budget: int | None = None
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:

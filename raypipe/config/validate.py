@@ -137,8 +137,8 @@ def _check_cache(c: PipelineConfig, bad: _Bad) -> None:
         raise bad("cache", f"must be one of {CACHE} or None")
     if not is_int(c.cache_max_side) or c.cache_max_side < 1:
         raise bad("cache_max_side", "must be an integer >= 1 (pixels of the short side)")
-    if not is_int(c.cache_budget) or c.cache_budget < 1:
-        raise bad("cache_budget", "must be an integer >= 1 (bytes per node)")
+    if c.cache_budget is not None and (not is_int(c.cache_budget) or c.cache_budget < 1):
+        raise bad("cache_budget", "must be an integer >= 1 (bytes per node), or None")
     if c.cache_dir is not None and (not isinstance(c.cache_dir, str) or not c.cache_dir):
         raise bad("cache_dir", "must be a directory path, or None")
     if c.cache is None:
@@ -148,7 +148,7 @@ def _check_cache(c: PipelineConfig, bad: _Bad) -> None:
                   "per-sample transform (or none)")  # fmt: skip
     rows = c.rows_per_block or c.batch_size
     block = rows * 3 * c.cache_max_side * c.cache_max_side
-    if c.cache_budget < block:
+    if c.cache_budget is not None and c.cache_budget < block:
         raise bad("cache_budget", f"is below one block: {rows} rows of up to "
                   f"{c.cache_max_side}x{c.cache_max_side}x3 bytes = {block} bytes")  # fmt: skip
     if c.cache == "disk":

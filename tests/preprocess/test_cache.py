@@ -154,6 +154,16 @@ def test_memory_cache_exactly_once_equal_and_bad_samples_remembered(ray_session,
     assert stats[0][2]["cache"]["mode"] == "memory"
 
 
+def test_a_memory_budget_over_half_the_object_store_is_refused_before_work(ray_session, datasets):
+    from raypipe import Pipeline
+
+    config = PipelineConfig(source=str(datasets["imagefolder"]), cache="memory",
+                            cache_budget=1 << 40)  # fmt: skip
+    with pytest.raises(ValueError, match="over half the smallest node's object store") as e:
+        Pipeline(config, epochs=1, device="cpu").start()
+    assert "\n" not in str(e.value)
+
+
 def test_same_seed_same_pixels_per_key_cached_or_freshly_decoded(ray_session, tmp_path):
     """One run with a budget of one block (nearly every crop from a fresh decode) and one
     with room for all (epochs 1+ from the cache): the same pixels per key and epoch; and in

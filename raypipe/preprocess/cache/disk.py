@@ -135,6 +135,6 @@ def _parse(data: bytes) -> Entry | None:
             return None
         return Entry((int(head["ident"][0]), int(head["ident"][1])), str(head["where"]),
                      float(head["seconds"]), pixels, head["reason"], head["detail"],
-                     int(head["crc"]))  # fmt: skip
+                     int(head["crc"]), None if pixels is None else pixels.shape)  # fmt: skip
     except (ValueError, KeyError, TypeError, IndexError, struct.error):
         return None

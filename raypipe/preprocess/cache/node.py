@@ -8,8 +8,9 @@
  Pipeline.stats(), the progress line ── stats(config) ──► every node's counters, summed
 ```
 
-``cache="memory"``: the entries live in the actor's heap (`MemoryStore`), shared by every
-preprocessing actor of the node and every rank there. ``cache="disk"``: the pool actors
+``cache="memory"``: the actor keeps the entries (`MemoryStore`), their pixels in the node's
+object store (shared memory, owned by the actor), so that every preprocessing actor of the
+node, of every rank there, maps them without a copy. ``cache="disk"``: the pool actors
 read and write the node's files themselves (`DiskStore`); the actor only counts. An actor
 dies with its node (what it held is decoded again where the samples go next) and with the
 process that made it, at the end of its run.
@@ -24,9 +25,10 @@ import threading
 from raypipe.preprocess.cache.disk import DiskStore
 from raypipe.preprocess.cache.store import Entry, MemoryStore, Tally
 
-__all__ = ["NodeCache", "cache_root", "digest", "ensure", "lookup", "stats"]
+__all__ = ["NodeCache", "budget", "cache_root", "digest", "ensure", "lookup", "release", "stats"]
 assert __all__ == sorted(__all__)
 
+DISK_BUDGET = 2 << 30  # bytes per node under cache_dir, by default
 CACHE_VERSION = 1  # changes when the capped pixels of the same bytes would change
 _HELD: dict[tuple[str, str], object] = {}  # (job id, actor name) -> handle: an actor
 _HELD_LOCK = threading.Lock()  # dies with its last handle; ranks in threads share this
@@ -57,6 +59,13 @@ class NodeCache:
         return self.memory.get_many(ids, idents)
 
     def put_many(self, items: list[tuple[str, Entry]]) -> None:
+        """Keep ``items``; their pixels move into the object store (this actor owns them),
+        from where the node's preprocessing actors read them without a copy."""
+        import ray
+
+        for _, entry in items:
+            if entry.pixels is not None:
+                entry.ref, entry.pixels = ray.put(entry.pixels), None
         self.memory.put_many(items)
 
     def note(self, tally: Tally) -> None:
@@ -72,6 +81,21 @@ class NodeCache:
         else:
             out.bytes = self.disk.held()
         return out
+
+
+def budget(config, store_bytes: int | None = None) -> int:
+    """``config.cache_budget``, or its default: a quarter of ``store_bytes`` (the smallest
+    object store) for ``cache="memory"``, `DISK_BUDGET` for ``"disk"``."""
+    if config.cache_budget is not None:
+        return config.cache_budget
+    return DISK_BUDGET if config.cache == "disk" else max(1, (store_bytes or 0) // 4)
+
+
+def _smallest_store() -> int:
+    import ray
+
+    stores = [n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n.get("Alive")]
+    return int(min(stores)) if stores else 0
 
 
 def _name(config, node_id: str) -> str:
@@ -90,6 +114,12 @@ def ensure(config) -> None:
 
     if config.cache is None:
         return
+    store = _smallest_store()
+    limit = budget(config, store)
+    if config.cache == "memory" and limit > store // 2:
+        raise ValueError(f"PipelineConfig.cache_budget={config.cache_budget!r}: over half the "
+                         f"smallest node's object store ({store} bytes), where the memory "
+                         "cache keeps its pixels")  # fmt: skip
     job = ray.get_runtime_context().get_job_id()
     with _HELD_LOCK:
         for node in ray.nodes():
@@ -102,7 +132,19 @@ def ensure(config) -> None:
             _HELD[(job, name)] = ray.remote(NodeCache).options(
                 name=name, get_if_exists=True, num_cpus=0, max_restarts=0,
                 scheduling_strategy=strategy,
-            ).remote(config.cache, config.cache_budget, cache_root(config))  # fmt: skip
+            ).remote(config.cache, limit, cache_root(config))  # fmt: skip
+
+
+def release(config) -> None:
+    """End this process's `NodeCache` actors of ``config``: their memory entries and
+    counters go (a disk cache's files stay)."""
+    import ray
+
+    job = ray.get_runtime_context().get_job_id()
+    prefix = _name(config, "")
+    with _HELD_LOCK:
+        for held in [k for k in _HELD if k[0] == job and k[1].startswith(prefix)]:
+            ray.kill(_HELD.pop(held))
 
 
 def lookup(config):

@@ -42,12 +42,20 @@ class _Remote:
     """A node's memory cache through its `NodeCache` actor."""
 
     def __init__(self, handle):
-        self.handle = handle
+        self.handle, self.corrupt = handle, 0
 
     def get_many(self, ids, idents):
+        """The entries, their pixels mapped from the object store; one that fails its check
+        is a miss (counted as corrupt)."""
         import ray
 
-        return ray.get(self.handle.get_many.remote(ids, idents))
+        entries = ray.get(self.handle.get_many.remote(ids, idents))
+        held = [e for e in entries if e is not None and e.ref is not None]
+        for e, pixels in zip(held, ray.get([e.ref for e in held]), strict=True):
+            e.pixels, e.ref = pixels, None
+        out = [e if e is None or e.sound() else None for e in entries]
+        self.corrupt = sum(e is not None for e in entries) - sum(e is not None for e in out)
+        return out
 
     def put_many(self, items) -> None:
         self.handle.put_many.remote(items)
@@ -69,7 +77,7 @@ class SampleCache:
         self._started = True
         self.counter = node.lookup(self.config)
         if self.config.cache == "disk":
-            self.store = DiskStore(node.cache_root(self.config), self.config.cache_budget)
+            self.store = DiskStore(node.cache_root(self.config), node.budget(self.config))
         elif self.counter is not None:
             self.store = _Remote(self.counter)
 
@@ -103,6 +111,7 @@ class SampleCache:
                 self.store, entries = None, [None] * len(asks)
             self.tally.saved_s -= time.perf_counter() - t0
             found = {a[2]: e for a, e in zip(asks, entries, strict=True) if e is not None}
+            self.tally.corrupt += getattr(self.store, "corrupt", 0)
         for (path, first, n, label, done), ident, keys in zip(rows, idents, todo, strict=True):
             if keys and all(k in found for k in keys):  # nothing to read
                 for k in keys:

@@ -14,7 +14,9 @@ fixed part of the dataset cached in every epoch.
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
+from typing import Any
 
 import numpy as np
 
@@ -35,23 +37,29 @@ class Entry:
     reason: str | None = None
     detail: str | None = None
     crc: int = 0
+    shape: tuple[int, ...] | None = None  # the pixels' (H, W, 3)
+    ref: Any = None  # the pixels in the object store, where a NodeCache keeps them
 
     @classmethod
     def image(cls, ident, where: str, seconds: float, pixels: np.ndarray) -> Entry:
-        return cls(ident, where, seconds, pixels, crc=zlib.crc32(pixels.data))
+        return cls(ident, where, seconds, pixels, crc=zlib.crc32(pixels.data),
+                   shape=tuple(pixels.shape))  # fmt: skip
 
     @property
     def nbytes(self) -> int:
         strings = len(self.where) + len(self.detail or "") + len(self.reason or "")
-        return ENTRY_OVERHEAD + strings + (0 if self.pixels is None else self.pixels.nbytes)
+        return ENTRY_OVERHEAD + strings + (0 if self.shape is None else math.prod(self.shape))
 
     def sound(self) -> bool:
-        """True when the entry can be served: a reason, or pixels that match their CRC."""
+        """True when the entry can be served: a reason, or pixels that match their shape and
+        CRC (pixels still in the object store are checked where they are fetched)."""
+        if self.shape is None:
+            return self.reason is not None and self.pixels is None
         if self.pixels is None:
-            return self.reason is not None
+            return self.ref is not None
         p = self.pixels
-        return (p.dtype == np.uint8 and p.ndim == 3 and p.shape[2] == 3 and p.flags.c_contiguous
-                and zlib.crc32(p.data) == self.crc)  # fmt: skip
+        return (p.dtype == np.uint8 and p.shape == tuple(self.shape) and p.shape[2] == 3
+                and p.flags.c_contiguous and zlib.crc32(p.data) == self.crc)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -107,6 +115,7 @@ class MemoryStore:
                 continue
             if entry.pixels is not None and not entry.pixels.flags.writeable:
                 entry.pixels = entry.pixels.copy()  # out of the object store, into this heap
+                entry.shape = tuple(entry.pixels.shape)
             self._entries[i] = entry
             self.tally.bytes += entry.nbytes
             self.tally.entries += 1
