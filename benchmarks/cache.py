@@ -4,7 +4,8 @@ Each of ``--rounds`` interleaved rounds runs, in an order that rotates from roun
 
   (a) the warm `Pipeline`, uncached (today's default);
   (b) the warm `Pipeline` with ``cache="memory"`` (a fresh cache every round);
-  (c) a tuned Pillow DataLoader (2 workers, prefetch 2, persistent workers; ingest.py's
+  (c) the warm `Pipeline` with ``cache="disk"`` (a fresh directory every round);
+  (d) a tuned Pillow DataLoader (2 workers, prefetch 2, persistent workers; ingest.py's
       sweep winner on this machine), the same seeded crop;
 
 each for ``--epochs`` epochs of random-resized-crop 224 + flip, batches of 256, uint8 on the
@@ -64,14 +65,27 @@ def cached_run(config: PipelineConfig, listing, epochs: int) -> dict:
     return r
 
 
-def one_round(i: int, config, listing, shards, epochs: int) -> dict:
+def disk_run(config: PipelineConfig, listing, epochs: int, root: Path) -> dict:
+    """One run with ``cache="disk"`` in a fresh directory under ``root`` (removed after)."""
+    import shutil
+
+    directory = root / "disk-cache"
+    shutil.rmtree(directory, ignore_errors=True)
+    try:
+        return cached_run(config.replace(cache="disk", cache_dir=str(directory)), listing, epochs)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def one_round(i: int, config, listing, shards, epochs: int, root: Path) -> dict:
     runs = {
         "uncached": lambda: ingest.warm_epochs(config, listing, epochs),
         "cached": lambda: cached_run(config.replace(cache="memory"), listing, epochs),
         "pillow": lambda: ingest.dataloader(shards, "pillow", epochs, [PILLOW])["best"],
+        "disk": lambda: disk_run(config, listing, epochs, root),
     }
     names = list(runs)
-    order = names[i % 3 :] + names[: i % 3]
+    order = names[i % len(names) :] + names[: i % len(names)]
     out = {"order": order}
     for name in order:
         r = runs[name]()
@@ -121,9 +135,13 @@ def summary(rounds: list[dict]) -> dict:
         return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
     ratio = lambda a, b, key: statistics.median(r[a][key] / r[b][key] for r in rounds)  # noqa: E731
+    names = ("uncached", "cached", "disk", "pillow")
     return {
-        "later_img_s": {n: med(n, "steady_img_s") for n in ("uncached", "cached", "pillow")},
-        "epoch0_img_s": {n: med(n, "first_epoch_img_s") for n in ("uncached", "cached", "pillow")},
+        "later_img_s": {n: med(n, "steady_img_s") for n in names},
+        "epoch0_img_s": {n: med(n, "first_epoch_img_s") for n in names},
+        "later_img_per_cpu_s": {n: med(n, "img_per_cpu_s") for n in names},
+        "later_disk_vs_uncached": ratio("disk", "uncached", "steady_img_s"),
+        "epoch0_disk_vs_uncached": ratio("disk", "uncached", "first_epoch_img_s"),
         "later_cached_vs_pillow": ratio("cached", "pillow", "steady_img_s"),
         "later_cached_vs_uncached": ratio("cached", "uncached", "steady_img_s"),
         "epoch0_cached_vs_uncached": ratio("cached", "uncached", "first_epoch_img_s"),
@@ -153,8 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(json.dumps(result["capped"], indent=1), flush=True)
     start_ray(args.store_gib << 30)
     try:
-        result["rounds"] = [one_round(i, config, listing, list(listing.shards), args.epochs)
-                            for i in range(args.rounds)]  # fmt: skip
+        result["rounds"] = [one_round(i, config, listing, list(listing.shards), args.epochs,
+                                      args.out) for i in range(args.rounds)]  # fmt: skip
     finally:
         ingest.localray.shutdown()
     result["summary"] = summary(result["rounds"])

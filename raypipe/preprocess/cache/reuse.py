@@ -39,22 +39,40 @@ Row = tuple[str, int, int, int, "np.ndarray | None"]  # path, first_key, samples
 
 
 class _Remote:
-    """A node's memory cache through its `NodeCache` actor."""
+    """A node's memory cache through its `NodeCache` actor. An entry's pixels are mapped
+    from the object store once per actor and the mapping kept (shared memory, no copy), so
+    a later epoch's hit asks the node's actor nothing."""
 
     def __init__(self, handle):
         self.handle, self.corrupt = handle, 0
+        self.mapped: dict[str, Entry] = {}
 
     def get_many(self, ids, idents):
-        """The entries, their pixels mapped from the object store; one that fails its check
-        is a miss (counted as corrupt)."""
+        """The entries, mapped here or fetched and mapped; one that fails its check is a
+        miss (counted in ``corrupt``)."""
         import ray
 
-        entries = ray.get(self.handle.get_many.remote(ids, idents))
-        held = [e for e in entries if e is not None and e.ref is not None]
-        for e, pixels in zip(held, ray.get([e.ref for e in held]), strict=True):
-            e.pixels, e.ref = pixels, None
-        out = [e if e is None or e.sound() else None for e in entries]
-        self.corrupt = sum(e is not None for e in entries) - sum(e is not None for e in out)
+        out: list[Entry | None] = [None] * len(ids)
+        ask = []
+        for n, (i, ident) in enumerate(zip(ids, idents, strict=True)):
+            e = self.mapped.get(i)
+            if e is not None and tuple(e.ident) == tuple(ident):
+                out[n] = e
+            else:
+                self.mapped.pop(i, None)  # the source changed: let the node's cache say
+                ask.append(n)
+        self.corrupt = 0
+        if ask:
+            entries = ray.get(self.handle.get_many.remote([ids[n] for n in ask],
+                                                          [idents[n] for n in ask]))  # fmt: skip
+            held = [e for e in entries if e is not None and e.ref is not None]
+            for e, pixels in zip(held, ray.get([e.ref for e in held]), strict=True):
+                e.pixels, e.ref = pixels, None
+            for n, e in zip(ask, entries, strict=True):
+                if e is not None and e.sound():
+                    out[n] = self.mapped[ids[n]] = e
+                elif e is not None:
+                    self.corrupt += 1
         return out
 
     def put_many(self, items) -> None:
