@@ -228,3 +228,16 @@ def test_disk_cache_is_reused_by_a_later_run_and_invalidated_by_a_change(ray_ses
     assert s4["corrupt"] - s3["corrupt"] == 21 and s4["misses"] - s3["misses"] == 21
     d = by_key(fourth, 0)
     assert all(np.array_equal(c[k], d[k]) for k in c)
+
+
+def test_a_transform_gets_the_capped_image_cached_or_not(ray_session, datasets):
+    """Cache what is before the user's map: the transform sees the capped image, the same
+    in the epoch that decoded it and in the epochs that found it cached."""
+    config = PipelineConfig(source=str(datasets["webdataset"]), batch_size=5, rows_per_block=5,
+                            transform="tests.user_transforms:image_shape", cache="memory",
+                            cache_max_side=10)  # fmt: skip
+    out, _ = run_ranks(config, 1, 2)
+    rows = [{int(k): (tuple(hw), int(t)) for b in out[0][e]
+             for k, hw, t in zip(b["key"], b["hw"], b["total"], strict=True)} for e in (0, 1)]  # fmt: skip
+    assert rows[0] == rows[1] and len(rows[0]) == 60
+    assert {hw for hw, _ in rows[0].values()} == {(10, 12)}  # 24×20 images, short side 10
