@@ -110,6 +110,21 @@ def test_an_unwritable_cache_dir_is_refused(tmp_path):
         PipelineConfig(source=str(tmp_path), cache="disk", cache_dir=str(locked / "c"))
 
 
+def test_the_progress_line_shows_the_cache():
+    import io
+
+    from raypipe.loader.demand import Demand
+    from raypipe.loader.progress import ProgressLine
+
+    counts = {"hits": 9216, "bytes": 812 << 20, "saved_s": 14.2}
+    p = ProgressLine(3600, rank=0, demand=Demand(), planned=lambda e: 0, out=io.StringIO(),
+                     cache=lambda: counts)  # fmt: skip
+    try:
+        assert p.line().endswith("cache 9,216 hits 812 MiB saved 14 s")
+    finally:
+        p.close()
+
+
 # -- through a real local Ray ----------------------------------------------------------------
 
 
