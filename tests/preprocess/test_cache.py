@@ -256,3 +256,27 @@ def test_a_transform_gets_the_capped_image_cached_or_not(ray_session, datasets):
              for k, hw, t in zip(b["key"], b["hw"], b["total"], strict=True)} for e in (0, 1)]  # fmt: skip
     assert rows[0] == rows[1] and len(rows[0]) == 60
     assert {hw for hw, _ in rows[0].values()} == {(10, 12)}  # 24×20 images, short side 10
+
+
+def test_a_resumed_epoch_is_exactly_once_with_the_same_pixels_from_the_cache(ray_session,
+                                                                              datasets):  # fmt: skip
+    """A run resumed in epoch 1 with 40 % of its keys consumed, its cache filled by an
+    earlier run (tar shards: rows read whole, in part, or not at all), against the same
+    resume with an empty cache: the keys left, once each, with the same pixels."""
+    from raypipe.plan.shards import list_shards
+    from raypipe.train.state import PipelineState, fingerprint
+
+    config = PipelineConfig(source=str(datasets["webdataset"]), image_size=8, batch_size=4,
+                            rows_per_block=4, cache="memory", cache_max_side=11)  # fmt: skip
+    listing = list_shards(config)
+    consumed = np.random.default_rng(7).random(61) < 0.4
+    state = PipelineState(1, config.seed, 61, fingerprint(listing), consumed)
+    run_ranks(config, 1, 1, drop_last=False, normalize=False)  # fills the cache
+    warm, _ = run_ranks(config, 1, 2, drop_last=False, normalize=False, start=state)
+    cold, _ = run_ranks(config.replace(cache_budget=1 << 20), 1, 2, drop_last=False,
+                        normalize=False, start=state)  # fmt: skip
+    a, b = by_key(warm, 1), by_key(cold, 1)
+    assert sorted(a) == sorted(b) == np.flatnonzero(~consumed).tolist()
+    assert sum(len(batch["key"]) for batch in warm[0][1]) == len(a)  # no key twice
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert settled(config, 61 + len(a))["hits"] >= len(a)  # the resumed epoch, from the cache
