@@ -79,4 +79,4 @@ def test_the_layout_sections_match_the_tree():
     assert not undocumented, f"modules docs/design.md's layout does not name: {undocumented}"
 
 
-OUTSIDE = {"raypipe", "samples"}  # the package itself; preprocess/samples/
+OUTSIDE = {"raypipe", "samples", "cache"}  # the package itself; preprocess/samples/, cache/

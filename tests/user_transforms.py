@@ -103,3 +103,9 @@ def cropped_audio(sample: dict) -> dict:
     """The first `AUDIO_FRAMES` samples of a decoded audio member, and its rate."""
     return {"audio": sample["audio"][:AUDIO_FRAMES].copy(), "rate": sample["sample_rate"],
             "label": sample["label"]}  # fmt: skip
+
+
+def image_shape(sample: dict) -> dict:
+    """The height and width of the image the transform got, and its pixel sum."""
+    image = sample["image"]
+    return {"hw": np.array(image.shape[:2], np.int64), "total": np.int64(image.sum())}

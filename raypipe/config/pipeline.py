@@ -114,6 +114,18 @@ class PipelineConfig:
         max_image_pixels: an image whose header claims more pixels is a bad sample
             (``"decompression_bomb"``), refused before decoding; None for no limit.
             Checked per image in the actors instead of Pillow's process-wide limit.
+        cache: ``"memory"`` or ``"disk"`` keeps each image after its first decode, on the
+            node that decoded it, downscaled to ``cache_max_side`` as raw uint8; later
+            epochs crop from those pixels and neither read nor decode the file again.
+            With the cache on, every crop (the first epoch's too) comes from the capped
+            image. None (the default): off. See docs/configuration.md "The decoded cache".
+        cache_max_side: the cached image's short side is at most this many pixels.
+        cache_budget: bytes of cached pixels per node; the first samples decoded are kept
+            until it is full (no eviction). At least one block's worth; with
+            ``cache="memory"`` at most half the smallest node's object store (the pixels
+            live there). None: a quarter of that store (memory), 2 GiB (disk).
+        cache_dir: ``cache="disk"``: a node-local directory (made on each node); a later
+            run with the same settings reuses what it holds.
     """
 
     source: str | tuple[str, ...]
@@ -162,6 +174,10 @@ class PipelineConfig:
     pack: str | None = None
     seq_len: int | None = None
     sample_rate: int | None = None
+    cache: Literal["memory", "disk"] | None = None
+    cache_max_side: int = 320
+    cache_budget: int | None = None
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -169,6 +185,8 @@ class PipelineConfig:
             fix("source", tuple(str(s) for s in self.source))
         elif isinstance(self.source, Path):
             fix("source", str(self.source))
+        if isinstance(self.cache_dir, Path):
+            fix("cache_dir", str(self.cache_dir))
         for name in ("actors", "scale", "ratio", "mean", "std", "buckets"):
             value = getattr(self, name)
             if isinstance(value, list):

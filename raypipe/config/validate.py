@@ -13,7 +13,7 @@ from raypipe.config.samples import check_samples
 if TYPE_CHECKING:
     from raypipe.config.pipeline import PipelineConfig
 
-__all__ = ["COMPUTE", "DECODE", "FORMATS", "INPUTS", "ON_ERROR", "validate"]
+__all__ = ["CACHE", "COMPUTE", "DECODE", "FORMATS", "INPUTS", "ON_ERROR", "validate"]
 assert __all__ == sorted(__all__)
 
 FORMATS = ("imagefolder", "webdataset", "parquet", "tfrecord", "lmdb", "hdf5")
@@ -21,12 +21,14 @@ ON_ERROR = ("skip", "raise")
 COMPUTE = ("actors", "tasks")
 INPUTS = ("numpy", "pil", "torch")  # what a user transform's image is
 DECODE = ("cpu", "gpu")
+CACHE = ("memory", "disk")  # or None: no decoded cache
 
 
 def validate(c: PipelineConfig) -> None:
     """Every field's check, in groups; the first bad value raises ValueError naming it."""
     for check in (_check_source, _check_choices, _check_counts, _check_flags, _check_pool,
-                  _check_follow, _check_augment, _check_user_code, check_samples):  # fmt: skip
+                  _check_follow, _check_augment, _check_user_code, _check_cache,
+                  check_samples):  # fmt: skip
         check(c, _Bad(c))
     check_loader(c, "PipelineConfig")
 
@@ -127,3 +129,43 @@ def _check_augment(c: PipelineConfig, bad: _Bad) -> None:
 def _check_user_code(c: PipelineConfig, bad: _Bad) -> None:
     resolve_callable(c.transform, "transform")
     resolve_callable(c.collate, "collate")
+
+
+def _check_cache(c: PipelineConfig, bad: _Bad) -> None:
+    """The decoded cache's fields; a cache directory must be writable before any work."""
+    if c.cache is not None and c.cache not in CACHE:
+        raise bad("cache", f"must be one of {CACHE} or None")
+    if not is_int(c.cache_max_side) or c.cache_max_side < 1:
+        raise bad("cache_max_side", "must be an integer >= 1 (pixels of the short side)")
+    if c.cache_budget is not None and (not is_int(c.cache_budget) or c.cache_budget < 1):
+        raise bad("cache_budget", "must be an integer >= 1 (bytes per node), or None")
+    if c.cache_dir is not None and (not isinstance(c.cache_dir, str) or not c.cache_dir):
+        raise bad("cache_dir", "must be a directory path, or None")
+    if c.cache is None:
+        return
+    if c.image_column is None or c.decode == "gpu" or c.transform_batch:
+        raise bad("cache", "keeps decoded images: it needs image_column, decode='cpu' and a "
+                  "per-sample transform (or none)")  # fmt: skip
+    rows = c.rows_per_block or c.batch_size
+    block = rows * 3 * c.cache_max_side * c.cache_max_side
+    if c.cache_budget is not None and c.cache_budget < block:
+        raise bad("cache_budget", f"is below one block: {rows} rows of up to "
+                  f"{c.cache_max_side}x{c.cache_max_side}x3 bytes = {block} bytes")  # fmt: skip
+    if c.cache == "disk":
+        _check_cache_dir(c, bad)
+
+
+def _check_cache_dir(c: PipelineConfig, bad: _Bad) -> None:
+    """``cache_dir`` (made where it is missing) can be written: checked on this node,
+    without writing anything."""
+    import os
+
+    if c.cache_dir is None:
+        raise bad("cache_dir", "must be a node-local directory with cache='disk'")
+    existing = os.path.abspath(c.cache_dir)
+    while not os.path.isdir(existing) and existing != os.path.dirname(existing):
+        if os.path.exists(existing):
+            raise bad("cache_dir", f"{existing} is not a directory")
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise bad("cache_dir", f"cannot be written ({existing} is not writable)")

@@ -44,6 +44,7 @@ from raypipe.plan.blocksize import sized_blocks
 from raypipe.plan.rankplan import RankPlan, rank_pool
 from raypipe.plan.shards import Listing, list_shards
 from raypipe.pool.follow import follower_for
+from raypipe.preprocess.cache import node as node_cache
 from raypipe.preprocess.datasets import rank_dataset
 from raypipe.skips.log import SkipLog
 
@@ -186,13 +187,20 @@ class Pipeline:
         if self._progress_s:
             self._progress = ProgressLine(self._progress_s, rank=self.rank, demand=demand,
                                       planned=lambda e: self.plan.sizes(e)[self.rank],
-                                      follower=self.follower)  # fmt: skip
+                                      follower=self.follower,
+                                      cache=self.cache_stats if self.config.cache else None)  # fmt: skip
         return self
 
     def _epoch_stats(self, epoch: int, base: dict[str, Any]) -> dict[str, Any]:
         stalls = {k: round(v, 6) for k, v in self._feeder.stalls(epoch).items()}
         return {**self._feeder.counts(epoch), "stalls": stalls,
-                "bound": bound(base["wait_fraction"], stalls), **self._pool()}  # fmt: skip
+                "bound": bound(base["wait_fraction"], stalls), **self._pool(),
+                **({"cache": self.cache_stats()} if self.config.cache else {})}  # fmt: skip
+
+    def cache_stats(self) -> dict[str, Any] | None:
+        """The decoded cache's counters over the run so far, summed over nodes (hits,
+        misses, bytes held, decode seconds saved: `raypipe.preprocess.cache.store.Tally`)."""
+        return node_cache.stats(self.config)
 
     def _pool(self) -> dict[str, Any]:
         """``{"pool": ...}``: the follower's summary, or a fixed pool's size (min = max:

@@ -4,6 +4,9 @@
 raypipe rank 0 epoch 1: 3,072/6,144 samples  1,540 samples/s  wait 2%  actors 3 (target 3 of 1-4)
 ```
 
+With the decoded cache on, the line ends with its hits, the bytes it holds and the read +
+decode seconds it saved, over the run and all nodes (``cache 9,216 hits 812 MiB saved 14 s``).
+
 The samples are the rank's batches handed to its trainer so far this epoch, of the planned
 rows; samples/s and the trainer's wait (share of the time it waited for a batch) are over
 the last interval; the actors are the rank's pool as its `raypipe.pool.follow.Follower` last saw
@@ -29,12 +32,13 @@ class ProgressLine:
         demand: the rank's `raypipe.loader.demand.Demand` (rows handed out, seconds waited).
         planned: ``planned(epoch)``, the rank's planned rows of an epoch.
         follower: the rank's `raypipe.pool.follow.Follower`, or None (no pool line).
+        cache: returns the decoded cache's counters (`Pipeline.cache_stats`), or None.
         out: where the lines go (stderr).
     """
 
     def __init__(self, every_s: float, *, rank: int, demand, planned, follower=None,
-                 out=None):  # fmt: skip
-        self.every_s, self.rank, self.demand = every_s, rank, demand
+                 out=None, cache=None):  # fmt: skip
+        self.every_s, self.rank, self.demand, self._cache = every_s, rank, demand, cache
         self._planned, self._follower = planned, follower
         self._out = out if out is not None else sys.stderr
         self._last = (time.monotonic(), demand.rows, demand.waited_s)
@@ -55,6 +59,10 @@ class ProgressLine:
         f = self._follower
         if f is not None:
             text += f"  actors {f.actors} (target {f.target} of {f.lo}-{f.hi})"
+        c = self._cache() if self._cache is not None else None
+        if c:
+            text += (f"  cache {c['hits']:,} hits {c['bytes'] / 2**20:,.0f} MiB "
+                     f"saved {c['saved_s']:,.0f} s")  # fmt: skip
         return text
 
     def _run(self) -> None:

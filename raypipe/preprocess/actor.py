@@ -5,6 +5,8 @@
        (`raypipe.plan.shards.shard_row`; a run-long dataset's task id names its epoch and
        rows through `raypipe.plan.rankplan.RankTasks`)
    ▼ read the shard (raypipe.formats) → decode + crop, or the user's transform
+     (with ``config.cache``: the capped image from the node's cache, or decoded and kept
+     there: `raypipe.preprocess.cache`)
  blocks of ``rows_per_block`` rows {image uint8 N×3×S×S, label int64, key int64}
    (a run-long dataset's blocks also carry ``epoch``)
 ```
@@ -30,6 +32,8 @@ from raypipe.formats.sample import RawSample
 from raypipe.plan.rankplan import RankTasks
 from raypipe.plan.shards import Reader, unpack_done
 from raypipe.preprocess.augment import Plan, plan, sample_rng
+from raypipe.preprocess.cache.capped import crop_chw
+from raypipe.preprocess.cache.reuse import SampleCache
 from raypipe.preprocess.decode import decode_crop
 from raypipe.preprocess.encoded import Encoded, EncodedBlocks
 from raypipe.preprocess.imageblocks import ImageBlocks
@@ -87,6 +91,7 @@ class Preprocessor:
         self.epoch, self.tasks = epoch, tasks
         self.skips = skips
         self.skipped = 0
+        self.cache = SampleCache(config, self.reader.storage) if config.cache else None
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         if self.tasks is None:  # shard rows of self.epoch
@@ -105,21 +110,26 @@ class Preprocessor:
         """Blocks of ``rows_per_block`` decoded samples of ``shards`` (rows as `shard_row`
         makes them), the last one shorter; skips reach ``skips`` before the rows after them."""
         out, pending = self._builder(epoch), []
-        for path, first_key, num_samples, label, done in zip(
-            shards["path"], shards["first_key"], shards["num_samples"], shards["label"],
-            shards["done"], strict=True,
-        ):  # fmt: skip
-            done = unpack_done(done, int(num_samples))
-            for raw in self._samples(str(path), int(first_key), int(num_samples), int(label), done):
-                try:
-                    item = self._decode(raw, epoch)
-                except Exception as e:  # any read, decode or transform failure: a bad sample
-                    pending.append(self._bad(raw, e))
-                    if len(pending) >= SKIPS_PER_SEND:  # a shard of nothing but bad rows
-                        self._flush(pending, skips, epoch)
-                    continue
-                if out.add(item, raw):
-                    yield from self._take(out, pending, skips, epoch)
+        rows = [(str(path), int(first), int(n), int(label), unpack_done(done, int(n)))
+                for path, first, n, label, done in zip(
+                    shards["path"], shards["first_key"], shards["num_samples"],
+                    shards["label"], shards["done"], strict=True)]  # fmt: skip
+        if self.cache is not None:
+            raws = self.cache.raws(rows, self._samples)
+        else:
+            raws = (raw for row in rows for raw in self._samples(*row))
+        for raw in raws:
+            try:
+                item = self._decode(raw, epoch)
+            except Exception as e:  # any read, decode or transform failure: a bad sample
+                pending.append(self._bad(raw, e))
+                if len(pending) >= SKIPS_PER_SEND:  # a shard of nothing but bad rows
+                    self._flush(pending, skips, epoch)
+                continue
+            if out.add(item, raw):
+                yield from self._take(out, pending, skips, epoch)
+        if self.cache is not None:
+            self.cache.flush()
         if len(out):
             yield from self._take(out, pending, skips, epoch)
         self._flush(pending, skips, epoch)
@@ -162,13 +172,20 @@ class Preprocessor:
             yield RawSample(key, -1, None, f"{path}:key{key}", detail, "unreadable_shard")
 
     def _decode(self, raw: RawSample, epoch: int):
+        rng = sample_rng(self.config.seed, epoch, raw.key)
+        if self.cache is not None:  # the capped image: cached, or decoded and kept
+            rgb = self.cache.image(raw)
+            if self.usermap is not None:
+                return self.usermap(raw, epoch, image=rgb)
+            return crop_chw(
+                rgb, self._plan(rgb.shape[1], rgb.shape[0], rng), self.config.image_size
+            )
         if raw.reason is not None:
             raise BadSample(raw.reason, raw.error or raw.reason)
         if not raw.data and self.config.image_column is not None:  # else: fields, no image
             raise BadSample("empty_file", "zero bytes")
         if self.usermap is not None:  # a row of the user's fields; per batch: later
             return None if self.usermap.per_batch else self.usermap(raw, epoch)
-        rng = sample_rng(self.config.seed, epoch, raw.key)
         choose = lambda w, h: self._plan(w, h, rng)  # noqa: E731
         if self.config.decode == "gpu" and (encoded := Encoded.of(raw.data, choose)) is not None:
             return encoded  # the rank decodes it on its device, with this plan

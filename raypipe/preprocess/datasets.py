@@ -31,6 +31,7 @@ from raypipe.plan.blocksize import rank_store_limit, sized_blocks
 from raypipe.plan.rankplan import RankPlan, RankTasks, rank_pool
 from raypipe.plan.shards import Listing, list_shards
 from raypipe.preprocess.actor import Preprocessor, RankPreprocessor, preprocess_task
+from raypipe.preprocess.cache import node as node_cache
 from raypipe.skips.log import SkipLog
 
 __all__ = ["build_dataset", "rank_dataset"]
@@ -69,6 +70,7 @@ def build_dataset(
         localnode.ensure()
         skips = SkipLog.create()
     config = sized_blocks(config)
+    node_cache.ensure(config)  # the decoded cache's actors, one per node, if it is on
     # the plan of one rank of one: the epoch's seeded order, minus what ``consumed`` marks
     plan = RankPlan.of(listing, seed=config.seed, shuffle=config.shuffle_files, rank=0,
                        world_size=1, per_task=listing.shards_per_task(config),
@@ -101,6 +103,7 @@ def rank_dataset(config: PipelineConfig, listing: Listing, plan: RankPlan, epoch
     if len(tasks) == 0:
         return None
     lo, hi = rank_pool(config.actors, world_size)
+    node_cache.ensure(config)  # the decoded cache's actors, one per node, if it is on
     # One block per task, so that every task can go to another actor; no read tasks,
     # which would compete with the pool for CPUs.
     ids = [{"id": i} for i in range(len(tasks))]

@@ -87,13 +87,15 @@ class SampleMap:
         return cls(transform, seed=config.seed, image_input=config.transform_input,
                    per_batch=config.transform_batch, max_image_pixels=config.max_image_pixels)  # fmt: skip
 
-    def sample(self, raw) -> dict[str, Any]:
-        """The transform's input for ``raw``: image, label, key and the sample's extras."""
+    def sample(self, raw, image: np.ndarray | None = None) -> dict[str, Any]:
+        """The transform's input for ``raw``: image, label, key and the sample's extras;
+        ``image``: the decoded H×W×3 pixels (the decoded cache's), else ``raw``'s decoded."""
         extras = {_name(k): _decode_extra(k, v) for k, v in (raw.extras or {}).items()}
-        return {**extras, "image": self._image(raw.data), "label": raw.label, "key": raw.key}
+        pixels = self._image(raw.data) if image is None else self._as_input(np.array(image))
+        return {**extras, "image": pixels, "label": raw.label, "key": raw.key}
 
-    def __call__(self, raw, epoch: int) -> dict[str, Any]:
-        sample = self.sample(raw)  # a decode failure keeps its own reason
+    def __call__(self, raw, epoch: int, image: np.ndarray | None = None) -> dict[str, Any]:
+        sample = self.sample(raw, image)  # a decode failure keeps its own reason
         seed = seed_globals(self.seed, epoch, raw.key)
         try:
             out = self._apply(sample, seed)
@@ -140,9 +142,14 @@ class SampleMap:
                 )
             rgb = to_rgb(ImageOps.exif_transpose(img))
             rgb.load()
+        return rgb if self.input == "pil" else self._as_input(np.asarray(rgb))
+
+    def _as_input(self, arr: np.ndarray):
+        """An H×W×3 uint8 array as ``transform_input`` says (the caller's copy)."""
         if self.input == "pil":
-            return rgb
-        arr = np.asarray(rgb)
+            from PIL import Image
+
+            return Image.fromarray(arr, "RGB")
         if self.input == "numpy":
             return arr
         import torch

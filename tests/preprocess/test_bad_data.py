@@ -485,6 +485,10 @@ INVALID = {
     "pack": ["", "tokens"],  # "tokens": no seq_len, and an image
     "seq_len": [0, 64],  # 64: without pack
     "sample_rate": [0, 16000.5],
+    "cache": ["ram", "Memory", True],
+    "cache_max_side": [0, 2.5],
+    "cache_budget": [0, 1.5e9],
+    "cache_dir": ["", 5],
 }
 
 

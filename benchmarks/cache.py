@@ -1,0 +1,185 @@
+"""The decoded cache against decoding every epoch, on ingest.py's small corpus.
+
+Each of ``--rounds`` interleaved rounds runs, in an order that rotates from round to round:
+
+  (a) the warm `Pipeline`, uncached (today's default);
+  (b) the warm `Pipeline` with ``cache="memory"`` (a fresh cache every round);
+  (c) the warm `Pipeline` with ``cache="disk"`` (a fresh directory every round);
+  (d) a tuned Pillow DataLoader (2 workers, prefetch 2, persistent workers; ingest.py's
+      sweep winner on this machine), the same seeded crop;
+
+each for ``--epochs`` epochs of random-resized-crop 224 + flip, batches of 256, uint8 on the
+host. Reported: the later epochs' rate (median of epochs 1+ within a run, then the median
+over rounds, with the range), epoch 0's rate, the ratios taken within each round, and the
+cache's hits and misses. Then the bytes a cached image takes at several ``cache_max_side``
+values (decoded, capped, not timed), and what capping changes in the pixels: the mean
+absolute difference in grey levels between a crop from the capped image and the same crop
+from the full image.
+
+    python benchmarks/cache.py --size small --rounds 5 --epochs 4
+
+Every path runs in one local Ray whose object store is ``--store-gib`` (4 GiB: the memory
+cache's pixels live there; the default budget is a quarter of it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+from pathlib import Path
+
+import ingest
+import numpy as np
+
+from raypipe.config import PipelineConfig
+from raypipe.plan.shards import list_shards
+from raypipe.preprocess.cache import node
+from raypipe.preprocess.cache.capped import crop_chw, decode_capped
+from raypipe.preprocess.decode import decode_crop
+
+PILLOW = {"num_workers": 2, "persistent_workers": True, "prefetch_factor": 2}
+SIDES = (128, 160, 224, 256, 320, 512)
+
+
+def start_ray(store: int) -> None:
+    """ingest.py's local Ray, with an object store that holds the memory cache."""
+    import os
+
+    import ray.data
+
+    ingest.localray.start("local", num_cpus=os.cpu_count(), include_dashboard=False,
+                          log_to_driver=False, object_store_memory=store,
+                          configure_logging=False)  # fmt: skip
+    ray.data.DataContext.get_current().enable_progress_bars = False
+
+
+def cached_run(config: PipelineConfig, listing, epochs: int) -> dict:
+    """One cached warm run with a cache of its own; its counters afterwards."""
+    try:
+        r = ingest.warm_epochs(config, listing, epochs)
+        r["cache"] = node.stats(config)
+    finally:
+        node.release(config)
+    return r
+
+
+def disk_run(config: PipelineConfig, listing, epochs: int, root: Path) -> dict:
+    """One run with ``cache="disk"`` in a fresh directory under ``root`` (removed after)."""
+    import shutil
+
+    directory = root / "disk-cache"
+    shutil.rmtree(directory, ignore_errors=True)
+    try:
+        return cached_run(config.replace(cache="disk", cache_dir=str(directory)), listing, epochs)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def one_round(i: int, config, listing, shards, epochs: int, root: Path) -> dict:
+    runs = {
+        "uncached": lambda: ingest.warm_epochs(config, listing, epochs),
+        "cached": lambda: cached_run(config.replace(cache="memory"), listing, epochs),
+        "pillow": lambda: ingest.dataloader(shards, "pillow", epochs, [PILLOW])["best"],
+        "disk": lambda: disk_run(config, listing, epochs, root),
+    }
+    names = list(runs)
+    order = names[i % len(names) :] + names[: i % len(names)]
+    out = {"order": order}
+    for name in order:
+        r = runs[name]()
+        out[name] = {k: r[k] for k in ("epoch_img_s", "steady_img_s", "first_epoch_img_s",
+                                       "cpu_s_per_epoch", "img_per_cpu_s")}  # fmt: skip
+        out[name]["cache"] = r.get("cache")
+        print(f"  round {i} {name}: epoch 0 {r['first_epoch_img_s']:.0f} img/s, later "
+              f"{r['steady_img_s']:.0f} img/s", flush=True)  # fmt: skip
+    return out
+
+
+def capped_sizes(files: list[str], image: int) -> dict:
+    """Bytes per cached image by cap, and the capped crop's pixel difference from the full
+    image's (the same plans, mean and 99th percentile of |difference| in grey levels)."""
+    out = {}
+    for side in SIDES:
+        nbytes, diffs = [], []
+        for k, f in enumerate(files):
+            data = Path(f).read_bytes()
+            rgb = decode_capped(data, side, None)
+            nbytes.append(rgb.nbytes)
+            h, w = rgb.shape[:2]
+            # one plan drawn on the full image's size, scaled to the capped one
+            full = decode_crop(data, image, ingest.chooser(k, 1))
+            plan = ingest.chooser(k, 1)(*_size(data))
+            sx, sy = w / _size(data)[0], h / _size(data)[1]
+            box = type(plan.box)(plan.box.left * sx, plan.box.top * sy, plan.box.width * sx,
+                                 plan.box.height * sy)  # fmt: skip
+            capped = crop_chw(rgb, plan._replace(box=box), image)
+            diffs.append(np.abs(full.astype(np.int16) - capped.astype(np.int16)).ravel())
+        d = np.concatenate(diffs)
+        out[side] = {"bytes_per_image": float(np.mean(nbytes)), "mean_abs_diff": float(d.mean()),
+                     "p99_abs_diff": float(np.percentile(d, 99))}  # fmt: skip
+    return out
+
+
+def _size(data: bytes) -> tuple[int, int]:
+    from raypipe.preprocess.decode import jpeg_size
+
+    h, w = jpeg_size(data)
+    return w, h
+
+
+def summary(rounds: list[dict]) -> dict:
+    def med(name, key):
+        values = [r[name][key] for r in rounds]
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+    ratio = lambda a, b, key: statistics.median(r[a][key] / r[b][key] for r in rounds)  # noqa: E731
+    names = ("uncached", "cached", "disk", "pillow")
+    return {
+        "later_img_s": {n: med(n, "steady_img_s") for n in names},
+        "epoch0_img_s": {n: med(n, "first_epoch_img_s") for n in names},
+        "later_img_per_cpu_s": {n: med(n, "img_per_cpu_s") for n in names},
+        "later_disk_vs_uncached": ratio("disk", "uncached", "steady_img_s"),
+        "epoch0_disk_vs_uncached": ratio("disk", "uncached", "first_epoch_img_s"),
+        "later_cached_vs_pillow": ratio("cached", "pillow", "steady_img_s"),
+        "later_cached_vs_uncached": ratio("cached", "uncached", "steady_img_s"),
+        "epoch0_cached_vs_uncached": ratio("cached", "uncached", "first_epoch_img_s"),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", choices=list(ingest.SIZES), default="small")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--actors", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
+    p.add_argument("--store-gib", type=int, default=4, help="object store (the cache is in it)")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    # one OpenCV and torch thread here before anything decodes: a DataLoader worker forked
+    # from a process whose thread pools started hangs in them
+    ingest.one_thread()
+    corpus = ingest.make_corpus(args.out, ingest.SIZES[args.size][0])
+    config = ingest.pool_config(corpus, args.actors)
+    listing = list_shards(config)
+    files = [s.path for s in listing.shards]
+    result = {"machine": platform.platform(), "cpus": __import__("os").cpu_count(),
+              "args": {k: str(v) for k, v in vars(args).items()},
+              "capped": capped_sizes(files[:64], ingest.IMAGE)}  # fmt: skip
+    print(json.dumps(result["capped"], indent=1), flush=True)
+    start_ray(args.store_gib << 30)
+    try:
+        result["rounds"] = [one_round(i, config, listing, list(listing.shards), args.epochs,
+                                      args.out) for i in range(args.rounds)]  # fmt: skip
+    finally:
+        ingest.localray.shutdown()
+    result["summary"] = summary(result["rounds"])
+    print(json.dumps(result["summary"], indent=1))
+    (args.out / "cache.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

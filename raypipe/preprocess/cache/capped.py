@@ -1,0 +1,96 @@
+"""Decode an image to its capped size (short side at most ``max_side``), and crop from it.
+
+With the cache on, every crop comes from the capped image, the first decode's too, so a
+key gets the same pixels whether its image was just decoded or came from the cache. The
+capped image is the whole upright RGB image (EXIF rotation applied), uint8 H×W×3:
+libjpeg-turbo decodes at the 1/2, 1/4 or 1/8 DCT scale that keeps the short side at least
+``max_side``, then one area resize brings it down to exactly ``max_side``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from raypipe.preprocess.augment import Plan
+from raypipe.preprocess.decode import crop_resize, jpeg_size
+from raypipe.preprocess.pillow import open_image, to_rgb
+from raypipe.skips.records import BadSample
+
+__all__ = ["crop_chw", "decode_capped"]
+assert __all__ == sorted(__all__)
+
+
+def decode_capped(data: bytes, max_side: int, max_pixels: int | None) -> np.ndarray:
+    """The image in ``data`` as C-contiguous uint8 H×W×3 with ``min(H, W) <= max_side``.
+
+    An image whose header claims more than ``max_pixels`` is refused before decoding
+    (``decompression_bomb``), as the uncached path does."""
+    head = jpeg_size(data)
+    rgb = None
+    if head is not None:
+        height, width = head
+        _check_pixels(width, height, max_pixels)
+        rgb = _turbo(data, width, height, max_side)
+    if rgb is None:
+        rgb = _pillow(data, max_side, max_pixels)
+    return _cap(rgb, max_side)
+
+
+def crop_chw(rgb: np.ndarray, p: Plan, size: int) -> np.ndarray:
+    """``p``'s crop of the H×W×3 ``rgb``, resized to size×size: uint8 (3, size, size)."""
+    import cv2
+
+    out = crop_resize(rgb, p.box, size)
+    if p.flip:
+        out = cv2.flip(out, 1)
+    return out.transpose(2, 0, 1)
+
+
+def _turbo(data: bytes, width: int, height: int, max_side: int) -> np.ndarray | None:
+    import simplejpeg
+
+    k = next((k for k in (8, 4, 2) if min(-(-width // k), -(-height // k)) >= max_side), 1)
+    try:
+        if k == 1:
+            return simplejpeg.decode_jpeg(data, colorspace="RGB")
+        return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=-(-height // k),
+                                      min_width=-(-width // k))  # fmt: skip
+    except ValueError:  # damage libjpeg-turbo refuses strictly: Pillow tries
+        return None
+
+
+def _pillow(data: bytes, max_side: int, max_pixels: int | None) -> np.ndarray:
+    from PIL import ImageOps
+
+    with open_image(data) as img:
+        _check_pixels(img.width, img.height, max_pixels)
+        if img.format == "JPEG" and img.mode in ("RGB", "L"):
+            short = min(img.size)
+            scale = max(1.0, short / max_side) if short > max_side else 1.0
+            img.draft(img.mode, (math.ceil(img.width / scale), math.ceil(img.height / scale)))
+        rgb = to_rgb(ImageOps.exif_transpose(img))
+        rgb.load()
+        return np.asarray(rgb)
+
+
+def _cap(rgb: np.ndarray, max_side: int) -> np.ndarray:
+    import cv2
+
+    height, width = rgb.shape[:2]
+    short = min(height, width)
+    if short <= max_side:
+        return np.ascontiguousarray(rgb)
+    scale = max_side / short
+    if width <= height:  # the short side exactly max_side, the long one rounded
+        size = (max_side, max(1, round(height * scale)))
+    else:
+        size = (max(1, round(width * scale)), max_side)
+    return cv2.resize(rgb, size, interpolation=cv2.INTER_AREA)
+
+
+def _check_pixels(width: int, height: int, limit: int | None) -> None:
+    if limit is not None and width * height > limit:
+        raise BadSample("decompression_bomb",
+                        f"{width}x{height} = {width * height} pixels > max_image_pixels={limit}")  # fmt: skip

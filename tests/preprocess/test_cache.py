@@ -1,0 +1,282 @@
+"""The decoded cache (`raypipe.preprocess.cache`): its stores alone, then through a real
+local Ray: exactly once and equal batches, the same pixels per key whether a crop's image
+came from the cache or from a fresh decode, bad samples remembered, a disk cache reused
+by a later run and invalidated when its source changes, corrupt entries never served."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from raypipe import PipelineConfig
+from raypipe.preprocess.cache.capped import decode_capped
+from raypipe.preprocess.cache.disk import DiskStore
+from raypipe.preprocess.cache.store import Entry, MemoryStore
+from tests.conftest import image_bytes, make_imagefolder
+from tests.preprocess.test_bad_data import FOLDER_SKIPS, mixed_source
+from tests.properties import check_exactly_once_and_equal
+from tests.ranks import run_ranks
+
+IDENT = (100, 7)
+
+
+def pixels(seed: int = 0, shape=(12, 14, 3)) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+# -- the stores alone ----------------------------------------------------------------------
+
+
+def test_memory_store_is_first_come_within_its_budget_and_drops_changed_sources():
+    one = Entry.image(IDENT, "a.jpg", 0.01, pixels())
+    store = MemoryStore(budget=2 * one.nbytes + 10)
+    store.put_many([(f"f{i}", Entry.image(IDENT, f"{i}.jpg", 0.01, pixels(i))) for i in range(3)])
+    got = store.get_many(["f0", "f1", "f2"], [IDENT] * 3)
+    assert [g is not None for g in got] == [True, True, False]  # the third did not fit
+    assert store.tally.refused == 1 and store.tally.entries == 2
+    assert np.array_equal(got[1].pixels, pixels(1))
+    assert store.get_many(["f0"], [(101, 7)]) == [None]  # the file changed: a miss, dropped
+    assert store.tally.entries == 1 and store.tally.bytes == one.nbytes
+
+
+def test_memory_store_never_serves_an_entry_that_fails_its_check():
+    store = MemoryStore(budget=1 << 20)
+    store.put_many([("f", Entry.image(IDENT, "a.jpg", 0.01, pixels()))])
+    store.get_many(["f"], [IDENT])[0].pixels[0, 0, 0] ^= 0xFF  # damaged in place
+    assert store.get_many(["f"], [IDENT]) == [None]
+    assert store.tally.corrupt == 1 and store.tally.entries == 0
+
+
+def test_disk_store_round_trips_and_refuses_damaged_files(tmp_path):
+    store = DiskStore(str(tmp_path / "c"), budget=1 << 20)
+    bad = Entry(IDENT, "b.jpg", 0.02, None, "not_an_image", "it is text")
+    store.put_many([("a", Entry.image(IDENT, "a.jpg", 0.01, pixels())), ("b", bad)])
+    a, b = store.get_many(["a", "b"], [IDENT, IDENT])
+    assert np.array_equal(a.pixels, pixels()) and a.where == "a.jpg"
+    assert (b.pixels, b.reason, b.detail) == (None, "not_an_image", "it is text")
+    assert store.held() == sum(os.path.getsize(store.path(i)) for i in "ab")
+    entry = Path(store.path("a"))
+    data = bytearray(entry.read_bytes())
+    data[-1] ^= 0xFF
+    entry.write_bytes(bytes(data))
+    assert store.get_many(["a"], [IDENT]) == [None] and store.tally.corrupt == 1
+    entry.write_bytes(bytes(data[:40]))  # truncated
+    assert store.get_many(["a"], [IDENT]) == [None] and store.tally.corrupt == 2
+    assert store.get_many(["b"], [(1, 1)]) == [None]  # the source changed: a miss
+    small = DiskStore(str(tmp_path / "d"), budget=100)
+    small.put_many([("a", Entry.image(IDENT, "a.jpg", 0.01, pixels()))])
+    assert small.tally.refused == 1 and small.held() == 0
+
+
+def test_decode_capped_keeps_the_short_side_at_most_the_cap():
+    rng = np.random.default_rng(0)
+    for fmt in ("JPEG", "PNG"):
+        data = image_bytes(rng, fmt, size=(400, 300))
+        assert decode_capped(data, 120, None).shape == (120, 160, 3)
+        assert decode_capped(data, 1000, None).shape == (300, 400, 3)  # never upscaled
+    tall = image_bytes(rng, "JPEG", size=(90, 200))
+    assert decode_capped(tall, 45, None).shape == (100, 45, 3)
+
+
+def test_bad_cache_settings_fail_in_one_line(tmp_path):
+    src = str(tmp_path)
+    (tmp_path / "file").write_text("x")
+    cases = {
+        "cache='ram'": dict(cache="ram"),
+        "is below one block": dict(
+            cache="memory", batch_size=8, cache_max_side=100, cache_budget=8 * 3 * 100 * 100 - 1
+        ),  # fmt: skip
+        "must be a node-local directory": dict(cache="disk"),
+        "is not a directory": dict(cache="disk", cache_dir=str(tmp_path / "file" / "sub")),
+        "cache_max_side=0": dict(cache="memory", cache_max_side=0),
+    }
+    for words, fields in cases.items():
+        with pytest.raises(ValueError, match=words) as info:
+            PipelineConfig(source=src, **fields)
+        assert "\n" not in str(info.value) and "PipelineConfig.cache" in str(info.value)
+    PipelineConfig(source=src, cache="disk", cache_dir=str(tmp_path / "new" / "dir"))
+
+
+def test_an_unwritable_cache_dir_is_refused(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if os.access(locked, os.W_OK):
+        pytest.skip("this user writes anywhere (root)")
+    with pytest.raises(ValueError, match="cannot be written"):
+        PipelineConfig(source=str(tmp_path), cache="disk", cache_dir=str(locked / "c"))
+
+
+def test_the_progress_line_shows_the_cache():
+    import io
+
+    from raypipe.loader.demand import Demand
+    from raypipe.loader.progress import ProgressLine
+
+    counts = {"hits": 9216, "bytes": 812 << 20, "saved_s": 14.2}
+    p = ProgressLine(3600, rank=0, demand=Demand(), planned=lambda e: 0, out=io.StringIO(),
+                     cache=lambda: counts)  # fmt: skip
+    try:
+        assert p.line().endswith("cache 9,216 hits 812 MiB saved 14 s")
+    finally:
+        p.close()
+
+
+# -- through a real local Ray ----------------------------------------------------------------
+
+
+def by_key(out, epoch: int) -> dict[int, np.ndarray]:
+    """``{key: image}`` over every rank's batches of ``epoch``."""
+    return {int(k): b["image"][i] for r in out for b in r[epoch] for i, k in enumerate(b["key"])}
+
+
+def settled(pipe_config, want: int, timeout_s: float = 30.0) -> dict:
+    """The cache's counters once ``hits + misses`` reached ``want`` (the actors' counts
+    arrive without being waited for)."""
+    from raypipe.preprocess.cache import node
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = node.stats(pipe_config)
+        if s["hits"] + s["misses"] >= want or time.monotonic() > deadline:
+            return s
+        time.sleep(0.2)
+
+
+def test_memory_cache_exactly_once_equal_and_bad_samples_remembered(ray_session, tmp_path):
+    source, expected = mixed_source(tmp_path / "data", "imagefolder")  # 150 good of 158
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=6, actors=(2, 2),
+                            files_per_task=9, rows_per_block=4, max_skipped=None,
+                            cache="memory", cache_max_side=12)  # fmt: skip
+    out, stats = run_ranks(config, 2, 3, normalize=False)
+    total, bad = 158, sum(expected.values())
+    for epoch in range(3):
+        good_rows = [stats[r][epoch]["good"] for r in range(2)]
+        assert sum(good_rows) == total - bad
+        keys = check_exactly_once_and_equal([r[epoch] for r in out], batch_size=6,
+                                            good=range(total))  # fmt: skip
+        assert len(keys) == 2 * 6 * (min(good_rows) // 6)
+    s = settled(config, 3 * total)
+    assert s["hits"] + s["misses"] == 3 * total
+    assert s["hits"] >= total  # epochs 1 and 2 from the cache, mostly
+    # remembered as bad: every bad sample but the unreadable one (a read error may pass)
+    remembered = bad - FOLDER_SKIPS["unreadable"]
+    assert s["bad_hits"] >= remembered
+    assert s["entries"] == total - FOLDER_SKIPS["unreadable"] and s["bytes"] > 150 * 12 * 12 * 3
+    assert stats[0][2]["cache"]["mode"] == "memory"
+
+
+def test_a_memory_budget_over_half_the_object_store_is_refused_before_work(ray_session, datasets):
+    from raypipe import Pipeline
+
+    config = PipelineConfig(source=str(datasets["imagefolder"]), cache="memory",
+                            cache_budget=1 << 40)  # fmt: skip
+    with pytest.raises(ValueError, match="over half the smallest node's object store") as e:
+        Pipeline(config, epochs=1, device="cpu").start()
+    assert "\n" not in str(e.value)
+
+
+def test_same_seed_same_pixels_per_key_cached_or_freshly_decoded(ray_session, tmp_path):
+    """One run with a budget of one block (nearly every crop from a fresh decode) and one
+    with room for all (epochs 1+ from the cache): the same pixels per key and epoch; and in
+    eval mode (one crop per key), epoch 0 (decoded) equals epochs 1 and 2 (cached)."""
+    source = make_imagefolder(tmp_path / "data", {"a": 30, "b": 25}, seed=3)
+    base = PipelineConfig(source=str(source), image_size=8, batch_size=5, actors=(2, 2),
+                          files_per_task=7, rows_per_block=5, cache="memory",
+                          cache_max_side=12)  # fmt: skip
+    small = base.replace(cache_budget=5 * 3 * 12 * 12)
+    fresh, _ = run_ranks(small, 1, 2, normalize=False)
+    cached, _ = run_ranks(base, 1, 2, normalize=False)
+    again, _ = run_ranks(base, 1, 2, normalize=False)  # its epoch 0 from the cache too
+    assert settled(base, 4 * 55)["hits"] >= 55
+    for epoch in range(2):
+        a, b, c = by_key(fresh, epoch), by_key(cached, epoch), by_key(again, epoch)
+        assert a.keys() == b.keys() == c.keys() and len(a) == 55
+        for k in a:
+            assert np.array_equal(a[k], b[k]) and np.array_equal(a[k], c[k]), (epoch, k)
+    uncached, _ = run_ranks(base.replace(cache=None), 1, 1, normalize=False)
+    u = by_key(uncached, 0)
+    assert any(not np.array_equal(u[k], by_key(fresh, 0)[k]) for k in u)  # crops differ
+    evals, _ = run_ranks(base.replace(train=False, seed=1), 1, 3, normalize=False)
+    first = by_key(evals, 0)
+    for epoch in (1, 2):
+        later = by_key(evals, epoch)
+        assert all(np.array_equal(first[k], later[k]) for k in first)
+
+
+def test_disk_cache_is_reused_by_a_later_run_and_invalidated_by_a_change(ray_session, tmp_path):
+    source = make_imagefolder(tmp_path / "data", {"a": 12, "b": 9}, seed=5)
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=3, actors=(1, 1),
+                            files_per_task=4, rows_per_block=3, cache="disk",
+                            cache_dir=str(tmp_path / "cache"), cache_max_side=12)  # fmt: skip
+    first, _ = run_ranks(config, 1, 1, normalize=False)
+    s1 = settled(config, 21)
+    assert (s1["hits"], s1["misses"]) == (0, 21) and s1["bytes"] > 0
+    second, stats = run_ranks(config, 1, 1, normalize=False)
+    s2 = settled(config, 42)
+    assert (s2["hits"], s2["misses"]) == (21, 21)  # the later run decoded nothing
+    assert stats[0][0]["cache"]["mode"] == "disk"
+    a, b = by_key(first, 0), by_key(second, 0)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    # the source of key 0 changes: only it is decoded again, and its new pixels are served
+    changed = sorted((source / "a").iterdir())[0]
+    changed.write_bytes(image_bytes(np.random.default_rng(99), "PNG"))
+    os.utime(changed, ns=(time.time_ns(), time.time_ns() + 10**9))
+    third, _ = run_ranks(config, 1, 1, normalize=False)
+    s3 = settled(config, 63)
+    assert (s3["hits"] - s2["hits"], s3["misses"] - s2["misses"]) == (20, 1)
+    c = by_key(third, 0)
+    assert not np.array_equal(a[0], c[0]) and all(np.array_equal(a[k], c[k]) for k in a if k)
+    # every entry damaged on disk: decoded again from the source, never served
+    for root, _, files in os.walk(tmp_path / "cache"):
+        for name in files:
+            if name != "usage":
+                path = Path(root, name)
+                data = bytearray(path.read_bytes())
+                data[-5] ^= 0x55
+                path.write_bytes(bytes(data))
+    fourth, _ = run_ranks(config, 1, 1, normalize=False)
+    s4 = settled(config, 84)
+    assert s4["corrupt"] - s3["corrupt"] == 21 and s4["misses"] - s3["misses"] == 21
+    d = by_key(fourth, 0)
+    assert all(np.array_equal(c[k], d[k]) for k in c)
+
+
+def test_a_transform_gets_the_capped_image_cached_or_not(ray_session, datasets):
+    """Cache what is before the user's map: the transform sees the capped image, the same
+    in the epoch that decoded it and in the epochs that found it cached."""
+    config = PipelineConfig(source=str(datasets["webdataset"]), batch_size=5, rows_per_block=5,
+                            transform="tests.user_transforms:image_shape", cache="memory",
+                            cache_max_side=10)  # fmt: skip
+    out, _ = run_ranks(config, 1, 2)
+    rows = [{int(k): (tuple(hw), int(t)) for b in out[0][e]
+             for k, hw, t in zip(b["key"], b["hw"], b["total"], strict=True)} for e in (0, 1)]  # fmt: skip
+    assert rows[0] == rows[1] and len(rows[0]) == 60
+    assert {hw for hw, _ in rows[0].values()} == {(10, 12)}  # 24×20 images, short side 10
+
+
+def test_a_resumed_epoch_is_exactly_once_with_the_same_pixels_from_the_cache(ray_session,
+                                                                              datasets):  # fmt: skip
+    """A run resumed in epoch 1 with 40 % of its keys consumed, its cache filled by an
+    earlier run (tar shards: rows read whole, in part, or not at all), against the same
+    resume with an empty cache: the keys left, once each, with the same pixels."""
+    from raypipe.plan.shards import list_shards
+    from raypipe.train.state import PipelineState, fingerprint
+
+    config = PipelineConfig(source=str(datasets["webdataset"]), image_size=8, batch_size=4,
+                            rows_per_block=4, cache="memory", cache_max_side=11)  # fmt: skip
+    listing = list_shards(config)
+    consumed = np.random.default_rng(7).random(61) < 0.4
+    state = PipelineState(1, config.seed, 61, fingerprint(listing), consumed)
+    run_ranks(config, 1, 1, drop_last=False, normalize=False)  # fills the cache
+    warm, _ = run_ranks(config, 1, 2, drop_last=False, normalize=False, start=state)
+    cold, _ = run_ranks(config.replace(cache_budget=1 << 20), 1, 2, drop_last=False,
+                        normalize=False, start=state)  # fmt: skip
+    a, b = by_key(warm, 1), by_key(cold, 1)
+    assert sorted(a) == sorted(b) == np.flatnonzero(~consumed).tolist()
+    assert sum(len(batch["key"]) for batch in warm[0][1]) == len(a)  # no key twice
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert settled(config, 61 + len(a))["hits"] >= len(a)  # the resumed epoch, from the cache
