@@ -50,7 +50,19 @@ def _preprocess(run: str, kwargs: list, task: int) -> list[Columns]:
         while len(_PREPROCESSORS) > RUNS_PER_WORKER:
             _PREPROCESSORS.popitem(last=False)
     _PREPROCESSORS.move_to_end(run)
-    return [b for b in pre({"id": np.array([task], dtype=np.int64)}) if len(b["key"])]
+    return [_numpy(b) for b in pre({"id": np.array([task], dtype=np.int64)}) if len(b["key"])]
+
+
+def _numpy(block: dict) -> Columns:
+    """``block`` as the rank gets an actor's: numpy columns. A block of arrays as it is;
+    one with other values (a transform's lists, ragged fields) through Ray Data's own
+    conversion, the one the actors' blocks take (`raypipe.loader.blocks`)."""
+    if all(isinstance(v, np.ndarray) and v.dtype != object for v in block.values()):
+        return block
+    from ray.data.block import BlockAccessor
+
+    table = BlockAccessor.batch_to_block(block)
+    return BlockAccessor.for_block(table).to_batch_format("numpy")
 
 
 class TaskStream:
