@@ -65,6 +65,14 @@ def _numpy(block: dict) -> Columns:
     return BlockAccessor.for_block(table).to_batch_format("numpy")
 
 
+def _label_selector() -> dict | None:
+    """The driver's Ray Data ``execution_options.label_selector``, which places the actor
+    pool's actors: the tasks go to the same nodes."""
+    import ray.data
+
+    return ray.data.DataContext.get_current().execution_options.label_selector
+
+
 class TaskStream:
     """The rank's blocks of every epoch from plain Ray tasks; called on the feeder thread,
     it returns ``(blocks, stop)`` as `raypipe.loader.blocks.execute` does for an actor pool.
@@ -94,6 +102,9 @@ class TaskStream:
 
         run, kwargs = uuid.uuid4().hex, [ray.put(self._kwargs)]  # nested: fetched on a miss
         remote = ray.remote(_preprocess).options(num_cpus=self._cpus, name="RankTask")
+        labels = _label_selector()
+        if labels:  # where Ray Data would place its tasks and actors (docs/scale.md)
+            remote = remote.options(label_selector=labels)
         submitted = 0
         while submitted < self._count or self._in_flight:
             with self._lock:
