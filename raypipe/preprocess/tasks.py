@@ -122,6 +122,8 @@ class TaskStream:
                     return
                 raise
             with self._lock:
+                if self._stopped:  # `stop` came during the get: the rest is not wanted
+                    return
                 self._in_flight.popleft()
             yield from blocks
 
