@@ -38,7 +38,7 @@ from raypipe.config import PipelineConfig
 from raypipe.plan.shards import list_shards
 
 
-def one_run(corpus: Path, epochs: int, setup_s: float = 0.0, compute: str = "actors") -> dict:
+def one_run(corpus: Path, epochs: int, setup_s: float = 0.0, compute: str = "tasks") -> dict:
     """One Pipeline from nothing to the end of ``epochs`` epochs, timed by phase."""
     from raypipe import Pipeline
 
@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--compute",
         choices=("actors", "tasks"),
-        default="actors",
-        help="PipelineConfig.compute (default: %(default)s)",
+        default=PipelineConfig.compute,
+        help="PipelineConfig.compute (default: %(default)s, the config's)",
     )
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
     args = p.parse_args(argv)

@@ -56,7 +56,12 @@ def autoscale(address: str, data: str, out: str) -> None:
     ray.init(address=address, log_to_driver=False, configure_logging=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     config = PipelineConfig(
-        source=data, image_size=32, batch_size=BATCH, actors=(2, 6), files_per_task=2
+        source=data,
+        image_size=32,
+        batch_size=BATCH,
+        actors=(2, 6),
+        files_per_task=2,
+        compute="actors",
     )
     with PoolWatch(interval_s=0.5) as watch:
         report = _epoch(config, watch)
@@ -94,7 +99,12 @@ def node_loss(data: str, out: str, temp_dir: str, port: str, kill_after: list[in
     # README "Running at scale": actors only on preprocess nodes, never on the head
     context.execution_options.label_selector = {"raypipe-role": "preprocess"}
     config = PipelineConfig(
-        source=data, image_size=32, batch_size=BATCH, actors=(2, 4), files_per_task=2
+        source=data,
+        image_size=32,
+        batch_size=BATCH,
+        actors=(2, 4),
+        files_per_task=2,
+        compute="actors",
     )
     actor_nodes: set[str] = set()
     report: dict = {"epochs": [], "head": cluster.head_node.node_id, "removed": []}

@@ -2,7 +2,7 @@
 
 ```
  feeder thread (one per rank, for the whole run)                        consumer (trainer)
-   1. blocks      RefBundles of this rank's execution → ray.get → numpy columns
+   1. blocks      numpy columns of this rank's execution (Ray Data's or its tasks')
    2. epochs      cut where the block's ``epoch`` changes (or the rank's planned rows are in)
    3. rebatch     exactly batch_size rows; zero-copy when a block is one batch
                   (or a seeded local shuffle buffer: PipelineConfig.shuffle_buffer)
@@ -30,7 +30,6 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from raypipe.loader.blocks import block_columns
 from raypipe.loader.demand import Demand
 from raypipe.loader.errors import collect_failed, unwrapped
 from raypipe.loader.ledger import Gate
@@ -69,8 +68,9 @@ class Feeder:
     """Owns the feeder thread of one rank; ``epoch(e)`` yields that epoch's host batches.
 
     Args:
-        start: called on the feeder thread, returns ``(RefBundle iterator, stop)`` of the
-            rank's execution (``stop()`` shuts it down); None when the rank has no data.
+        start: called on the feeder thread, returns ``(blocks, stop)`` of the rank's
+            execution: an iterator of numpy column blocks, in task order, and ``stop()``,
+            which shuts it down from any thread; None when the rank has no data.
         plan: the rank's `RankPlan` (planned rows per rank and epoch).
         gate: the rank's `raypipe.loader.ledger.Gate`.
         epochs: the epochs the bundles hold, in order.
@@ -170,9 +170,9 @@ class Feeder:
     def _run(self) -> None:
         try:
             t0 = time.perf_counter()
-            bundles, self._stop = self._start() if self._start is not None else ((), None)
+            columns, self._stop = self._start() if self._start is not None else ((), None)
             startup = time.perf_counter() - t0  # the execution starts: counted to Ray
-            blocks = self._timed(block_columns(bundles), "ray_s")
+            blocks = self._timed(iter(columns), "ray_s")
             ahead = None
             for e in self._epochs:
                 ahead = self._epoch(e, blocks, ahead, startup if e == self._epochs.start else 0)

@@ -27,7 +27,7 @@ from typing import Any
 
 from raypipe import localnode
 from raypipe.config import PipelineConfig
-from raypipe.loader.blocks import execute
+from raypipe.loader.blocks import block_columns, execute
 from raypipe.loader.buckets import Bucketing
 from raypipe.loader.collate import collate_for
 from raypipe.loader.demand import Demand
@@ -46,6 +46,7 @@ from raypipe.plan.shards import Listing, list_shards
 from raypipe.pool.follow import follower_for
 from raypipe.preprocess.cache import node as node_cache
 from raypipe.preprocess.datasets import rank_dataset
+from raypipe.preprocess.tasks import rank_tasks
 from raypipe.skips.log import SkipLog
 
 __all__ = ["Pipeline"]
@@ -173,12 +174,16 @@ class Pipeline:
         if self._feeder is not None:
             return self
         epochs = range(self.first_epoch, self.num_epochs)
-        ds = rank_dataset(self.config, self.listing, self.plan, epochs, self.skips,
-                          world_size=self.world_size, shared_skips=self._shared_skips)  # fmt: skip
         demand = Demand()
         self.follower = follower_for(self.config, self.world_size, demand)
+        args = (self.config, self.listing, self.plan, epochs, self.skips)
+        kwargs = {"world_size": self.world_size, "shared_skips": self._shared_skips}
+        if self.config.compute == "tasks":  # plain Ray tasks on Ray's pooled workers
+            start = rank_tasks(*args, **kwargs, follower=self.follower)
+        else:  # a Ray Data execution over the rank's actor pool
+            start = _starter(rank_dataset(*args, **kwargs), self.follower)
         self._feeder = Feeder(
-            _starter(ds, self.follower), self.plan, self._gate, epochs,
+            start, self.plan, self._gate, epochs,
             batch_size=self.config.batch_size, prefetch=self.loader.prefetch_batches,
             shuffle_buffer=self.config.shuffle_buffer, seed=self.config.seed, demand=demand,
             drop_last=self.drop_last, form=batch_form(self.config, self.listing, self.drop_last),
@@ -239,8 +244,16 @@ def batch_form(config: PipelineConfig, listing: Listing, drop_last: bool):
 
 
 def _starter(ds, follower):
-    """Start ``ds``'s execution on the feeder thread; None when the rank has no task."""
-    return None if ds is None else functools.partial(execute, ds, follower)
+    """Start ``ds``'s execution on the feeder thread: its blocks as numpy columns and its
+    ``stop``; None when the rank has no task."""
+    if ds is None:
+        return None
+
+    def start():
+        bundles, stop = execute(ds, follower)
+        return block_columns(bundles), stop
+
+    return start
 
 
 def _check_args(*, epochs, rank, world_size, ledger, prefetch_batches, progress_s, start,

@@ -113,10 +113,11 @@ class Follower:
 
 
 def follower_for(config, world_size: int, demand) -> Follower | None:
-    """The rank's `Follower` under ``config`` (``follow_*`` fields); None for a fixed pool,
-    ``compute="tasks"`` or ``follow=False``."""
+    """The rank's `Follower` under ``config`` (``follow_*`` fields); None for a fixed pool
+    or ``follow=False``. With ``compute="tasks"`` it sets the rank's task slots (tasks in
+    flight over `raypipe.plan.blocksize.TASKS_IN_FLIGHT`) instead of its actors."""
     lo, hi = rank_pool(config.actors, world_size)
-    if not config.follow or config.compute != "actors" or lo == hi:
+    if not config.follow or lo == hi:
         return None
     return Follower(lo, hi, demand, wait=config.follow_wait, shrink_s=config.follow_shrink_s,
                     period_s=config.follow_period_s)  # fmt: skip

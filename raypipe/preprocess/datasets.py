@@ -93,7 +93,9 @@ def build_dataset(
 
 def rank_dataset(config: PipelineConfig, listing: Listing, plan: RankPlan, epochs: range,
                  skips, *, world_size: int, shared_skips: bool = False):  # fmt: skip
-    """The lazy run-long dataset of ``plan``'s rank over ``epochs``; None if it has no task.
+    """The lazy run-long dataset of ``plan``'s rank over ``epochs`` on its actor pool
+    (``compute="actors"``; `raypipe.preprocess.tasks` runs ``"tasks"``); None if it has no
+    task.
 
     ``shared_skips``: every rank writes to ``skips``, so the skip budget is the epoch's
     (all ranks' samples); else this rank's own samples."""
@@ -110,16 +112,12 @@ def rank_dataset(config: PipelineConfig, listing: Listing, plan: RankPlan, epoch
     ds = ray.data.from_items(ids, override_num_blocks=len(tasks))
     kwargs = {"config": config, "reader": listing.reader, "skips": skips, "tasks": tasks}
     common = {"batch_size": 1, "batch_format": "numpy", "num_cpus": config.actor_cpus}
-    if config.compute == "tasks":  # Ray tasks on pooled workers, at most ``hi`` at once
-        pool = ray.data.TaskPoolStrategy(size=hi)
-        ds = ds.map_batches(preprocess_task, fn_kwargs=kwargs, compute=pool, **common)
-    else:
-        # a following pool starts at its max, as a fixed one would, and sheds what the
-        # trainer leaves idle (raypipe.pool.follow); else Ray Data grows it from its min
-        start = hi if config.follow else None
-        pool = ray.data.ActorPoolStrategy(min_size=lo, max_size=hi, initial_size=start)
-        ds = ds.map_batches(RankPreprocessor, fn_constructor_kwargs=kwargs, compute=pool,
-                            **common)  # fmt: skip
+    # a following pool starts at its max, as a fixed one would, and sheds what the
+    # trainer leaves idle (raypipe.pool.follow); else Ray Data grows it from its min
+    start = hi if config.follow else None
+    pool = ray.data.ActorPoolStrategy(min_size=lo, max_size=hi, initial_size=start)
+    ds = ds.map_batches(RankPreprocessor, fn_constructor_kwargs=kwargs, compute=pool,
+                        **common)  # fmt: skip
     ds.context.execution_options.preserve_order = True
     ds.context.enable_progress_bars = (
         False  # one rank's inner dataset: raypipe.loader.progress instead

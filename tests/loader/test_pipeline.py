@@ -138,7 +138,7 @@ def test_the_pool_is_the_same_processes_in_epoch_0_and_epoch_2(ray_session, data
     The second actor may still be starting when epoch 0's first batches arrive, so each
     epoch's set is everything seen alive while it was read."""
     config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=8, batch_size=4,
-                            files_per_task=4, actors=(2, 2))  # fmt: skip
+                            files_per_task=4, actors=(2, 2), compute="actors")  # fmt: skip
     seen: dict[int, set] = {}
     with PoolWatch(match="RankPreprocessor", interval_s=0.05, new_only=True) as watch:
         with Pipeline(config, epochs=3, device="cpu") as pipe:
@@ -159,7 +159,7 @@ def test_the_pool_starts_on_with_before_epochs_is_asked_for(ray_session, dataset
     set-up overlaps them; ``start()`` again changes nothing; ``epochs()`` then gives every
     epoch once, and a second ``epochs()`` is refused."""
     config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=8, batch_size=4,
-                            actors=(1, 1))  # fmt: skip
+                            actors=(1, 1), compute="actors")  # fmt: skip
     watch = PoolWatch(match="RankPreprocessor", interval_s=0.05, new_only=True)
     with watch, Pipeline(config, epochs=2, device="cpu") as pipe:
         feeder = pipe._feeder

@@ -81,7 +81,12 @@ def _consume(ds, watch: PoolWatch, *, pause_s: float = 0.0) -> tuple[list[int], 
 @pytest.mark.slow
 def test_pool_grows_toward_max_when_the_transform_is_slower(ray_session, slow_folder):
     config = PipelineConfig(
-        source=str(slow_folder), image_size=32, batch_size=8, actors=(1, 3), files_per_task=1
+        source=str(slow_folder),
+        image_size=32,
+        batch_size=8,
+        actors=(1, 3),
+        files_per_task=1,
+        compute="actors",
     )
     with PoolWatch(interval_s=0.25, new_only=True) as watch:
         keys, _, stats = _consume(build_dataset(config), watch)
@@ -95,7 +100,12 @@ def test_pool_grows_toward_max_when_the_transform_is_slower(ray_session, slow_fo
 def test_idle_actors_are_released_while_a_slow_consumer_is_still_busy(ray_session, tmp_path):
     data = slow_images(tmp_path, 96, side=512)
     config = PipelineConfig(
-        source=str(data), image_size=32, batch_size=8, actors=(1, 3), files_per_task=1
+        source=str(data),
+        image_size=32,
+        batch_size=8,
+        actors=(1, 3),
+        files_per_task=1,
+        compute="actors",
     )
     with PoolWatch(interval_s=0.25, new_only=True) as watch:
         keys, actors, stats = _consume(build_dataset(config), watch, pause_s=1.0)
@@ -120,7 +130,12 @@ def test_pool_watch_owns_one_thread_that_close_stops(ray_session):
 
 def test_pool_watch_new_only_leaves_out_a_pool_already_running(ray_session, slow_folder):
     config = PipelineConfig(
-        source=str(slow_folder), image_size=32, batch_size=8, actors=(1, 1), files_per_task=1
+        source=str(slow_folder),
+        image_size=32,
+        batch_size=8,
+        actors=(1, 1),
+        files_per_task=1,
+        compute="actors",
     )
     with iter_torch_batches(build_dataset(config), batch_size=8) as batches:
         next(iter(batches))  # the pool is up, most of the epoch is ahead

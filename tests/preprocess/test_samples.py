@@ -168,12 +168,14 @@ def test_an_audio_member_that_does_not_decode_is_bad_audio():
 
 
 def test_a_field_whose_type_changes_stops_the_run(ray_session, tmp_path):
+    """The fields are checked per preprocessing process: one actor reads both files here
+    (with compute="tasks" two pooled workers may read one each, each seeing one type)."""
     from raypipe.preprocess.usermap import TransformOutputError
 
     for f, dtype in enumerate((pa.int32(), pa.int64())):
         table = pa.table({"tokens": pa.array([[1, 2], [3]] * 4, pa.list_(dtype))})
         pq.write_table(table, tmp_path / f"part-{f}.parquet")
-    cfg = config(tmp_path, shuffle_files=False, batch_size=2)
+    cfg = config(tmp_path, shuffle_files=False, batch_size=2, compute="actors")
     with pytest.raises(
         TransformOutputError,
         match=r"field 'tokens' is int(32|64) with 1 dims at key .* but int(64|32)",

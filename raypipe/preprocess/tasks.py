@@ -1,0 +1,156 @@
+"""``compute="tasks"``: a rank's tasks as plain Ray tasks on Ray's pooled workers, in order.
+
+```
+ feeder thread (the rank)                              pooled workers (warm once used)
+   submit task ids in order, <= window in flight ──────► `_preprocess(run, [kwargs], id)`:
+     window = slots × TASKS_IN_FLIGHT; slots: the         the worker's `Preprocessor` of
+     pool's max, or the follower's target                  ``run``, built once per process
+   ray.get the oldest task's blocks ◄────────────────── [{image, label, key, epoch}, ...]
+   ▼ blocks in task order, epoch e's tasks before e+1's: the stream the actor pool's
+     execution gives (`raypipe.preprocess.datasets.rank_dataset`), the same rows
+```
+
+No Ray Data on the way: the workers Ray starts with its node run the first task without
+importing it, and a worker an earlier run used already holds raypipe's modules, so the
+first block comes in a fraction of a second, where a new actor pool starts new processes
+(benchmarks/RESULTS.md, "The first epoch"). The window bounds the object store as the
+actor pool's tasks in flight do (`raypipe.plan.blocksize`), and the run's arguments (the
+plan and the listing's paths) cross the store once: a worker fetches them on its first
+task of the run only.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import uuid
+
+import numpy as np
+
+from raypipe.plan.blocksize import TASKS_IN_FLIGHT
+from raypipe.plan.rankplan import RankTasks, rank_pool
+from raypipe.preprocess.actor import Preprocessor
+
+__all__ = ["TaskStream", "rank_tasks"]
+assert __all__ == sorted(__all__)
+
+Columns = dict[str, np.ndarray]
+RUNS_PER_WORKER = 4  # runs whose Preprocessor a pooled worker keeps (ranks sharing a node)
+_PREPROCESSORS: collections.OrderedDict = collections.OrderedDict()  # run id → Preprocessor
+
+
+def _preprocess(run: str, kwargs: list, task: int) -> list[Columns]:
+    """One task of ``run`` on a pooled worker: its blocks, from this process's
+    `Preprocessor` of the run (built on the run's first task here)."""
+    pre = _PREPROCESSORS.get(run)
+    if pre is None:
+        import ray
+
+        pre = _PREPROCESSORS[run] = Preprocessor(**ray.get(kwargs[0]))
+        while len(_PREPROCESSORS) > RUNS_PER_WORKER:
+            _PREPROCESSORS.popitem(last=False)
+    _PREPROCESSORS.move_to_end(run)
+    return [_numpy(b) for b in pre({"id": np.array([task], dtype=np.int64)}) if len(b["key"])]
+
+
+def _numpy(block: dict) -> Columns:
+    """``block`` as the rank gets an actor's: numpy columns. A block of arrays as it is;
+    one with other values (a transform's lists, ragged fields) through Ray Data's own
+    conversion, the one the actors' blocks take (`raypipe.loader.blocks`)."""
+    if all(isinstance(v, np.ndarray) and v.dtype != object for v in block.values()):
+        return block
+    from ray.data.block import BlockAccessor
+
+    table = BlockAccessor.batch_to_block(block)
+    return BlockAccessor.for_block(table).to_batch_format("numpy")
+
+
+def _label_selector() -> dict | None:
+    """The driver's Ray Data ``execution_options.label_selector``, which places the actor
+    pool's actors: the tasks go to the same nodes."""
+    import ray.data
+
+    return ray.data.DataContext.get_current().execution_options.label_selector
+
+
+class TaskStream:
+    """The rank's blocks of every epoch from plain Ray tasks; called on the feeder thread,
+    it returns ``(blocks, stop)`` as `raypipe.loader.blocks.execute` does for an actor pool.
+
+    Args:
+        config, reader, skips, tasks: the `Preprocessor`'s arguments (``tasks``: the
+            rank's `RankTasks`, every epoch).
+        world_size: the ranks sharing ``config.actors`` (the rank's slots: its share).
+        follower: a `raypipe.pool.follow.Follower` that sets the slots, or None (the max).
+    """
+
+    def __init__(self, config, reader, skips, tasks: RankTasks, *, world_size: int,
+                 follower=None):  # fmt: skip
+        self._kwargs = {"config": config, "reader": reader, "skips": skips, "tasks": tasks}
+        self._count, self._cpus = len(tasks), config.actor_cpus
+        self._slots = rank_pool(config.actors, world_size)[1]
+        self._follower = follower
+        self._stopped = False
+        self._in_flight: collections.deque = collections.deque()
+        self._lock = threading.Lock()  # the feeder thread submits, `stop` cancels
+
+    def __call__(self):
+        return self._blocks(), self.stop
+
+    def _blocks(self):
+        import ray
+
+        run, kwargs = uuid.uuid4().hex, [ray.put(self._kwargs)]  # nested: fetched on a miss
+        remote = ray.remote(_preprocess).options(num_cpus=self._cpus, name="RankTask")
+        labels = _label_selector()
+        if labels:  # where Ray Data would place its tasks and actors (docs/scale.md)
+            remote = remote.options(label_selector=labels)
+        submitted = 0
+        while submitted < self._count or self._in_flight:
+            with self._lock:
+                while (not self._stopped and submitted < self._count
+                       and len(self._in_flight) < self._window()):  # fmt: skip
+                    self._in_flight.append(remote.remote(run, kwargs, submitted))
+                    submitted += 1
+                if self._stopped:
+                    return
+                oldest = self._in_flight[0]
+            try:
+                blocks = ray.get(oldest)
+            except Exception:
+                if self._stopped:  # cancelled by `stop`: the stream ends quietly
+                    return
+                raise
+            with self._lock:
+                if self._stopped:  # `stop` came during the get: the rest is not wanted
+                    return
+                self._in_flight.popleft()
+            yield from blocks
+
+    def _window(self) -> int:
+        """Tasks in flight: ``TASKS_IN_FLIGHT`` per slot, as an actor pool keeps."""
+        if self._follower is not None:
+            self._slots = self._follower.decide(self._slots)
+        return max(1, self._slots) * TASKS_IN_FLIGHT
+
+    def stop(self) -> None:
+        """Cancel the tasks in flight; the stream ends at its next block."""
+        import ray
+
+        with self._lock:
+            self._stopped = True
+            refs = list(self._in_flight)
+            self._in_flight.clear()
+        for ref in refs:
+            ray.cancel(ref)
+
+
+def rank_tasks(config, listing, plan, epochs: range, skips, *, world_size: int,
+               shared_skips: bool = False, follower=None) -> TaskStream | None:  # fmt: skip
+    """The `TaskStream` of ``plan``'s rank over ``epochs``; None if it has no task
+    (`raypipe.preprocess.datasets.rank_dataset`'s counterpart for ``compute="tasks"``)."""
+    tasks = RankTasks.of(listing, plan, epochs, shared_skips=shared_skips)
+    if len(tasks) == 0:
+        return None
+    return TaskStream(config, listing.reader, skips, tasks, world_size=world_size,
+                      follower=follower)  # fmt: skip

@@ -1,0 +1,76 @@
+"""``compute="tasks"`` (`raypipe.preprocess.tasks`): the actor pool's rows, in its order."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from raypipe import Pipeline, PipelineConfig
+from raypipe.preprocess import tasks as task_module
+
+
+def _epochs(config: PipelineConfig, **kwargs) -> list[list[tuple[int, bytes]]]:
+    """Every epoch's (key, pixels) in the order one rank of one got them."""
+    with Pipeline(config, device="cpu", normalize=False, **kwargs) as pipe:
+        return [[(int(k), img.numpy().tobytes()) for b in batches
+                 for k, img in zip(b["key"], b["image"], strict=True)]
+                for _, batches in pipe.epochs()]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["imagefolder", "webdataset"])
+def test_tasks_give_the_actor_pools_keys_pixels_and_order(ray_session, datasets, fmt):
+    config = PipelineConfig(source=str(datasets[fmt]), image_size=8, batch_size=5,
+                            files_per_task=4, actors=(1, 2), seed=3)  # fmt: skip
+    tasks = _epochs(config.replace(compute="tasks"), epochs=2)
+    actors = _epochs(config.replace(compute="actors"), epochs=2)
+    assert tasks == actors
+    assert tasks[0] != tasks[1]  # the epochs' seeded orders differ
+    assert len({k for k, _ in tasks[0]}) == len(tasks[0]) == 60  # 61 samples, batches of 5
+
+
+def test_a_window_of_one_slot_still_reads_every_epoch_in_order(ray_session, datasets):
+    config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=8, batch_size=4,
+                            files_per_task=2, actors=(1, 1))  # fmt: skip
+    assert config.compute == "tasks"  # the default
+    epochs = _epochs(config, epochs=2)
+    assert [len(e) for e in epochs] == [60, 60]
+    assert all(len({k for k, _ in e}) == 60 for e in epochs)
+
+
+def test_stopping_early_cancels_the_tasks_and_is_no_failure(ray_session, datasets):
+    config = PipelineConfig(source=str(datasets["parquet"]), image_size=8, batch_size=4,
+                            files_per_task=1)  # fmt: skip
+    pipe = Pipeline(config, epochs=5, device="cpu")
+    for _, batches in pipe.epochs():
+        next(iter(batches))
+        break
+    pipe.close()
+    assert not pipe._feeder.failed
+    assert not [t for t in threading.enumerate() if t.name == "raypipe-feeder"]
+
+
+def test_a_worker_keeps_one_preprocessor_per_run_and_only_the_last_few(ray_session, datasets):
+    import ray
+
+    from raypipe.plan.rankplan import RankPlan, RankTasks
+    from raypipe.plan.shards import list_shards
+
+    config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=8, batch_size=4,
+                            files_per_task=8, rows_per_block=4)  # fmt: skip
+    listing = list_shards(config)
+    plan = RankPlan.of(listing, seed=0, shuffle=True, rank=0, world_size=1, per_task=8)
+    tasks = RankTasks.of(listing, plan, range(1))
+    kwargs = [ray.put({"config": config, "reader": listing.reader, "tasks": tasks})]
+    cache = task_module._PREPROCESSORS
+    cache.clear()
+    blocks = task_module._preprocess("a", kwargs, 0)
+    first = cache["a"]
+    assert task_module._preprocess("a", kwargs, 1) and cache["a"] is first
+    assert [len(b["key"]) for b in blocks] == [4, 4] and all(b["epoch"][0] == 0 for b in blocks)
+    assert np.array_equal(np.concatenate([b["key"] for b in blocks]), plan.keys(0)[:8])
+    for run in "bcde":
+        task_module._preprocess(run, kwargs, 0)
+    assert list(cache) == ["b", "c", "d", "e"]  # RUNS_PER_WORKER, the oldest gone
+    cache.clear()
