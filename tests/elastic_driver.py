@@ -77,7 +77,8 @@ def autoscale(address: str, data: str, out: str) -> None:
     _write(out, report)
 
 
-def node_loss(data: str, out: str, temp_dir: str, port: str, kill_after: list[int]) -> None:
+def node_loss(data: str, out: str, temp_dir: str, port: str, kill_after: list[int],
+              compute: str) -> None:  # fmt: skip
     import ray
     from ray.cluster_utils import Cluster
 
@@ -104,12 +105,12 @@ def node_loss(data: str, out: str, temp_dir: str, port: str, kill_after: list[in
         batch_size=BATCH,
         actors=(2, 4),
         files_per_task=2,
-        compute="actors",
+        compute=compute,
     )
-    actor_nodes: set[str] = set()
     report: dict = {"epochs": [], "head": cluster.head_node.node_id, "removed": []}
     try:
         report["actor_kill"] = _actor_kill_epoch(config, Path(temp_dir) / "stall")
+        report["work_nodes"] = sorted(set((Path(temp_dir) / "stall/nodes").read_text().split()))
         with PoolWatch(interval_s=0.5) as watch, Pipeline(config, epochs=len(kill_after)) as pipe:
             for epoch, batches in pipe.epochs():
                 after = kill_after[epoch]
@@ -117,7 +118,6 @@ def node_loss(data: str, out: str, temp_dir: str, port: str, kill_after: list[in
                 keys = []
                 for i, batch in enumerate(batches):
                     keys.extend(int(k) for k in batch["key"])
-                    actor_nodes.update(a["Address"]["NodeID"] for a in watch.alive())
                     if i == after:  # a worker node goes; a new one comes, as on a real cluster
                         victim = workers.pop(0)
                         log.warning("removing node %s after batch %d", victim.node_id, i)
@@ -133,7 +133,6 @@ def node_loss(data: str, out: str, temp_dir: str, port: str, kill_after: list[in
                     break
                 time.sleep(1)
             report["pool"] = watch.summary()
-            report["actor_nodes"] = sorted(actor_nodes)
             alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
             report["removed_alive"] = [alive.get(n) for n in report["removed"]]
     finally:
@@ -187,6 +186,6 @@ if __name__ == "__main__":
     if mode == "autoscale":
         autoscale(*args)
     elif mode == "node-loss":
-        node_loss(*args[:4], [int(a) for a in args[4].split(",")])
+        node_loss(*args[:4], [int(a) for a in args[4].split(",")], args[5])
     else:
         raise SystemExit(f"unknown mode {mode!r}")

@@ -79,7 +79,12 @@ STALL_KEY = 5  # the sample whose task is in flight when its actor is killed
 def stall_once(folder: str, sample: dict) -> dict:
     """tests/elastic_driver.py's actor-kill epoch: a tiny subsample of the image. For `STALL_KEY` it
     appends this process's id to ``folder``/attempts and, on the first attempt only, blocks
-    until its actor is killed: that task is in flight when the kill comes."""
+    until its actor is killed: that task is in flight when the kill comes. Every call
+    appends its node's id to ``folder``/nodes (where preprocessing ran)."""
+    import ray
+
+    with open(Path(folder) / "nodes", "a") as f:
+        f.write(f"{ray.get_runtime_context().get_node_id()}\n")
     if sample["key"] == STALL_KEY:
         attempts = Path(folder) / "attempts"
         with open(attempts, "a") as f:

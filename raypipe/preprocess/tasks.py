@@ -101,10 +101,10 @@ class TaskStream:
         import ray
 
         run, kwargs = uuid.uuid4().hex, [ray.put(self._kwargs)]  # nested: fetched on a miss
-        remote = ray.remote(_preprocess).options(num_cpus=self._cpus, name="RankTask")
-        labels = _label_selector()
-        if labels:  # where Ray Data would place its tasks and actors (docs/scale.md)
-            remote = remote.options(label_selector=labels)
+        options = {"num_cpus": self._cpus, "name": "RankTask"}
+        if labels := _label_selector():  # where Ray Data places its tasks and actors (scale.md)
+            options["label_selector"] = labels
+        remote = ray.remote(_preprocess).options(**options)  # options() once: it wraps
         submitted = 0
         while submitted < self._count or self._in_flight:
             with self._lock:

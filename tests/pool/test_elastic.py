@@ -304,17 +304,19 @@ KILL_AFTER = (0, 5, 10)  # batches (of 12) after which a worker node goes
 
 
 @pytest.mark.slow
-def test_losing_worker_nodes_and_an_actor_loses_no_sample(tmp_path):
-    """Head + 2 worker nodes. A preprocessing actor's process is SIGKILLed while its task
-    is in flight (the task of one sample stalls until then); then each epoch loses a
-    worker node after a different batch (a new one joins). No sample is lost."""
+@pytest.mark.parametrize("compute", ["tasks", "actors"])
+def test_losing_worker_nodes_and_a_preprocessing_process_loses_no_sample(tmp_path, compute):
+    """Head + 2 worker nodes. The process preprocessing one sample (a pool actor's, or
+    with ``compute="tasks"``, the default, a pooled worker's) is SIGKILLed while its task is
+    in flight (the task of that sample stalls until then); then each epoch loses a worker
+    node after a different batch (a new one joins). No sample is lost."""
     data = slow_images(tmp_path, 96, side=512)
     temp_dir = tempfile.mkdtemp(prefix="rpn-", dir="/tmp")
     out = tmp_path / "report.json"
     try:
         _driver(
             "node-loss", str(data), str(out), temp_dir, str(_free_ports(1)[0]),
-            ",".join(map(str, KILL_AFTER)), timeout=540,
+            ",".join(map(str, KILL_AFTER)), compute, timeout=540,
             # the GCS calls a node dead after 3 failed health checks 1 s apart (Ray's
             # default: 5 checks 3 s apart): the lost node's objects are rebuilt sooner
             env=_env(RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3"),
@@ -333,17 +335,18 @@ def test_losing_worker_nodes_and_an_actor_loses_no_sample(tmp_path):
     assert len(set(report["removed"])) == len(KILL_AFTER), report["removed"]
     assert report["removed_alive"] == [False] * len(KILL_AFTER), report["removed_alive"]
     kill = report["actor_kill"]
-    # the process killed was a pool actor's, running the stalled sample's first attempt;
-    # the sample was tried again in another process and the epoch is whole
-    assert kill.get("pid") in kill.get("pool_pids", []), kill
+    # the process killed ran the stalled sample's first attempt (with actors: a pool
+    # actor's); the sample was tried again in another process and the epoch is whole
+    if compute == "actors":
+        assert kill.get("pid") in kill.get("pool_pids", []), kill
     assert kill["attempts"][0] == kill["pid"] and len(kill["attempts"]) >= 2, kill
     assert kill["pid"] not in kill["attempts"][1:], kill
     _exactly_once(kill["keys"], 96)
     pool = report["pool"]
     print(json.dumps({k: v for k, v in pool.items() if k != "series"}))
     assert pool["nodes_lost"] == len(KILL_AFTER), pool  # the loss shows in the stats
-    # the label selector kept every actor off the head (which has a CPU free)
-    assert report["actor_nodes"] and report["head"] not in report["actor_nodes"]
+    # the label selector kept every actor, or task, off the head (which has a CPU free)
+    assert report["work_nodes"] and report["head"] not in report["work_nodes"]
 
 
 @pytest.mark.slow
