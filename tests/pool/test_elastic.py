@@ -78,16 +78,15 @@ def _consume(ds, watch: PoolWatch, *, pause_s: float = 0.0) -> tuple[list[int], 
         return keys, actors, batches.stats()
 
 
+def _actor_pool(source, actors: tuple[int, int]) -> PipelineConfig:
+    """A Ray Data actor pool of ``actors`` over ``source``, one file a task."""
+    return PipelineConfig(source=str(source), image_size=32, batch_size=8, actors=actors,
+                          files_per_task=1, compute="actors")  # fmt: skip
+
+
 @pytest.mark.slow
 def test_pool_grows_toward_max_when_the_transform_is_slower(ray_session, slow_folder):
-    config = PipelineConfig(
-        source=str(slow_folder),
-        image_size=32,
-        batch_size=8,
-        actors=(1, 3),
-        files_per_task=1,
-        compute="actors",
-    )
+    config = _actor_pool(slow_folder, (1, 3))
     with PoolWatch(interval_s=0.25, new_only=True) as watch:
         keys, _, stats = _consume(build_dataset(config), watch)
     _exactly_once(keys, N_SLOW)
@@ -99,14 +98,7 @@ def test_pool_grows_toward_max_when_the_transform_is_slower(ray_session, slow_fo
 @pytest.mark.slow
 def test_idle_actors_are_released_while_a_slow_consumer_is_still_busy(ray_session, tmp_path):
     data = slow_images(tmp_path, 96, side=512)
-    config = PipelineConfig(
-        source=str(data),
-        image_size=32,
-        batch_size=8,
-        actors=(1, 3),
-        files_per_task=1,
-        compute="actors",
-    )
+    config = _actor_pool(data, (1, 3))
     with PoolWatch(interval_s=0.25, new_only=True) as watch:
         keys, actors, stats = _consume(build_dataset(config), watch, pause_s=1.0)
     _exactly_once(keys, 96)
@@ -129,14 +121,7 @@ def test_pool_watch_owns_one_thread_that_close_stops(ray_session):
 
 
 def test_pool_watch_new_only_leaves_out_a_pool_already_running(ray_session, slow_folder):
-    config = PipelineConfig(
-        source=str(slow_folder),
-        image_size=32,
-        batch_size=8,
-        actors=(1, 1),
-        files_per_task=1,
-        compute="actors",
-    )
+    config = _actor_pool(slow_folder, (1, 1))
     with iter_torch_batches(build_dataset(config), batch_size=8) as batches:
         next(iter(batches))  # the pool is up, most of the epoch is ahead
         with PoolWatch() as everyone, PoolWatch(new_only=True) as fresh:
