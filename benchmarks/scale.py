@@ -342,8 +342,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--leads", type=int, nargs="+", default=[0, 8, 16],
                    help="batches of rows each simulated rank holds ahead of the batch it "
                    "asks for, besides the default's (default: %(default)s)")  # fmt: skip
-    p.add_argument("--ahead", type=int, default=None,
-                   help="the gates' reporting threshold in batches (default: the Gate's)")
+    p.add_argument(
+        "--ahead",
+        type=int,
+        default=None,
+        help="the gates' reporting threshold in batches (default: the Gate's)",
+    )
     p.add_argument("--store-gib", type=float, default=57.6,
                    help="object store of the simulated ranks' node, 8 ranks to a node, which "
                    "sizes the default lead (default: %(default)s, Ray's 30 %% of a "
@@ -352,10 +356,18 @@ def main(argv: list[str] | None = None) -> dict:
                    help="image-folder sizes listed (default: %(default)s)")  # fmt: skip
     p.add_argument("--tars", type=int, default=1000, help="WebDataset shards listed "
                    "(counted one by one; default: %(default)s)")  # fmt: skip
-    p.add_argument("--latency-ms", type=float, default=0,
-                   help="the S3 server answers each request this late (default: %(default)s)")
-    p.add_argument("--count-threads", type=int, default=None,
-                   help="shards counted at once (default: raypipe's COUNT_THREADS)")
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        default=0,
+        help="the S3 server answers each request this late (default: %(default)s)",
+    )
+    p.add_argument(
+        "--count-threads",
+        type=int,
+        default=None,
+        help="shards counted at once (default: raypipe's COUNT_THREADS)",
+    )
     p.add_argument("--pipeline-lead", type=int, default=None,
                    help="besides 0 (default: the default lead, sized from the store)")  # fmt: skip
     p.add_argument("--parts", nargs="+",
