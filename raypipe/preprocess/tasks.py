@@ -30,6 +30,7 @@ import numpy as np
 from raypipe.plan.blocksize import TASKS_IN_FLIGHT
 from raypipe.plan.rankplan import RankTasks, rank_pool
 from raypipe.preprocess.actor import Preprocessor
+from raypipe.preprocess.cache import node as node_cache
 
 __all__ = ["TaskStream", "rank_tasks"]
 assert __all__ == sorted(__all__)
@@ -152,5 +153,6 @@ def rank_tasks(config, listing, plan, epochs: range, skips, *, world_size: int,
     tasks = RankTasks.of(listing, plan, epochs, shared_skips=shared_skips)
     if len(tasks) == 0:
         return None
+    node_cache.ensure(config)  # the decoded cache's actors, one per node, if it is on
     return TaskStream(config, listing.reader, skips, tasks, world_size=world_size,
                       follower=follower)  # fmt: skip

@@ -64,8 +64,9 @@ class FieldMap(SampleMap):
         return cls(transform, seed=config.seed, sample_rate=config.sample_rate,
                    per_batch=config.transform_batch and transform is not None)  # fmt: skip
 
-    def sample(self, raw) -> dict[str, Any]:
-        """The sample's fields, decoded, and its ``key``; a null field is a bad sample."""
+    def sample(self, raw, image=None) -> dict[str, Any]:
+        """The sample's fields, decoded, and its ``key``; a null field is a bad sample
+        (``image``: `SampleMap.sample`'s; none here, these samples have no image)."""
         fields: dict[str, Any] = {}
         for ext, value in (raw.extras or {}).items():
             fields.update(decode_member(ext, value, self.sample_rate))
