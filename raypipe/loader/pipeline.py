@@ -187,7 +187,7 @@ class Pipeline:
             batch_size=self.config.batch_size, prefetch=self.loader.prefetch_batches,
             shuffle_buffer=self.config.shuffle_buffer, seed=self.config.seed, demand=demand,
             drop_last=self.drop_last, form=batch_form(self.config, self.listing, self.drop_last),
-            lead=(self.config.lead_batches or 0) if self._gate.ledger is not None else 0,
+            lead=self.config.lead_batches if self._gate.ledger is not None else 0,
         )  # fmt: skip
         if self._progress_s:
             self._progress = ProgressLine(self._progress_s, rank=self.rank, demand=demand,

@@ -105,11 +105,13 @@ class SampleCache:
         if not self._started:
             self._start()
         chunk: list[Row] = []
+        samples = 0
         for row in rows:
             chunk.append(row)
-            if sum(r[2] for r in chunk) >= CHUNK:
+            samples += row[2]
+            if samples >= CHUNK:
                 yield from self._chunk(chunk, read)
-                chunk = []
+                chunk, samples = [], 0
         if chunk:
             yield from self._chunk(chunk, read)
 
