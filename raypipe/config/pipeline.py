@@ -124,9 +124,11 @@ class PipelineConfig:
             image. None (the default): off. See docs/configuration.md "The decoded cache".
         cache_max_side: the cached image's short side is at most this many pixels.
         cache_budget: bytes of cached pixels per node; the first samples decoded are kept
-            until it is full (no eviction). At least one block's worth; with
-            ``cache="memory"`` at most half the smallest node's object store (the pixels
-            live there). None: a quarter of that store (memory), 2 GiB (disk).
+            until it is full (no eviction). At least one block's worth. ``cache="memory"``
+            keeps its files in the node's shared memory (``/dev/shm``), beside the object
+            store, for the run: a budget that /dev/shm has no room for beyond the object
+            store is refused before work. None: a quarter of the smallest object store
+            (memory; less where /dev/shm has less room), 2 GiB (disk).
         cache_dir: ``cache="disk"``: a node-local directory (made on each node); a later
             run with the same settings reuses what it holds.
     """

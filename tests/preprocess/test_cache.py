@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from raypipe import PipelineConfig
+from raypipe.preprocess.cache import node
 from raypipe.preprocess.cache.capped import decode_capped
-from raypipe.preprocess.cache.disk import DiskStore
-from raypipe.preprocess.cache.store import Entry, MemoryStore
+from raypipe.preprocess.cache.disk import DiskStore, _serialize
+from raypipe.preprocess.cache.store import Entry
 from tests.conftest import image_bytes, make_imagefolder
 from tests.preprocess.test_bad_data import FOLDER_SKIPS, mixed_source
 from tests.properties import check_exactly_once_and_equal
@@ -31,24 +32,44 @@ def pixels(seed: int = 0, shape=(12, 14, 3)) -> np.ndarray:
 # -- the stores alone ----------------------------------------------------------------------
 
 
-def test_memory_store_is_first_come_within_its_budget_and_drops_changed_sources():
+def test_a_store_is_first_come_within_its_budget_then_sends_nothing(tmp_path):
     one = Entry.image(IDENT, "a.jpg", 0.01, pixels())
-    store = MemoryStore(budget=2 * one.nbytes + 10)
+    size = len(_serialize(one))
+    store = DiskStore(str(tmp_path / "c"), budget=2 * size + 100)  # JSON headers vary a little
     store.put_many([(f"f{i}", Entry.image(IDENT, f"{i}.jpg", 0.01, pixels(i))) for i in range(3)])
     got = store.get_many(["f0", "f1", "f2"], [IDENT] * 3)
     assert [g is not None for g in got] == [True, True, False]  # the third did not fit
-    assert store.tally.refused == 1 and store.tally.entries == 2
+    held = store.held()
+    assert store.tally.refused == 1 and store.full and held[1] == 2
+    assert 2 * size - 20 < held[0] <= store.budget
     assert np.array_equal(got[1].pixels, pixels(1))
-    assert store.get_many(["f0"], [(101, 7)]) == [None]  # the file changed: a miss, dropped
-    assert store.tally.entries == 1 and store.tally.bytes == one.nbytes
+    assert store.get_many(["f0"], [(101, 7)]) == [None]  # the file changed: a miss
+    store.put_many([("f0", Entry.image((101, 7), "0.jpg", 0.01, pixels(5)))])  # replaced
+    assert store.held()[1] == 2
+    assert np.array_equal(store.get_many(["f0"], [(101, 7)])[0].pixels, pixels(5))
 
 
-def test_memory_store_never_serves_an_entry_that_fails_its_check():
-    store = MemoryStore(budget=1 << 20)
-    store.put_many([("f", Entry.image(IDENT, "a.jpg", 0.01, pixels()))])
-    store.get_many(["f"], [IDENT])[0].pixels[0, 0, 0] ^= 0xFF  # damaged in place
-    assert store.get_many(["f"], [IDENT]) == [None]
-    assert store.tally.corrupt == 1 and store.tally.entries == 0
+def test_a_memory_cache_lives_in_shared_memory_as_long_as_its_actor(tmp_path, monkeypatch):
+    """`NodeCache` holds its directory's lock; `clear` removes it; a directory whose holder
+    is gone (its lock free, however it ended) is swept by the next cache to start."""
+    monkeypatch.setattr(node, "SHM_DIR", str(tmp_path))
+    config = PipelineConfig(source=str(tmp_path), cache="memory")
+    first = node.NodeCache("memory", 1 << 20, node.cache_root(config, "n1"), store_bytes=0)
+    root, limit = first.where()
+    assert root.startswith(str(tmp_path / node.PREFIX)) and limit == 1 << 20
+    DiskStore(root, limit).put_many([("a", Entry.image(IDENT, "a.jpg", 0.01, pixels()))])
+    assert node.sweep(str(tmp_path)) == []  # held: left alone
+    assert first.stats().entries == 1 and first.stats().bytes > pixels().nbytes
+    # an actor killed hard: its lock goes with its process, here closed by hand
+    os.close(first._lock)
+    first._lock = None
+    second = node.NodeCache("memory", 1 << 20, node.cache_root(config, "n2"), store_bytes=0)
+    assert not os.path.exists(root) and os.path.isdir(second.root)  # swept at its start
+    second.clear()
+    assert not os.path.exists(second.root)
+    huge = node.NodeCache("memory", 1 << 60, node.cache_root(config, "n3"), store_bytes=0)
+    assert huge.info()["budget"] == huge.info()["room"] < 1 << 60  # what /dev/shm holds
+    huge.clear()
 
 
 def test_disk_store_round_trips_and_refuses_damaged_files(tmp_path):
@@ -58,7 +79,7 @@ def test_disk_store_round_trips_and_refuses_damaged_files(tmp_path):
     a, b = store.get_many(["a", "b"], [IDENT, IDENT])
     assert np.array_equal(a.pixels, pixels()) and a.where == "a.jpg"
     assert (b.pixels, b.reason, b.detail) == (None, "not_an_image", "it is text")
-    assert store.held() == sum(os.path.getsize(store.path(i)) for i in "ab")
+    assert store.held() == (sum(os.path.getsize(store.path(i)) for i in "ab"), 2)
     entry = Path(store.path("a"))
     data = bytearray(entry.read_bytes())
     data[-1] ^= 0xFF
@@ -69,7 +90,7 @@ def test_disk_store_round_trips_and_refuses_damaged_files(tmp_path):
     assert store.get_many(["b"], [(1, 1)]) == [None]  # the source changed: a miss
     small = DiskStore(str(tmp_path / "d"), budget=100)
     small.put_many([("a", Entry.image(IDENT, "a.jpg", 0.01, pixels()))])
-    assert small.tally.refused == 1 and small.held() == 0
+    assert small.tally.refused == 1 and small.held() == (0, 0) and small.full
 
 
 def test_decode_capped_keeps_the_short_side_at_most_the_cap():
@@ -169,14 +190,16 @@ def test_memory_cache_exactly_once_equal_and_bad_samples_remembered(ray_session,
     assert stats[0][2]["cache"]["mode"] == "memory"
 
 
-def test_a_memory_budget_over_half_the_object_store_is_refused_before_work(ray_session, datasets):
+def test_a_memory_budget_shared_memory_has_no_room_for_is_refused_before_work(ray_session,
+                                                                             datasets):  # fmt: skip
     from raypipe import Pipeline
 
     config = PipelineConfig(source=str(datasets["imagefolder"]), cache="memory",
-                            cache_budget=1 << 40)  # fmt: skip
-    with pytest.raises(ValueError, match="over half the smallest node's object store") as e:
+                            cache_budget=1 << 50)  # fmt: skip
+    with pytest.raises(ValueError, match="shared memory .* has room for") as e:
         Pipeline(config, epochs=1, device="cpu").start()
     assert "\n" not in str(e.value)
+    assert not [p for p in os.listdir(node.SHM_DIR) if p.startswith(node._name(config, ""))]
 
 
 def test_same_seed_same_pixels_per_key_cached_or_freshly_decoded(ray_session, tmp_path):

@@ -1,12 +1,18 @@
-"""`DiskStore`: a node's cache entries as files under ``cache_dir``, shared by every
-process of the node and kept for later runs.
+"""`DiskStore`: a node's cache entries as files, shared by every process of the node:
+under ``cache_dir`` (``cache="disk"``, kept for later runs) or in the node's shared memory
+(``cache="memory"``, for the run).
 
 ```
- cache_dir/<settings digest>/usage                 bytes held (under an flock)
- cache_dir/<settings digest>/<ab>/<sha1 of id>     MAGIC, header length, JSON header
-                                                   (ident, where, seconds, shape or reason,
-                                                   CRC32), then the raw pixels
+ <root>/usage                 bytes and entries held (under an flock)
+ <root>/<ab>/<sha1 of id>     MAGIC, header length, JSON header (ident, where, seconds,
+                              shape or reason, CRC32), then the raw pixels
 ```
+
+The budget is first-come: the first samples decoded are kept until the next one would
+pass it, and nothing is evicted. An epoch reads every sample once, so least-recently-used
+eviction would throw out each sample just before it is read again; first-come keeps a
+fixed part of the dataset cached in every epoch. Once an entry is refused, this store
+sends no more (``full``): the decodes after it are not written only to be refused.
 
 A file written by another run with the same settings is a hit as long as its source
 file's size and modification time are unchanged; otherwise it is a miss and is replaced.
@@ -35,12 +41,13 @@ MAGIC = b"RPCACHE1"
 
 class DiskStore:
     """Entries of one settings digest under ``directory``, within ``budget`` bytes (the
-    files' sizes), first-come as `raypipe.preprocess.cache.store.MemoryStore`."""
+    files' sizes), first-come."""
 
     def __init__(self, directory: str, budget: int):
         self.root, self.budget = directory, budget
         os.makedirs(self.root, exist_ok=True)
         self.tally = Tally()
+        self.full = False
 
     def path(self, i: str) -> str:
         h = hashlib.sha1(i.encode()).hexdigest()
@@ -72,10 +79,16 @@ class DiskStore:
                 path = self.path(i)
                 with contextlib.suppress(OSError):
                     usage[0] -= os.path.getsize(path)
+                    usage[1] -= 1
                     os.unlink(path)
+                if usage[0] + entry.nbytes > self.budget:  # before serializing it
+                    self.tally.refused += 1
+                    self.full = True
+                    continue
                 data = _serialize(entry)
                 if usage[0] + len(data) > self.budget:
                     self.tally.refused += 1
+                    self.full = True
                     continue
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 tmp = f"{path}.{os.getpid()}.tmp"
@@ -83,29 +96,38 @@ class DiskStore:
                     f.write(data)
                 os.replace(tmp, path)
                 usage[0] += len(data)
+                usage[1] += 1
 
-    def held(self) -> int:
-        """Bytes the directory's entries hold (the usage file)."""
+    def held(self) -> tuple[int, int]:
+        """Bytes and entries the directory holds (the usage file)."""
         try:
-            with open(os.path.join(self.root, "usage")) as f:
-                return int(f.read() or 0)
-        except (OSError, ValueError):
-            return 0
+            with open(os.path.join(self.root, "usage"), "rb") as f:
+                return _counts(f.read())
+        except OSError:
+            return 0, 0
 
     @contextlib.contextmanager
     def _usage(self):
-        """``[bytes held]`` under an exclusive lock on the usage file; written back after."""
+        """``[bytes, entries]`` held, under an exclusive lock on the usage file; written
+        back after."""
         fd = os.open(os.path.join(self.root, "usage"), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            raw = os.pread(fd, 64, 0)
-            usage = [max(0, int(raw or 0))] if raw.strip().isdigit() else [0]
+            usage = list(_counts(os.pread(fd, 64, 0)))
             yield usage
-            text = str(max(0, usage[0])).encode()
+            text = f"{max(0, usage[0])} {max(0, usage[1])}".encode()
             os.ftruncate(fd, 0)
             os.pwrite(fd, text, 0)
         finally:
             os.close(fd)  # releases the lock
+
+
+def _counts(raw: bytes) -> tuple[int, int]:
+    """The usage file's ``bytes entries`` (a file of one number: entries unknown, 0)."""
+    parts = raw.split()
+    if not parts or not all(p.isdigit() for p in parts[:2]):
+        return 0, 0
+    return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
 
 
 def _serialize(entry: Entry) -> bytes:

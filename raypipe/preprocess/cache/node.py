@@ -2,34 +2,52 @@
 
 ```
  the driver / each rank (build_dataset, Pipeline.start) ── ensure(config) ──► one NodeCache
-   per alive node (named, no CPUs, pinned to its node), owned by that process for its run
- a preprocessing actor ── lookup(config) by its node id ──► get_many / put_many (memory)
-                                                           note(counters) (both modes)
+   per alive node (named, no CPUs, pinned to its node), owned by that process for its run;
+   an explicit budget the node has no room for fails here, before work
+ a preprocessing worker ── lookup(config) by its node id ──► where(): its directory, budget
+   then reads and writes the entries itself (`DiskStore`), and note(counters)
  Pipeline.stats(), the progress line ── stats(config) ──► every node's counters, summed
 ```
 
-``cache="memory"``: the actor keeps the entries (`MemoryStore`), their pixels in the node's
-object store (shared memory, owned by the actor), so that every preprocessing actor of the
-node, of every rank there, maps them without a copy. ``cache="disk"``: the pool actors
-read and write the node's files themselves (`DiskStore`); the actor only counts. An actor
-dies with its node (what it held is decoded again where the samples go next) and with the
-process that made it, at the end of its run.
+Both modes keep entries as files that every process of the node reads and writes without
+asking the actor (`raypipe.preprocess.cache.disk`):
+
+- ``cache="memory"``: in the node's shared memory (``/dev/shm``), one directory per node
+  and settings, for as long as the actor lives. The actor holds an ``flock`` on the
+  directory's ``lock`` file; the kernel lets it go however the actor ends, and every new
+  `NodeCache` (and `release`) removes the directories whose lock is free: a run killed
+  hard leaves its pixels in memory only until the next cached run on the node starts.
+  `release` (and, at exit, the process that called `ensure`) removes them at once.
+- ``cache="disk"``: under ``cache_dir``, kept for later runs; the actor only counts.
+
+An actor dies with its node (what it held is decoded again where the samples go next) and
+with the process that made it.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import fcntl
+import glob
 import hashlib
 import os
+import shutil
 import threading
+import time
 
 from raypipe.preprocess.cache.disk import DiskStore
-from raypipe.preprocess.cache.store import Entry, MemoryStore, Tally
+from raypipe.preprocess.cache.store import Tally
 
-__all__ = ["NodeCache", "budget", "cache_root", "digest", "ensure", "lookup", "release", "stats"]
+__all__ = ["NodeCache", "budget", "cache_root", "digest", "ensure", "lookup", "release",
+           "stats", "sweep"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 DISK_BUDGET = 2 << 30  # bytes per node under cache_dir, by default
 CACHE_VERSION = 1  # changes when the capped pixels of the same bytes would change
+SHM_DIR = "/dev/shm"  # where cache="memory" keeps its files
+PREFIX = "raypipe-cache-"
+NEW_GRACE_S = 60.0  # a directory with no lock file yet is a cache being made, this long
 _HELD: dict[tuple[str, str], object] = {}  # (job id, actor name) -> handle: an actor
 _HELD_LOCK = threading.Lock()  # dies with its last handle; ranks in threads share this
 
@@ -42,45 +60,99 @@ def digest(config) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def cache_root(config) -> str | None:
-    """``cache="disk"``: this settings digest's directory under ``cache_dir``."""
-    return None if config.cache != "disk" else os.path.join(config.cache_dir, digest(config))
+def cache_root(config, node_id: str | None = None) -> str | None:
+    """The directory of a node's entries: ``cache_dir/<digest>`` (``"disk"``, the same on
+    every node), or the node's own under `SHM_DIR` (``"memory"``)."""
+    if config.cache == "disk":
+        return os.path.join(config.cache_dir, digest(config))
+    if config.cache == "memory":
+        return os.path.join(SHM_DIR, _name(config, node_id or ""))
+    return None
 
 
 class NodeCache:
-    """A node's memory cache or disk-cache counters (a Ray actor; plain Python, testable)."""
+    """A node's cache: its directory's lifetime (memory), its budget, and the counters the
+    preprocessing workers report (a Ray actor; plain Python, testable)."""
 
-    def __init__(self, mode: str, budget: int, root: str | None):
-        self.memory = MemoryStore(budget) if mode == "memory" else None
-        self.disk = DiskStore(root, budget) if mode == "disk" else None
-        self.tally = Tally()  # what the preprocessing actors report
+    def __init__(self, mode: str, limit: int, root: str, store_bytes: int = 0):
+        self.mode, self.root, self._lock = mode, root, None
+        self.asked, self.room = limit, None
+        if mode == "memory":
+            sweep()
+            self.room = shm_room(store_bytes)
+            limit = min(limit, self.room)
+            self._lock = _hold(root)
+            atexit.register(self.clear)
+        self.budget = limit
+        self.store = DiskStore(root, limit)
+        self.tally = Tally()  # what the preprocessing workers report
 
-    def get_many(self, ids: list[str], idents: list[tuple[int, int]]) -> list[Entry | None]:
-        return self.memory.get_many(ids, idents)
+    def where(self) -> tuple[str, int]:
+        """The directory and budget every worker of the node uses."""
+        return self.root, self.budget
 
-    def put_many(self, items: list[tuple[str, Entry]]) -> None:
-        """Keep ``items``; their pixels move into the object store (this actor owns them),
-        from where the node's preprocessing actors read them without a copy."""
-        import ray
-
-        for _, entry in items:
-            if entry.pixels is not None:
-                entry.ref, entry.pixels = ray.put(entry.pixels), None
-        self.memory.put_many(items)
+    def info(self) -> dict:
+        return {"asked": self.asked, "budget": self.budget, "room": self.room}
 
     def note(self, tally: Tally) -> None:
         self.tally.add(tally)
 
     def stats(self) -> Tally:
         out = Tally().add(self.tally)
-        if self.memory is not None:
-            held = self.memory.tally
-            out.entries, out.bytes = held.entries, held.bytes
-            out.corrupt += held.corrupt
-            out.refused += held.refused
-        else:
-            out.bytes = self.disk.held()
+        out.bytes, out.entries = self.store.held()
         return out
+
+    def clear(self) -> None:
+        """``"memory"``: remove the node's entries (the directory) now."""
+        if self._lock is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+            os.close(self._lock)
+            self._lock = None
+
+
+def shm_room(store_bytes: int) -> int:
+    """Bytes the memory cache may take in `SHM_DIR`: what is free there, less the node's
+    object store (which Ray may keep there too, and fill)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return max(0, st.f_bavail * st.f_frsize - store_bytes)
+
+
+def _hold(root: str) -> int:
+    """Make ``root`` with its ``lock`` file held (LOCK_EX) by this process; the fd."""
+    os.makedirs(root, exist_ok=True)
+    fd = os.open(os.path.join(root, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def sweep(where: str | None = None) -> list[str]:
+    """Remove the memory caches under ``where`` (`SHM_DIR`) whose actor is gone (their
+    lock is free); returns the directories removed."""
+    removed = []
+    for root in glob.glob(os.path.join(where or SHM_DIR, PREFIX + "*")):
+        lock = os.path.join(root, "lock")
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except FileNotFoundError:  # being made, or left half made long ago
+            with contextlib.suppress(OSError):
+                if time.time() - os.stat(root).st_mtime > NEW_GRACE_S:
+                    shutil.rmtree(root, ignore_errors=True)
+                    removed.append(root)
+            continue
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its actor holds it
+        finally:
+            os.close(fd)
+        shutil.rmtree(root, ignore_errors=True)
+        removed.append(root)
+    return removed
 
 
 def budget(config, store_bytes: int | None = None) -> int:
@@ -91,60 +163,101 @@ def budget(config, store_bytes: int | None = None) -> int:
     return DISK_BUDGET if config.cache == "disk" else max(1, (store_bytes or 0) // 4)
 
 
-def _smallest_store() -> int:
+def _stores() -> dict[str, int]:
     import ray
 
-    stores = [n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n.get("Alive")]
-    return int(min(stores)) if stores else 0
+    return {n["NodeID"]: int(n["Resources"].get("object_store_memory", 0))
+            for n in ray.nodes() if n.get("Alive")}  # fmt: skip
 
 
 def _name(config, node_id: str) -> str:
     """One cache per node, pixel settings, mode, budget and directory."""
     where = f"{config.cache}|{config.cache_budget}|{config.cache_dir}"
-    return (
-        f"raypipe-cache-{digest(config)}-{hashlib.sha1(where.encode()).hexdigest()[:8]}-{node_id}"
-    )
+    return f"{PREFIX}{digest(config)}-{hashlib.sha1(where.encode()).hexdigest()[:8]}-{node_id}"
 
 
 def ensure(config) -> None:
     """Start (or find) the `NodeCache` of every alive node for ``config``; no-op without
-    a cache. The handles are kept in this process, so the actors live as long as it."""
+    a cache. The handles are kept in this process, so the actors live as long as it (or
+    until `release`). An explicit ``cache_budget`` that a node's shared memory has no room
+    for is refused here, in one line."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     if config.cache is None:
         return
-    store = _smallest_store()
-    limit = budget(config, store)
-    if config.cache == "memory" and limit > store // 2:
-        raise ValueError(f"PipelineConfig.cache_budget={config.cache_budget!r}: over half the "
-                         f"smallest node's object store ({store} bytes), where the memory "
-                         "cache keeps its pixels")  # fmt: skip
+    stores = _stores()
+    limit = budget(config, min(stores.values(), default=0))
     job = ray.get_runtime_context().get_job_id()
+    started = []
     with _HELD_LOCK:
-        for node in ray.nodes():
-            if not node.get("Alive"):
-                continue
-            name = _name(config, node["NodeID"])
+        if not _HELD:
+            atexit.register(_release_all)
+        for node_id, store in stores.items():
+            name = _name(config, node_id)
             if (job, name) in _HELD:
                 continue
-            strategy = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
-            _HELD[(job, name)] = ray.remote(NodeCache).options(
+            strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+            handle = ray.remote(NodeCache).options(
                 name=name, get_if_exists=True, num_cpus=0, max_restarts=0,
                 scheduling_strategy=strategy,
-            ).remote(config.cache, limit, cache_root(config))  # fmt: skip
+            ).remote(config.cache, limit, cache_root(config, node_id), store)  # fmt: skip
+            _HELD[(job, name)] = handle
+            started.append(handle)
+    if config.cache == "memory" and config.cache_budget is not None and started:
+        short = [i for i in ray.get([h.info.remote() for h in started])
+                 if i["budget"] < i["asked"]]  # fmt: skip
+        if short:
+            release(config)
+            raise ValueError(
+                f"PipelineConfig.cache_budget={config.cache_budget!r}: a node's shared memory "
+                f"({SHM_DIR}) has room for {min(i['room'] for i in short)} bytes beside its "
+                "object store; lower it or use cache='disk'"
+            )
 
 
 def release(config) -> None:
-    """End this process's `NodeCache` actors of ``config``: their memory entries and
-    counters go (a disk cache's files stay)."""
+    """End this process's `NodeCache` actors of ``config``: a memory cache's entries go
+    with them (a disk cache's files stay), and so do the counters."""
     import ray
 
     job = ray.get_runtime_context().get_job_id()
     prefix = _name(config, "")
     with _HELD_LOCK:
-        for held in [k for k in _HELD if k[0] == job and k[1].startswith(prefix)]:
-            ray.kill(_HELD.pop(held))
+        handles = [
+            _HELD.pop(k) for k in [k for k in _HELD if k[0] == job and k[1].startswith(prefix)]
+        ]
+    _end(handles)
+    if config.cache == "memory":
+        sweep()  # a lost node's directory, where it shared this machine
+
+
+def _end(handles: list, timeout_s: float = 10.0) -> None:
+    import ray
+
+    refs = []
+    for h in handles:
+        with contextlib.suppress(Exception):
+            refs.append(h.clear.remote())
+    with contextlib.suppress(Exception):
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for h in handles:
+        with contextlib.suppress(Exception):
+            ray.kill(h)
+
+
+def _release_all() -> None:
+    """At exit: this process's memory caches go now, not at the next run's sweep (with
+    Ray shut down already, their actors are gone and the sweep finds their locks free)."""
+    import ray
+
+    with _HELD_LOCK:
+        handles = list(_HELD.values())
+        _HELD.clear()
+    if ray.is_initialized():
+        _end(handles, timeout_s=5.0)
+    with contextlib.suppress(OSError):
+        sweep()
 
 
 def lookup(config):

@@ -3,7 +3,7 @@
 ```
  shard rows of a task, in chunks of about ``CHUNK`` samples
    ▼ stat each source file: (size, mtime) is part of every entry's identity
-   ▼ one lookup per chunk on this node's cache (NodeCache actor, or the node's files)
+   ▼ one lookup per chunk in this node's cache files (`DiskStore`: shared memory or disk)
    ▼ rows whose samples are all cached: their samples, without reading the file
      others: read as usual, cached samples among them not decoded
  image(raw) ── a hit: the cached pixels, or the remembered reason it is bad
@@ -16,6 +16,7 @@ A read error (``unreadable``, ``unreadable_shard``) may pass: it is never rememb
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 
@@ -38,47 +39,6 @@ TRANSIENT = ("unreadable", "unreadable_shard")  # read errors: never remembered 
 Row = tuple[str, int, int, int, "np.ndarray | None"]  # path, first_key, samples, label, done
 
 
-class _Remote:
-    """A node's memory cache through its `NodeCache` actor. An entry's pixels are mapped
-    from the object store once per actor and the mapping kept (shared memory, no copy), so
-    a later epoch's hit asks the node's actor nothing."""
-
-    def __init__(self, handle):
-        self.handle, self.corrupt = handle, 0
-        self.mapped: dict[str, Entry] = {}
-
-    def get_many(self, ids, idents):
-        """The entries, mapped here or fetched and mapped; one that fails its check is a
-        miss (counted in ``corrupt``)."""
-        import ray
-
-        out: list[Entry | None] = [None] * len(ids)
-        ask = []
-        for n, (i, ident) in enumerate(zip(ids, idents, strict=True)):
-            e = self.mapped.get(i)
-            if e is not None and tuple(e.ident) == tuple(ident):
-                out[n] = e
-            else:
-                self.mapped.pop(i, None)  # the source changed: let the node's cache say
-                ask.append(n)
-        self.corrupt = 0
-        if ask:
-            entries = ray.get(self.handle.get_many.remote([ids[n] for n in ask],
-                                                          [idents[n] for n in ask]))  # fmt: skip
-            held = [e for e in entries if e is not None and e.ref is not None]
-            for e, pixels in zip(held, ray.get([e.ref for e in held]), strict=True):
-                e.pixels, e.ref = pixels, None
-            for n, e in zip(ask, entries, strict=True):
-                if e is not None and e.sound():
-                    out[n] = self.mapped[ids[n]] = e
-                elif e is not None:
-                    self.corrupt += 1
-        return out
-
-    def put_many(self, items) -> None:
-        self.handle.put_many.remote(items)
-
-
 class SampleCache:
     """The cache as one preprocessing actor (or task) uses it; made once per actor, its
     node's store found on first use."""
@@ -92,12 +52,24 @@ class SampleCache:
         self._new: list[tuple[str, Entry]] = []
 
     def _start(self) -> None:
+        """Find this node's `NodeCache`: its directory and budget. Without one (a node
+        that joined after the run started), a disk cache is still the node's files; a
+        memory cache is none."""
         self._started = True
         self.counter = node.lookup(self.config)
+        if self.counter is not None:
+            import ray
+
+            try:
+                root, limit = ray.get(self.counter.where.remote())
+            except Exception:  # the node's actor is gone: decode from here on
+                self.counter = None
+            else:
+                if os.path.isdir(root):  # a memory cache cleared meanwhile: none
+                    self.store = DiskStore(root, limit)
+                return
         if self.config.cache == "disk":
             self.store = DiskStore(node.cache_root(self.config), node.budget(self.config))
-        elif self.counter is not None:
-            self.store = _Remote(self.counter)
 
     def raws(self, rows: Iterable[Row], read: Callable[..., Iterator[RawSample]]):
         """The rows' samples in order, as ``read(path, first_key, samples, label, done)``
@@ -127,11 +99,10 @@ class SampleCache:
             t0 = time.perf_counter()
             try:
                 entries = self.store.get_many([a[0] for a in asks], [a[1] for a in asks])
-            except Exception:  # the node's cache actor is gone: decode from here on
+            except Exception:  # its files are gone (a cleared cache): decode from here on
                 self.store, entries = None, [None] * len(asks)
             self.tally.saved_s -= time.perf_counter() - t0
             found = {a[2]: e for a, e in zip(asks, entries, strict=True) if e is not None}
-            self.tally.corrupt += getattr(self.store, "corrupt", 0)
         for (path, first, n, label, done), ident, keys in zip(rows, idents, todo, strict=True):
             if keys and all(k in found for k in keys):  # nothing to read
                 for k in keys:
@@ -187,6 +158,9 @@ class SampleCache:
         return pixels
 
     def _keep(self, i: str, entry: Entry) -> None:
+        if self.store is None or self.store.full:  # nothing is kept: not worth a write
+            self.tally.refused += self.store is not None
+            return
         self._new.append((i, entry))
         if len(self._new) >= PUT_EVERY:
             self._put()
@@ -202,7 +176,7 @@ class SampleCache:
     def flush(self) -> None:
         """Send the new entries, and the counters to the node's `NodeCache`."""
         self._put()
-        if isinstance(self.store, DiskStore):
+        if self.store is not None:
             self.tally.corrupt += self.store.tally.corrupt
             self.tally.refused += self.store.tally.refused
             self.store.tally = Tally()

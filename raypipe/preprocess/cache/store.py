@@ -1,14 +1,9 @@
-"""What the cache holds per sample (`Entry`), and `MemoryStore`, a node's entries in memory.
+"""What the cache holds per sample (`Entry`), and its counters (`Tally`).
 
 An entry is a sample's capped pixels, or the reason it is bad, under the identity of its
 source file (size and modification time) when it was decoded: a file that changed since
 is a miss, and its entry is replaced. Every entry carries a CRC32 of its pixels; one that
 does not match is dropped and decoded again from the source, never served.
-
-The budget is first-come: the first samples decoded are kept until the next one would
-pass it, and nothing is evicted. An epoch reads every sample once, so least-recently-used
-eviction would throw out each sample just before it is read again; first-come keeps a
-fixed part of the dataset cached in every epoch.
 """
 
 from __future__ import annotations
@@ -16,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from typing import Any
 
 import numpy as np
 
-__all__ = ["Entry", "MemoryStore", "Tally"]
+__all__ = ["Entry", "Tally"]
 assert __all__ == sorted(__all__)
 
 ENTRY_OVERHEAD = 160  # bytes counted per entry on top of its pixels and strings
@@ -38,7 +32,6 @@ class Entry:
     detail: str | None = None
     crc: int = 0
     shape: tuple[int, ...] | None = None  # the pixels' (H, W, 3)
-    ref: Any = None  # the pixels in the object store, where a NodeCache keeps them
 
     @classmethod
     def image(cls, ident, where: str, seconds: float, pixels: np.ndarray) -> Entry:
@@ -52,12 +45,12 @@ class Entry:
 
     def sound(self) -> bool:
         """True when the entry can be served: a reason, or pixels that match their shape and
-        CRC (pixels still in the object store are checked where they are fetched)."""
+        CRC."""
         if self.shape is None:
             return self.reason is not None and self.pixels is None
-        if self.pixels is None:
-            return self.ref is not None
         p = self.pixels
+        if p is None:
+            return False
         return (p.dtype == np.uint8 and p.shape == tuple(self.shape) and p.shape[2] == 3
                 and p.flags.c_contiguous and zlib.crc32(p.data) == self.crc)  # fmt: skip
 
@@ -84,44 +77,3 @@ class Tally:
         out = dataclasses.asdict(self)
         out["saved_s"] = round(self.saved_s, 3)
         return out
-
-
-class MemoryStore:
-    """Entries by id (a sample's path and index in its shard), within ``budget`` bytes."""
-
-    def __init__(self, budget: int):
-        self.budget = budget
-        self._entries: dict[str, Entry] = {}
-        self.tally = Tally()
-
-    def get_many(self, ids: list[str], idents: list[tuple[int, int]]) -> list[Entry | None]:
-        """The sound entries of ``ids`` whose source is unchanged; None for the rest (a
-        stale or corrupt entry is dropped)."""
-        out: list[Entry | None] = []
-        for i, ident in zip(ids, idents, strict=True):
-            entry = self._entries.get(i)
-            if entry is not None and (tuple(entry.ident) != tuple(ident) or not entry.sound()):
-                self.tally.corrupt += tuple(entry.ident) == tuple(ident)
-                self._drop(i)
-                entry = None
-            out.append(entry)
-        return out
-
-    def put_many(self, items: list[tuple[str, Entry]]) -> None:
-        for i, entry in items:
-            self._drop(i)  # a changed source's entry is replaced
-            if self.tally.bytes + entry.nbytes > self.budget:
-                self.tally.refused += 1
-                continue
-            if entry.pixels is not None and not entry.pixels.flags.writeable:
-                entry.pixels = entry.pixels.copy()  # out of the object store, into this heap
-                entry.shape = tuple(entry.pixels.shape)
-            self._entries[i] = entry
-            self.tally.bytes += entry.nbytes
-            self.tally.entries += 1
-
-    def _drop(self, i: str) -> None:
-        old = self._entries.pop(i, None)
-        if old is not None:
-            self.tally.bytes -= old.nbytes
-            self.tally.entries -= 1
