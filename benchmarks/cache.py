@@ -18,8 +18,9 @@ from the full image.
 
     python benchmarks/cache.py --size small --rounds 5 --epochs 4
 
-Every path runs in one local Ray whose object store is ``--store-gib`` (4 GiB: the memory
-cache's pixels live there; the default budget is a quarter of it).
+Every path runs in one local Ray whose object store is ``--store-gib`` (4 GiB; the memory
+cache's files live beside it in /dev/shm, its default budget a quarter of the store, or
+``--budget-gib``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ SIDES = (128, 160, 224, 256, 320, 512)
 
 
 def start_ray(store: int) -> None:
-    """ingest.py's local Ray, with an object store that holds the memory cache."""
+    """ingest.py's local Ray, with an object store of ``store`` bytes."""
     import os
 
     import ray.data
@@ -155,7 +156,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--actors", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
-    p.add_argument("--store-gib", type=int, default=4, help="object store (the cache is in it)")
+    p.add_argument("--store-gib", type=int, default=4, help="the object store, GiB")
+    p.add_argument("--budget-gib", type=float, help="cache_budget per node, GiB (default: "
+                   "a quarter of the store for memory, 2 GiB for disk)")  # fmt: skip
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     # one OpenCV and torch thread here before anything decodes: a DataLoader worker forked
@@ -163,6 +166,8 @@ def main(argv: list[str] | None = None) -> dict:
     ingest.one_thread()
     corpus = ingest.make_corpus(args.out, ingest.SIZES[args.size][0])
     config = ingest.pool_config(corpus, args.actors)
+    if args.budget_gib:
+        config = config.replace(cache_budget=int(args.budget_gib * (1 << 30)))
     listing = list_shards(config)
     files = [s.path for s in listing.shards]
     result = {"machine": platform.platform(), "cpus": __import__("os").cpu_count(),

@@ -131,6 +131,12 @@ class PipelineConfig:
             (memory; less where /dev/shm has less room), 2 GiB (disk).
         cache_dir: ``cache="disk"``: a node-local directory (made on each node); a later
             run with the same settings reuses what it holds.
+        cache_encoding: ``"raw"`` keeps the capped pixels as they are (the fastest later
+            epochs); ``"jpeg"`` re-encodes them once (libjpeg-turbo, quality
+            `raypipe.preprocess.cache.capped.JPEG_QUALITY`), about a tenth of the bytes, so
+            several times the images fit in a budget, each hit then decoding the small
+            capped JPEG. Every crop of a jpeg cache, the first epoch's too, comes from the
+            re-encoded image, so a key's pixels do not depend on whether it was cached.
     """
 
     source: str | tuple[str, ...]
@@ -183,6 +189,7 @@ class PipelineConfig:
     cache_max_side: int = 320
     cache_budget: int | None = None
     cache_dir: str | None = None
+    cache_encoding: Literal["raw", "jpeg"] = "raw"
 
     def __post_init__(self) -> None:
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731

@@ -141,6 +141,8 @@ def _check_cache(c: PipelineConfig, bad: _Bad) -> None:
         raise bad("cache_budget", "must be an integer >= 1 (bytes per node), or None")
     if c.cache_dir is not None and (not isinstance(c.cache_dir, str) or not c.cache_dir):
         raise bad("cache_dir", "must be a directory path, or None")
+    if c.cache_encoding not in ("raw", "jpeg"):
+        raise bad("cache_encoding", "must be 'raw' (the pixels as they are) or 'jpeg'")
     if c.cache is None:
         return
     if c.image_column is None or c.decode == "gpu" or c.transform_batch:

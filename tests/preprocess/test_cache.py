@@ -93,6 +93,25 @@ def test_disk_store_round_trips_and_refuses_damaged_files(tmp_path):
     assert small.tally.refused == 1 and small.held() == (0, 0) and small.full
 
 
+def test_a_jpeg_entry_round_trips_smaller_and_a_damaged_one_is_not_served(tmp_path):
+    from raypipe.preprocess.cache.capped import encode_stored
+
+    y, x = np.mgrid[0:40, 0:60]
+    rgb = np.ascontiguousarray(np.stack([x * 4, y * 6, (x + y) * 2], axis=-1).astype(np.uint8))
+    data, served = encode_stored(rgb)
+    assert served.shape == rgb.shape and np.abs(served.astype(int) - rgb).mean() < 3
+    store = DiskStore(str(tmp_path / "j"), budget=1 << 20)
+    store.put_many([("a", Entry.image(IDENT, "a.jpg", 0.01, served, data))])
+    (got,) = store.get_many(["a"], [IDENT])
+    assert np.array_equal(got.pixels, served)  # the pixels the first crop came from
+    assert os.path.getsize(store.path("a")) < rgb.nbytes / 2
+    path = store.path("a")
+    damaged = bytearray(Path(path).read_bytes())
+    damaged[-40] ^= 0x5A
+    Path(path).write_bytes(bytes(damaged))
+    assert store.get_many(["a"], [IDENT]) == [None] and store.tally.corrupt == 1
+
+
 def test_decode_capped_keeps_the_short_side_at_most_the_cap():
     rng = np.random.default_rng(0)
     for fmt in ("JPEG", "PNG"):
@@ -114,6 +133,7 @@ def test_bad_cache_settings_fail_in_one_line(tmp_path):
         "must be a node-local directory": dict(cache="disk"),
         "is not a directory": dict(cache="disk", cache_dir=str(tmp_path / "file" / "sub")),
         "cache_max_side=0": dict(cache="memory", cache_max_side=0),
+        "cache_encoding='png'": dict(cache="memory", cache_encoding="png"),
     }
     for words, fields in cases.items():
         with pytest.raises(ValueError, match=words) as info:
@@ -228,6 +248,26 @@ def test_same_seed_same_pixels_per_key_cached_or_freshly_decoded(ray_session, tm
     for epoch in (1, 2):
         later = by_key(evals, epoch)
         assert all(np.array_equal(first[k], later[k]) for k in first)
+
+
+def test_a_jpeg_cache_gives_every_epoch_the_pixels_of_its_first(ray_session, tmp_path):
+    """``cache_encoding="jpeg"``: one crop per key (eval mode), so epoch 0 (decoded,
+    re-encoded) and epochs 1-2 (from the cache) give each key the same pixels; the cache
+    holds fewer bytes than the raw one of the same images."""
+    source = make_imagefolder(tmp_path / "data", {"a": 14, "b": 12}, seed=4)
+    base = PipelineConfig(source=str(source), image_size=8, batch_size=2, rows_per_block=2,
+                          actors=(1, 1), train=False, cache="memory", cache_max_side=16)  # fmt: skip
+    jpeg = base.replace(cache_encoding="jpeg")
+    out, _ = run_ranks(jpeg, 1, 3, normalize=False)
+    first = by_key(out, 0)
+    assert len(first) == 26
+    for epoch in (1, 2):
+        assert all(np.array_equal(first[k], by_key(out, epoch)[k]) for k in first)
+    held = settled(jpeg, 3 * 26)
+    assert held["hits"] >= 26 and held["entries"] == 26
+    run_ranks(base, 1, 1, normalize=False)
+    raw = settled(base, 26)
+    assert raw["entries"] == 26 and held["bytes"] < raw["bytes"]
 
 
 def test_disk_cache_is_reused_by_a_later_run_and_invalidated_by_a_change(ray_session, tmp_path):

@@ -5,7 +5,8 @@ under ``cache_dir`` (``cache="disk"``, kept for later runs) or in the node's sha
 ```
  <root>/usage                 bytes and entries held (under an flock)
  <root>/<ab>/<sha1 of id>     MAGIC, header length, JSON header (ident, where, seconds,
-                              shape or reason, CRC32), then the raw pixels
+                              shape or reason, CRC32 of the pixels, encoding), then the
+                              raw pixels, or their JPEG (cache_encoding="jpeg")
 ```
 
 The budget is first-come: the first samples decoded are kept until the next one would
@@ -31,6 +32,7 @@ import struct
 
 import numpy as np
 
+from raypipe.preprocess.cache.capped import decode_stored
 from raypipe.preprocess.cache.store import Entry, Tally
 
 __all__ = ["DiskStore"]
@@ -133,30 +135,44 @@ def _counts(raw: bytes) -> tuple[int, int]:
 def _serialize(entry: Entry) -> bytes:
     head = {"ident": list(entry.ident), "where": entry.where, "seconds": entry.seconds,
             "reason": entry.reason, "detail": entry.detail, "crc": entry.crc,
-            "shape": None if entry.pixels is None else list(entry.pixels.shape)}  # fmt: skip
+            "shape": None if entry.pixels is None else list(entry.pixels.shape),
+            "encoding": "raw" if entry.encoded is None else "jpeg"}  # fmt: skip
     text = json.dumps(head).encode()
-    pixels = b"" if entry.pixels is None else entry.pixels.tobytes()
-    return MAGIC + struct.pack("<I", len(text)) + text + pixels
+    if entry.encoded is not None:
+        body = entry.encoded
+    else:
+        body = b"" if entry.pixels is None else entry.pixels.tobytes()
+    return MAGIC + struct.pack("<I", len(text)) + text + body
 
 
 def _parse(data: bytes) -> Entry | None:
-    """The entry in ``data``; None when it is not a whole, well-formed entry."""
+    """The entry in ``data``; None when it is not a whole, well-formed entry (the CRC of
+    its pixels is checked by `Entry.sound`)."""
     try:
         if data[:8] != MAGIC:
             return None
         (n,) = struct.unpack("<I", data[8:12])
         head = json.loads(data[12 : 12 + n])
         body = memoryview(data)[12 + n :]
-        pixels = None
+        pixels, encoded = None, None
         if head["shape"] is not None:
             shape = tuple(int(s) for s in head["shape"])
-            if len(shape) != 3 or len(body) != int(np.prod(shape)):
+            if len(shape) != 3:
                 return None
-            pixels = np.frombuffer(body, dtype=np.uint8).reshape(shape)
+            if head.get("encoding", "raw") == "jpeg":
+                encoded = bytes(body)
+                pixels = decode_stored(encoded)
+                if pixels.shape != shape:
+                    return None
+            else:
+                if len(body) != int(np.prod(shape)):
+                    return None
+                pixels = np.frombuffer(body, dtype=np.uint8).reshape(shape)
         elif len(body):
             return None
         return Entry((int(head["ident"][0]), int(head["ident"][1])), str(head["where"]),
                      float(head["seconds"]), pixels, head["reason"], head["detail"],
-                     int(head["crc"]), None if pixels is None else pixels.shape)  # fmt: skip
+                     int(head["crc"]), None if pixels is None else pixels.shape,
+                     encoded)  # fmt: skip
     except (ValueError, KeyError, TypeError, IndexError, struct.error):
         return None

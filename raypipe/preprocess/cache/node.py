@@ -54,9 +54,10 @@ _HELD_LOCK = threading.Lock()  # dies with its last handle; ranks in threads sha
 
 def digest(config) -> str:
     """The settings that change a sample's cached pixels (not the crop: it comes after)."""
-    text = (
-        f"{CACHE_VERSION}|{config.image_column}|{config.cache_max_side}|{config.max_image_pixels}"
-    )
+    text = (f"{CACHE_VERSION}|{config.image_column}|{config.cache_max_side}|"
+            f"{config.max_image_pixels}")  # fmt: skip
+    if config.cache_encoding != "raw":  # raw caches keep the digest they had before it
+        text += f"|{config.cache_encoding}"
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 

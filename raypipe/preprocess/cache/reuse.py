@@ -24,7 +24,7 @@ import numpy as np
 
 from raypipe.formats.sample import RawSample
 from raypipe.preprocess.cache import node
-from raypipe.preprocess.cache.capped import decode_capped
+from raypipe.preprocess.cache.capped import decode_capped, encode_stored
 from raypipe.preprocess.cache.disk import DiskStore
 from raypipe.preprocess.cache.store import Entry, Tally
 from raypipe.skips.records import BadSample, detail_of, reason_of
@@ -153,8 +153,12 @@ class SampleCache:
                     i, Entry(ident, raw.where, seconds, None, reason, detail_of(e, raw.data))
                 )
             raise
+        encoded = None
+        if self.config.cache_encoding == "jpeg":  # crops come from what the cache serves
+            encoded, pixels = encode_stored(pixels)
         if i is not None:
-            self._keep(i, Entry.image(ident, raw.where, read_s + time.perf_counter() - t0, pixels))
+            seconds = read_s + time.perf_counter() - t0
+            self._keep(i, Entry.image(ident, raw.where, seconds, pixels, encoded))
         return pixels
 
     def _keep(self, i: str, entry: Entry) -> None:

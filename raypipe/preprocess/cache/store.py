@@ -32,15 +32,19 @@ class Entry:
     detail: str | None = None
     crc: int = 0
     shape: tuple[int, ...] | None = None  # the pixels' (H, W, 3)
+    encoded: bytes | None = None  # cache_encoding="jpeg": what is stored (pixels decode from it)
 
     @classmethod
-    def image(cls, ident, where: str, seconds: float, pixels: np.ndarray) -> Entry:
+    def image(cls, ident, where: str, seconds: float, pixels: np.ndarray,
+              encoded: bytes | None = None) -> Entry:  # fmt: skip
         return cls(ident, where, seconds, pixels, crc=zlib.crc32(pixels.data),
-                   shape=tuple(pixels.shape))  # fmt: skip
+                   shape=tuple(pixels.shape), encoded=encoded)  # fmt: skip
 
     @property
     def nbytes(self) -> int:
         strings = len(self.where) + len(self.detail or "") + len(self.reason or "")
+        if self.encoded is not None:
+            return ENTRY_OVERHEAD + strings + len(self.encoded)
         return ENTRY_OVERHEAD + strings + (0 if self.shape is None else math.prod(self.shape))
 
     def sound(self) -> bool:
