@@ -5,6 +5,7 @@ Each of ``--rounds`` interleaved rounds runs, in an order that rotates from roun
   (a) the warm `Pipeline`, uncached (today's default);
   (b) the warm `Pipeline` with ``cache="memory"`` (a fresh cache every round);
   (c) the warm `Pipeline` with ``cache="disk"`` (a fresh directory every round);
+  (c') the warm `Pipeline` with ``cache="memory", cache_encoding="jpeg"`` (fresh too);
   (d) a tuned Pillow DataLoader (2 workers, prefetch 2, persistent workers; ingest.py's
       sweep winner on this machine), the same seeded crop;
 
@@ -14,7 +15,8 @@ over rounds, with the range), epoch 0's rate, the ratios taken within each round
 cache's hits and misses. Then the bytes a cached image takes at several ``cache_max_side``
 values (decoded, capped, not timed), and what capping changes in the pixels: the mean
 absolute difference in grey levels between a crop from the capped image and the same crop
-from the full image.
+from the full image; the same for ``cache_encoding="jpeg"`` (the re-encoded bytes, and the
+crop from the pixels they decode to).
 
     python benchmarks/cache.py --size small --rounds 5 --epochs 4
 
@@ -37,7 +39,7 @@ import numpy as np
 from raypipe.config import PipelineConfig
 from raypipe.plan.shards import list_shards
 from raypipe.preprocess.cache import node
-from raypipe.preprocess.cache.capped import crop_chw, decode_capped
+from raypipe.preprocess.cache.capped import crop_chw, decode_capped, encode_stored
 from raypipe.preprocess.decode import decode_crop
 
 PILLOW = {"num_workers": 2, "persistent_workers": True, "prefetch_factor": 2}
@@ -82,6 +84,9 @@ def one_round(i: int, config, listing, shards, epochs: int, root: Path) -> dict:
     runs = {
         "uncached": lambda: ingest.warm_epochs(config, listing, epochs),
         "cached": lambda: cached_run(config.replace(cache="memory"), listing, epochs),
+        "jpeg": lambda: cached_run(
+            config.replace(cache="memory", cache_encoding="jpeg"), listing, epochs
+        ),  # fmt: skip
         "pillow": lambda: ingest.dataloader(shards, "pillow", epochs, [PILLOW])["best"],
         "disk": lambda: disk_run(config, listing, epochs, root),
     }
@@ -103,11 +108,13 @@ def capped_sizes(files: list[str], image: int) -> dict:
     image's (the same plans, mean and 99th percentile of |difference| in grey levels)."""
     out = {}
     for side in SIDES:
-        nbytes, diffs = [], []
+        nbytes, diffs, jpeg_bytes, jpeg_diffs = [], [], [], []
         for k, f in enumerate(files):
             data = Path(f).read_bytes()
             rgb = decode_capped(data, side, None)
             nbytes.append(rgb.nbytes)
+            encoded, served = encode_stored(rgb)
+            jpeg_bytes.append(len(encoded))
             h, w = rgb.shape[:2]
             # one plan drawn on the full image's size, scaled to the capped one
             full = decode_crop(data, image, ingest.chooser(k, 1))
@@ -117,9 +124,14 @@ def capped_sizes(files: list[str], image: int) -> dict:
                                  plan.box.height * sy)  # fmt: skip
             capped = crop_chw(rgb, plan._replace(box=box), image)
             diffs.append(np.abs(full.astype(np.int16) - capped.astype(np.int16)).ravel())
-        d = np.concatenate(diffs)
+            capped = crop_chw(served, plan._replace(box=box), image)
+            jpeg_diffs.append(np.abs(full.astype(np.int16) - capped.astype(np.int16)).ravel())
+        d, j = np.concatenate(diffs), np.concatenate(jpeg_diffs)
         out[side] = {"bytes_per_image": float(np.mean(nbytes)), "mean_abs_diff": float(d.mean()),
-                     "p99_abs_diff": float(np.percentile(d, 99))}  # fmt: skip
+                     "p99_abs_diff": float(np.percentile(d, 99)),
+                     "jpeg_bytes_per_image": float(np.mean(jpeg_bytes)),
+                     "jpeg_mean_abs_diff": float(j.mean()),
+                     "jpeg_p99_abs_diff": float(np.percentile(j, 99))}  # fmt: skip
     return out
 
 
@@ -136,12 +148,15 @@ def summary(rounds: list[dict]) -> dict:
         return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
     ratio = lambda a, b, key: statistics.median(r[a][key] / r[b][key] for r in rounds)  # noqa: E731
-    names = ("uncached", "cached", "disk", "pillow")
+    names = ("uncached", "cached", "jpeg", "disk", "pillow")
     return {
         "later_img_s": {n: med(n, "steady_img_s") for n in names},
         "epoch0_img_s": {n: med(n, "first_epoch_img_s") for n in names},
         "later_img_per_cpu_s": {n: med(n, "img_per_cpu_s") for n in names},
         "later_disk_vs_uncached": ratio("disk", "uncached", "steady_img_s"),
+        "later_disk_vs_pillow": ratio("disk", "pillow", "steady_img_s"),
+        "later_jpeg_vs_uncached": ratio("jpeg", "uncached", "steady_img_s"),
+        "epoch0_jpeg_vs_uncached": ratio("jpeg", "uncached", "first_epoch_img_s"),
         "epoch0_disk_vs_uncached": ratio("disk", "uncached", "first_epoch_img_s"),
         "later_cached_vs_pillow": ratio("cached", "pillow", "steady_img_s"),
         "later_cached_vs_uncached": ratio("cached", "uncached", "steady_img_s"),

@@ -49,6 +49,23 @@ def test_a_store_is_first_come_within_its_budget_then_sends_nothing(tmp_path):
     assert np.array_equal(store.get_many(["f0"], [(101, 7)])[0].pixels, pixels(5))
 
 
+def test_a_mapped_store_checks_an_entry_once_then_serves_its_mapping(tmp_path):
+    store = DiskStore(str(tmp_path / "m"), budget=1 << 20, mapped=True)
+    store.put_many([(k, Entry.image(IDENT, f"{k}.jpg", 0.01, pixels(n))) for n, k in
+                    enumerate("ab")])  # fmt: skip
+    damaged = bytearray(Path(store.path("b")).read_bytes())
+    damaged[-1] ^= 0xFF
+    Path(store.path("b") + ".new").write_bytes(bytes(damaged))
+    os.replace(store.path("b") + ".new", store.path("b"))  # as the store itself replaces
+    a, b = store.get_many(["a", "b"], [IDENT, IDENT])
+    assert np.array_equal(a.pixels, pixels(0)) and b is None and store.tally.corrupt == 1
+    assert not a.pixels.flags.writeable  # the file's pages, not a copy
+    os.unlink(store.path("a"))  # gone from the directory: the mapping still serves it
+    (again,) = store.get_many(["a"], [IDENT])
+    assert again is a
+    assert store.get_many(["a"], [(1, 2)]) == [None]  # another source: never the mapping
+
+
 def test_a_memory_cache_lives_in_shared_memory_as_long_as_its_actor(tmp_path, monkeypatch):
     """`NodeCache` holds its directory's lock; `clear` removes it; a directory whose holder
     is gone (its lock free, however it ended) is swept by the next cache to start."""

@@ -66,7 +66,9 @@ class SampleCache:
                 self.counter = None
             else:
                 if os.path.isdir(root):  # a memory cache cleared meanwhile: none
-                    self.store = DiskStore(root, limit)
+                    c = self.config
+                    mapped = c.cache == "memory" and c.cache_encoding == "raw"
+                    self.store = DiskStore(root, limit, mapped=mapped)
                 return
         if self.config.cache == "disk":
             self.store = DiskStore(node.cache_root(self.config), node.budget(self.config))
