@@ -249,6 +249,8 @@ def test_same_seed_same_pixels_per_key_cached_or_freshly_decoded(ray_session, tm
                           cache_max_side=12)  # fmt: skip
     small = base.replace(cache_budget=5 * 3 * 12 * 12)
     fresh, _ = run_ranks(small, 1, 2, normalize=False)
+    held = settled(small, 2 * 55)
+    assert 0 < held["bytes"] <= small.cache_budget and held["refused"] > 0  # the budget holds
     cached, _ = run_ranks(base, 1, 2, normalize=False)
     again, _ = run_ranks(base, 1, 2, normalize=False)  # its epoch 0 from the cache too
     assert settled(base, 4 * 55)["hits"] >= 55

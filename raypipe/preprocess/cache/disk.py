@@ -115,17 +115,19 @@ class DiskStore:
                     self.tally.refused += 1
                     self.full = True
                     continue
-                data = _serialize(entry)
-                if usage[0] + len(data) > self.budget:
+                head, body = _parts(entry)
+                size = len(head) + len(body)
+                if usage[0] + size > self.budget:
                     self.tally.refused += 1
                     self.full = True
                     continue
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 tmp = f"{path}.{os.getpid()}.tmp"
                 with open(tmp, "wb") as f:
-                    f.write(data)
+                    f.write(head)
+                    f.write(body)  # the pixels' own buffer: no copy of them first
                 os.replace(tmp, path)
-                usage[0] += len(data)
+                usage[0] += size
                 usage[1] += 1
 
     def held(self) -> tuple[int, int]:
@@ -161,16 +163,24 @@ def _counts(raw: bytes) -> tuple[int, int]:
 
 
 def _serialize(entry: Entry) -> bytes:
+    head, body = _parts(entry)
+    return head + bytes(body)
+
+
+def _parts(entry: Entry) -> tuple[bytes, memoryview]:
+    """An entry's file: its header (MAGIC, length, JSON), and its body as a buffer."""
     head = {"ident": list(entry.ident), "where": entry.where, "seconds": entry.seconds,
             "reason": entry.reason, "detail": entry.detail, "crc": entry.crc,
             "shape": None if entry.pixels is None else list(entry.pixels.shape),
             "encoding": "raw" if entry.encoded is None else "jpeg"}  # fmt: skip
     text = json.dumps(head).encode()
     if entry.encoded is not None:
-        body = entry.encoded
+        body = memoryview(entry.encoded)
+    elif entry.pixels is None:
+        body = memoryview(b"")
     else:
-        body = b"" if entry.pixels is None else entry.pixels.tobytes()
-    return MAGIC + struct.pack("<I", len(text)) + text + body
+        body = memoryview(np.ascontiguousarray(entry.pixels)).cast("B")
+    return MAGIC + struct.pack("<I", len(text)) + text, body
 
 
 def _parse(data: bytes) -> Entry | None:

@@ -33,7 +33,8 @@ __all__ = ["SampleCache"]
 assert __all__ == sorted(__all__)
 
 CHUNK = 32  # samples looked up at once
-PUT_EVERY = 32  # new entries sent at once
+PUT_EVERY = 32  # new entries written at once
+PENDING = 128  # new entries held while the node's actor starts (then decoded again)
 TRANSIENT = ("unreadable", "unreadable_shard")  # read errors: never remembered as bad
 
 Row = tuple[str, int, int, int, "np.ndarray | None"]  # path, first_key, samples, label, done
@@ -46,32 +47,44 @@ class SampleCache:
     def __init__(self, config, storage):
         self.config, self.storage = config, storage
         self.store, self.counter, self._started = None, None, False
+        self._where = None  # the node's answer (directory, budget), until it comes
         self.tally = Tally()
         self._found: dict[int, Entry] = {}  # key -> its entry, for the raw yielded next
         self._missed: dict[int, tuple[str, tuple[int, int] | None, float]] = {}
         self._new: list[tuple[str, Entry]] = []
 
     def _start(self) -> None:
-        """Find this node's `NodeCache`: its directory and budget. Without one (a node
-        that joined after the run started), a disk cache is still the node's files; a
-        memory cache is none."""
+        """Ask this node's `NodeCache` for its directory and budget, without waiting: the
+        samples decoded before it answers (its actor may still be starting) are held, up
+        to `PENDING`, and written once it has. Without one (a node that joined after the
+        run started), a disk cache is still the node's files; a memory cache is none."""
         self._started = True
         self.counter = node.lookup(self.config)
         if self.counter is not None:
-            import ray
-
             try:
-                root, limit = ray.get(self.counter.where.remote())
-            except Exception:  # the node's actor is gone: decode from here on
-                self.counter = None
-            else:
-                if os.path.isdir(root):  # a memory cache cleared meanwhile: none
-                    c = self.config
-                    mapped = c.cache == "memory" and c.cache_encoding == "raw"
-                    self.store = DiskStore(root, limit, mapped=mapped)
+                self._where = self.counter.where.remote()
                 return
+            except Exception:  # the node's actor is gone
+                self.counter = None
         if self.config.cache == "disk":
             self.store = DiskStore(node.cache_root(self.config), node.budget(self.config))
+
+    def _ready(self) -> None:
+        """The store, once the node's actor has answered (never waits for it)."""
+        import ray
+
+        if self._where is None or not ray.wait([self._where], timeout=0)[0]:
+            return
+        ref, self._where = self._where, None
+        try:
+            root, limit = ray.get(ref)
+        except Exception:  # the node's actor is gone: decode from here on
+            self.counter = None
+            return
+        if os.path.isdir(root):  # a memory cache cleared meanwhile: none
+            c = self.config
+            mapped = c.cache == "memory" and c.cache_encoding == "raw"
+            self.store = DiskStore(root, limit, mapped=mapped)
 
     def raws(self, rows: Iterable[Row], read: Callable[..., Iterator[RawSample]]):
         """The rows' samples in order, as ``read(path, first_key, samples, label, done)``
@@ -90,6 +103,7 @@ class SampleCache:
             yield from self._chunk(chunk, read)
 
     def _chunk(self, rows: list[Row], read) -> Iterator[RawSample]:
+        self._ready()
         idents = [self._ident(r[0]) for r in rows]
         todo = [[k for k in range(first, first + n) if done is None or not done[k - first]]
                 for _, first, n, _, done in rows]  # fmt: skip
@@ -164,6 +178,12 @@ class SampleCache:
         return pixels
 
     def _keep(self, i: str, entry: Entry) -> None:
+        if self._where is not None:  # the node's actor has not answered yet: held
+            self._ready()
+            if self._where is not None:
+                if len(self._new) < PENDING:
+                    self._new.append((i, entry))
+                return  # past PENDING: decoded again next epoch, and kept then
         if self.store is None or self.store.full:  # nothing is kept: not worth a write
             self.tally.refused += self.store is not None
             return
@@ -172,6 +192,9 @@ class SampleCache:
             self._put()
 
     def _put(self) -> None:
+        self._ready()
+        if self._where is not None:
+            return  # held until the node's actor answers
         if self._new and self.store is not None:
             try:
                 self.store.put_many(self._new)
