@@ -126,7 +126,8 @@ class PipelineConfig:
         cache_budget: bytes of cached pixels per node; the first samples decoded are kept
             until it is full (no eviction). At least one block's worth; with
             ``cache="memory"`` at most half the smallest node's object store (the pixels
-            live there). None: a quarter of that store (memory), 2 GiB (disk).
+            live there, and the blocks are sized from each node's store less the
+            budget). None: a quarter of that store (memory), 2 GiB (disk).
         cache_dir: ``cache="disk"``: a node-local directory (made on each node); a later
             run with the same settings reuses what it holds.
     """

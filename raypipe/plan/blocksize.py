@@ -2,7 +2,10 @@
 holds the data in the store instead of spilling it (`notes/ray-memory.md`).
 
 A rank's share of a node's store is the smallest store over the ranks that may share it
-(up to `RANKS_PER_NODE`: a node's GPUs). Within that share, with the defaults:
+(up to `RANKS_PER_NODE`: a node's GPUs), less what the memory cache may hold there first:
+with ``cache="memory"`` every node's cache keeps up to its budget (``cache_budget``, by
+default `MEMORY_CACHE_SHARE` of the smallest store) in that same store, so the ranks share
+the rest. Within that share, with the defaults:
 
 ```
  block      rows_per_block × sample      <= 5 % of the share (else ~2 %), one batch if it fits
@@ -29,8 +32,9 @@ import logging
 from raypipe.config import PipelineConfig
 
 __all__ = ["BLOCK_SHARE", "BLOCK_TARGET", "LEAD_MAX", "LEAD_SHARE", "MAX_FILES_PER_TASK",
-           "RANKS_PER_NODE", "READ_AHEAD_SHARE", "TASKS_IN_FLIGHT", "TASK_SHARE", "lead_for",
-           "rank_store_limit", "sized_blocks", "store_share"]  # fmt: skip
+           "MEMORY_CACHE_SHARE", "RANKS_PER_NODE", "READ_AHEAD_SHARE", "TASKS_IN_FLIGHT",
+           "TASK_SHARE", "lead_for", "memory_cache_bytes", "rank_store_limit", "sized_blocks",
+           "store_share"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 log = logging.getLogger(__name__)
@@ -44,28 +48,52 @@ RANKS_PER_NODE = 8  # ranks that may share one node's store: at most a node's GP
 MAX_FILES_PER_TASK = 256
 LEAD_SHARE = 0.2  # the lead's blocks, at most, by default
 LEAD_MAX = 20  # batches of lead by default: about 2/3 of a report a second at 10 steps/s
+MEMORY_CACHE_SHARE = 0.25  # cache="memory": its default budget, of the smallest store
 
 
-def store_share(world_size: int = 1, *, here: bool = False) -> float | None:
+def memory_cache_bytes(config: PipelineConfig | None, smallest: float | None) -> int:
+    """Bytes of every node's object store that ``config``'s memory cache may fill: its
+    ``cache_budget``, or `MEMORY_CACHE_SHARE` of ``smallest`` (the smallest alive store);
+    0 without ``cache="memory"``. A budget over half of ``smallest`` is refused before any
+    work: the blocks would have too little room left."""
+    if config is None or config.cache != "memory":
+        return 0
+    if config.cache_budget is not None:
+        budget = config.cache_budget
+    else:
+        budget = max(1, int(MEMORY_CACHE_SHARE * (smallest or 0)))
+    if smallest is not None and budget > smallest // 2:
+        raise ValueError(f"PipelineConfig.cache_budget={config.cache_budget!r}: over half the "
+                         f"smallest node's object store ({int(smallest)} bytes), where the "
+                         "memory cache keeps its pixels")  # fmt: skip
+    return budget
+
+
+def store_share(world_size: int = 1, *, here: bool = False,
+                config: PipelineConfig | None = None) -> float | None:  # fmt: skip
     """Bytes of object store one rank of ``world_size`` may count on: the smallest alive
-    node's store (``here``: this process's node's) over the ranks that may share it; None
-    before Ray knows any store."""
+    node's store (``here``: this process's node's), less ``config``'s memory cache budget
+    (`memory_cache_bytes`: it lives in the same store), over the ranks that may share it;
+    None before Ray knows any store."""
     import ray
 
     node = ray.get_runtime_context().get_node_id() if here else None
-    stores = [
-        n["Resources"]["object_store_memory"]
+    alive = [
+        (n["NodeID"], n["Resources"]["object_store_memory"])
         for n in ray.nodes()
-        if n["Alive"]
-        and n["Resources"].get("object_store_memory")
-        and (node is None or n["NodeID"] == node)
+        if n["Alive"] and n["Resources"].get("object_store_memory")
     ]
-    return min(stores) / min(world_size, RANKS_PER_NODE) if stores else None
+    stores = [store for i, store in alive if node is None or i == node]
+    if not stores:
+        return None
+    cache = memory_cache_bytes(config, min(store for _, store in alive))
+    return (min(stores) - cache) / min(world_size, RANKS_PER_NODE)
 
 
-def rank_store_limit(world_size: int) -> float | None:
-    """The object store one rank's execution may fill ahead of its trainer, in bytes."""
-    share = store_share(world_size)
+def rank_store_limit(world_size: int, config: PipelineConfig | None = None) -> float | None:
+    """The object store one rank's execution may fill ahead of its trainer, in bytes (of
+    its `store_share`, with ``config``'s memory cache left out)."""
+    share = store_share(world_size, config=config)
     return None if share is None else READ_AHEAD_SHARE * share
 
 
@@ -80,17 +108,23 @@ def lead_for(batch_bytes: int, share: float | None) -> int:
 def sized_blocks(config: PipelineConfig, *, world_size: int = 1,
                  actors: int | None = None) -> PipelineConfig:  # fmt: skip
     """``config`` with ``rows_per_block``, ``files_per_task`` and ``lead_batches`` set from
-    the object store.
+    the object store: each rank's `store_share`, less the memory cache's budget with
+    ``cache="memory"`` (an over-large budget is refused here, before any work).
 
     ``actors``: the most actors of one rank's pool (default ``config.actors[1]``). Unset
     fields are sized to fit (module docstring); a set block over 5 % of the share is warned
     about; a set block or task that no store can hold is refused before any work."""
     actors = config.actors[1] if actors is None else actors
     sample = 3 * config.image_size**2
-    share = store_share(world_size)
+    share = store_share(world_size, config=config)
     if config.lead_batches is None:
-        lead = 0 if world_size == 1 else lead_for(config.batch_size * sample,
-                                                  store_share(world_size, here=True))  # fmt: skip
+        lead = (
+            0
+            if world_size == 1
+            else lead_for(
+                config.batch_size * sample, store_share(world_size, here=True, config=config)
+            )
+        )
         config = config.replace(lead_batches=lead)
     if share is None:
         rows = config.rows_per_block or config.batch_size

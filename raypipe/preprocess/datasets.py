@@ -127,7 +127,7 @@ def rank_dataset(config: PipelineConfig, listing: Listing, plan: RankPlan, epoch
     ds.context.memory_usage_poll_interval_s = None
     # every rank's execution counts the whole cluster's store as its own: limit each
     # one's read-ahead to its share, so that ranks on one node together stay within it
-    limit = rank_store_limit(world_size)
+    limit = rank_store_limit(world_size, config)
     if limit is not None:
         ds.context.execution_options.resource_limits = (
             ds.context.execution_options.resource_limits.copy(object_store_memory=limit)

@@ -115,3 +115,58 @@ def test_default_tasks_fit_the_ranks_share_of_the_store_and_set_ones_that_cannot
         sized_blocks(config.replace(files_per_task=256), world_size=8, actors=4)
     with pytest.raises(ValueError, match=r"rows_per_block=1000 .* with 8 ranks \(128\.0 MiB\)"):
         sized_blocks(config.replace(rows_per_block=1000), world_size=8)  # 144 MiB blocks
+
+
+def test_the_memory_cache_budget_comes_out_of_each_ranks_share_of_the_store(ray_session,
+                                                                            datasets):  # fmt: skip
+    """``cache="memory"`` keeps its pixels in the node's object store: blocks, tasks,
+    read-ahead and lead are sized from the store less its budget (a quarter of the smallest
+    store by default), never from the whole store."""
+    from raypipe.plan import blocksize
+    from raypipe.plan.blocksize import sized_blocks, store_share
+
+    store = int(min(n["Resources"]["object_store_memory"] for n in ray_session.nodes()
+                    if n["Alive"]))  # fmt: skip
+    sample = 3 * 224 * 224
+    plain = PipelineConfig(source=str(datasets["imagefolder"]), image_size=224, batch_size=64)
+    cached = plain.replace(cache="memory")
+    assert plain.cache_budget is None and cached.cache_budget is None  # the defaults
+    for world in (1, 2, 8):
+        ranks = min(world, 8)
+        assert store_share(world, config=plain) == store_share(world) == store / ranks
+        assert store_share(world, config=cached) == (store - store // 4) / ranks
+        assert store_share(world, here=True, config=cached) == (store - store // 4) / ranks
+        assert (
+            blocksize.rank_store_limit(world, cached)
+            == blocksize.READ_AHEAD_SHARE * (store - store // 4) / ranks
+        )
+    # 8 ranks, 4 actors each: the tasks in flight fit the reduced share, tightly
+    share = (store - store // 4) / 8
+    for config in (cached, cached.replace(cache_budget=store // 3)):
+        if config.cache_budget is not None:
+            share = (store - store // 3) / 8
+        sized = sized_blocks(config, world_size=8, actors=4)
+        files, in_flight = sized.files_per_task, 4 * blocksize.TASKS_IN_FLIGHT
+        assert (
+            in_flight * files * sample
+            <= blocksize.TASK_SHARE * share
+            < in_flight * (files + 1) * sample
+        )
+        assert files < sized_blocks(plain, world_size=8, actors=4).files_per_task
+    # 2 ranks: the lead holds LEAD_SHARE of the reduced share, fewer batches than without
+    lead = sized_blocks(cached, world_size=2).lead_batches
+    batch = 64 * sample
+    assert lead == int(blocksize.LEAD_SHARE * (store - store // 4) / 2 // batch)
+    assert lead < sized_blocks(plain, world_size=2).lead_batches
+    # an automatic block size aims at 2 % of the reduced share
+    rows = sized_blocks(cached.replace(batch_size=4096)).rows_per_block
+    assert rows == int((store - store // 4) * 0.02) // sample
+    assert rows < sized_blocks(plain.replace(batch_size=4096)).rows_per_block
+    # a disk cache is not in the store
+    disk = plain.replace(cache="disk", cache_dir=str(datasets["imagefolder"].parent / "c"))
+    assert sized_blocks(disk, world_size=8, actors=4) == sized_blocks(
+        plain, world_size=8, actors=4
+    ).replace(cache="disk", cache_dir=disk.cache_dir)
+    with pytest.raises(ValueError, match=r"^PipelineConfig\.cache_budget=\d+: over half the "
+                       r"smallest node's object store"):  # fmt: skip
+        sized_blocks(cached.replace(cache_budget=store // 2 + 1))

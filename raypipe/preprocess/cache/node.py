@@ -22,6 +22,7 @@ import hashlib
 import os
 import threading
 
+from raypipe.plan.blocksize import memory_cache_bytes
 from raypipe.preprocess.cache.disk import DiskStore
 from raypipe.preprocess.cache.store import Entry, MemoryStore, Tally
 
@@ -84,11 +85,13 @@ class NodeCache:
 
 
 def budget(config, store_bytes: int | None = None) -> int:
-    """``config.cache_budget``, or its default: a quarter of ``store_bytes`` (the smallest
-    object store) for ``cache="memory"``, `DISK_BUDGET` for ``"disk"``."""
-    if config.cache_budget is not None:
-        return config.cache_budget
-    return DISK_BUDGET if config.cache == "disk" else max(1, (store_bytes or 0) // 4)
+    """``config.cache_budget``, or its default: for ``cache="memory"``, a quarter of
+    ``store_bytes`` (the smallest object store: `raypipe.plan.blocksize.memory_cache_bytes`,
+    the rule the block sizes leave that room by; a budget over half of it raises
+    ValueError), `DISK_BUDGET` for ``"disk"``."""
+    if config.cache == "memory":
+        return memory_cache_bytes(config, store_bytes)
+    return DISK_BUDGET if config.cache_budget is None else config.cache_budget
 
 
 def _smallest_store() -> int:
@@ -114,12 +117,7 @@ def ensure(config) -> None:
 
     if config.cache is None:
         return
-    store = _smallest_store()
-    limit = budget(config, store)
-    if config.cache == "memory" and limit > store // 2:
-        raise ValueError(f"PipelineConfig.cache_budget={config.cache_budget!r}: over half the "
-                         f"smallest node's object store ({store} bytes), where the memory "
-                         "cache keeps its pixels")  # fmt: skip
+    limit = budget(config, _smallest_store())  # refuses an over-large memory budget
     job = ray.get_runtime_context().get_job_id()
     with _HELD_LOCK:
         for node in ray.nodes():
