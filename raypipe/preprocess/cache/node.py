@@ -33,6 +33,7 @@ DISK_BUDGET = 2 << 30  # bytes per node under cache_dir, by default
 CACHE_VERSION = 1  # changes when the capped pixels of the same bytes would change
 _HELD: dict[tuple[str, str], object] = {}  # (job id, actor name) -> handle: an actor
 _HELD_LOCK = threading.Lock()  # dies with its last handle; ranks in threads share this
+_BUDGETS: dict[tuple[str, str], int] = {}  # (job id, name prefix) -> its first ensure's budget
 
 
 def digest(config) -> str:
@@ -111,26 +112,44 @@ def _name(config, node_id: str) -> str:
 
 def ensure(config) -> None:
     """Start (or find) the `NodeCache` of every alive node for ``config``; no-op without
-    a cache. The handles are kept in this process, so the actors live as long as it."""
+    a cache. The handles are kept in this process, so the actors live as long as it.
+
+    Called again (a `Pipeline` does at each epoch), it starts the caches of the nodes that
+    joined since, and again those whose actor died (empty), with the budget the first call
+    set (a smaller node joining later does not change it); a lost node's actor is gone with
+    it."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     if config.cache is None:
         return
-    limit = budget(config, _smallest_store())  # refuses an over-large memory budget
     job = ray.get_runtime_context().get_job_id()
     with _HELD_LOCK:
+        limit = _BUDGETS.get((job, _name(config, "")))
+        if limit is None:  # refuses an over-large memory budget
+            limit = _BUDGETS[(job, _name(config, ""))] = budget(config, _smallest_store())
         for node in ray.nodes():
             if not node.get("Alive"):
                 continue
             name = _name(config, node["NodeID"])
-            if (job, name) in _HELD:
+            if (job, name) in _HELD and _alive(name):
                 continue
             strategy = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
             _HELD[(job, name)] = ray.remote(NodeCache).options(
                 name=name, get_if_exists=True, num_cpus=0, max_restarts=0,
                 scheduling_strategy=strategy,
             ).remote(config.cache, limit, cache_root(config))  # fmt: skip
+
+
+def _alive(name: str) -> bool:
+    """Whether the named actor lives (a dead one's name is free again)."""
+    import ray
+
+    try:
+        ray.get_actor(name)
+    except ValueError:
+        return False
+    return True
 
 
 def release(config) -> None:
@@ -141,13 +160,15 @@ def release(config) -> None:
     job = ray.get_runtime_context().get_job_id()
     prefix = _name(config, "")
     with _HELD_LOCK:
+        _BUDGETS.pop((job, prefix), None)
         for held in [k for k in _HELD if k[0] == job and k[1].startswith(prefix)]:
-            ray.kill(_HELD.pop(held))
+            ray.kill(_HELD.pop(held))  # a lost node's actor: nothing to do, no error
 
 
 def lookup(config):
     """This node's `NodeCache` handle, or None where none was started (a node that joined
-    after the run started: its samples are decoded, capped, and not kept)."""
+    after the run started, until the run's next `ensure`: its samples are decoded, capped,
+    and not kept)."""
     import ray
 
     try:
@@ -156,15 +177,18 @@ def lookup(config):
         return None
 
 
-def stats(config, timeout_s: float = 5.0) -> dict[str, float | int] | None:
-    """Every node's cache counters for ``config``, summed; None without a cache."""
+def stats(config, timeout_s: float = 5.0, *,
+          node_id: str | None = None) -> dict[str, float | int] | None:  # fmt: skip
+    """Every alive node's cache counters for ``config``, summed (``node_id``: that node's
+    alone); None without a cache. A node lost meanwhile counts nothing: its counters went
+    with it, and a node whose actor does not answer within ``timeout_s`` is left out."""
     import ray
 
     if config.cache is None:
         return None
     handles = []
     for node in ray.nodes():
-        if node.get("Alive"):
+        if node.get("Alive") and node_id in (None, node["NodeID"]):
             try:
                 handles.append(ray.get_actor(_name(config, node["NodeID"])))
             except ValueError:

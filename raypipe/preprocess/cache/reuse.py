@@ -93,10 +93,16 @@ class SampleCache:
 
     def _start(self) -> None:
         self._started = True
-        self.counter = node.lookup(self.config)
         if self.config.cache == "disk":
             self.store = DiskStore(node.cache_root(self.config), node.budget(self.config))
-        elif self.counter is not None:
+        self._find()
+
+    def _find(self) -> None:
+        """This node's `NodeCache`, if it has one (a node that joined mid-run, or whose
+        actor died, gets one at the run's next `node.ensure`: asked again on every call of
+        `raws` until then)."""
+        self.counter = node.lookup(self.config)
+        if self.counter is not None and self.config.cache == "memory":
             self.store = _Remote(self.counter)
 
     def raws(self, rows: Iterable[Row], read: Callable[..., Iterator[RawSample]]):
@@ -104,6 +110,8 @@ class SampleCache:
         yields them, with the cached ones found (whole rows of them not read)."""
         if not self._started:
             self._start()
+        elif self.counter is None:
+            self._find()
         chunk: list[Row] = []
         samples = 0
         for row in rows:
@@ -127,8 +135,9 @@ class SampleCache:
             t0 = time.perf_counter()
             try:
                 entries = self.store.get_many([a[0] for a in asks], [a[1] for a in asks])
-            except Exception:  # the node's cache actor is gone: decode from here on
-                self.store, entries = None, [None] * len(asks)
+            except Exception:  # the node's cache actor is gone: decode, and look for
+                self.store, self.counter = None, None  # the one `node.ensure` starts next
+                entries = [None] * len(asks)
             self.tally.saved_s -= time.perf_counter() - t0
             found = {a[2]: e for a, e in zip(asks, entries, strict=True) if e is not None}
             self.tally.corrupt += getattr(self.store, "corrupt", 0)
