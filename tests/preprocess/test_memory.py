@@ -19,13 +19,16 @@ STORE_MIB = 128
 N_MEMORY = 4608
 
 
-def small_jpegs(root: Path, n: int, *, seed: int = 0) -> Path:
-    """``n`` 48×48 JPEGs in two classes: cheap to decode, 147 KiB each at 224²."""
+def small_jpegs(root: Path, n: int, *, seed: int = 0, side: int = 48) -> Path:
+    """``n`` side×side JPEGs (48 by default) in two classes: cheap to decode, 147 KiB each
+    at 224²."""
     rng = np.random.default_rng(seed)
     for cls in ("a", "b"):
         (root / cls).mkdir(parents=True, exist_ok=True)
     for i in range(n):
-        img = Image.fromarray(rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)).resize((48, 48))
+        img = Image.fromarray(rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)).resize(
+            (side, side)
+        )
         img.save(root / ("a" if i % 2 else "b") / f"{i:05d}.jpg", quality=80)
     return root
 
@@ -39,11 +42,13 @@ def test_a_block_larger_than_the_object_store_is_refused_before_work(ray_session
             make()
 
 
-def run_memory_driver(data: Path, out: Path, epochs: int, pause_s: float) -> dict:
-    """`tests.memory_driver` with every size setting at its default (batch 64 at 224²)."""
+def run_memory_driver(data: Path, out: Path, epochs: int, pause_s: float,
+                      settings: dict | None = None) -> dict:  # fmt: skip
+    """`tests.memory_driver` with every size setting at its default (batch 64 at 224²),
+    and ``settings`` (other config fields)."""
     proc = subprocess.run(
         [sys.executable, "-m", "tests.memory_driver", str(data), str(out), str(STORE_MIB),
-         str(epochs), str(pause_s)],
+         str(epochs), str(pause_s), json.dumps(settings or {})],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -170,3 +175,26 @@ def test_the_memory_cache_budget_comes_out_of_each_ranks_share_of_the_store(ray_
     with pytest.raises(ValueError, match=r"^PipelineConfig\.cache_budget=\d+: over half the "
                        r"smallest node's object store"):  # fmt: skip
         sized_blocks(cached.replace(cache_budget=store // 2 + 1))
+
+
+def test_a_memory_cache_and_the_blocks_share_a_small_store_without_spilling(tmp_path):
+    """``cache="memory"`` with its default budget (a quarter of a 128 MiB store, filled in
+    epoch 0 by 320² images) and every size setting at its default: 2 slow ranks read 2
+    epochs exactly once, with the cache serving epoch 1, and the blocks sized from the
+    store less the cache's budget leave the store below its capacity, nothing spilled."""
+    n = 640
+    data = small_jpegs(tmp_path / "data", n, side=320)
+    report = run_memory_driver(data, tmp_path / "out.json", epochs=2, pause_s=0.1,
+                               settings={"cache": "memory"})  # fmt: skip
+    batches = n // (2 * 64)
+    for epoch in range(2):
+        keys = [k for rank in report["keys"] for batch in rank[epoch] for k in batch]
+        assert len(keys) == len(set(keys)) == 2 * 64 * batches
+        assert all(s[epoch]["batches"] == batches for s in report["stats"])
+    cache = report["stats"][0][1]["cache"]
+    p = report["peaks"]
+    print(json.dumps(p), json.dumps(cache))
+    assert cache["entries"] > 0 and cache["refused"] > 0 and cache["hits"] > 0, cache
+    assert cache["bytes"] <= STORE_MIB / 4 * 2**20  # the default budget
+    assert "error" not in p and p["samples"] >= 5, p
+    assert p["store_mib"] <= STORE_MIB and p["spilled_mib"] == 0, p

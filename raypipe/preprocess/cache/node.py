@@ -60,15 +60,18 @@ class NodeCache:
     def get_many(self, ids: list[str], idents: list[tuple[int, int]]) -> list[Entry | None]:
         return self.memory.get_many(ids, idents)
 
-    def put_many(self, items: list[tuple[str, Entry]]) -> None:
-        """Keep ``items``; their pixels move into the object store (this actor owns them),
-        from where the node's preprocessing actors read them without a copy."""
+    def put_many(self, items: list[tuple[str, Entry]]) -> bool:
+        """Keep ``items``; the pixels of those within the budget move into the object store
+        (this actor owns them), from where the node's preprocessing actors read them
+        without a copy. False once the budget refused one: the cache is full."""
         import ray
 
+        refused = self.memory.tally.refused
         for _, entry in items:
-            if entry.pixels is not None:
+            if entry.pixels is not None and self.memory.fits(entry):
                 entry.ref, entry.pixels = ray.put(entry.pixels), None
         self.memory.put_many(items)
+        return self.memory.tally.refused == refused
 
     def note(self, tally: Tally) -> None:
         self.tally.add(tally)

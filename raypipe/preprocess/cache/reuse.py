@@ -46,6 +46,8 @@ class _Remote:
     def __init__(self, handle):
         self.handle, self.corrupt = handle, 0
         self.mapped: dict[str, Entry] = {}
+        self.sent, self.full = None, False  # the put in flight; the cache said it is full
+        self.refused = 0  # samples not sent since: the cache is full
 
     def get_many(self, ids, idents):
         """The entries, mapped here or fetched and mapped; one that fails its check is a
@@ -76,7 +78,19 @@ class _Remote:
         return out
 
     def put_many(self, items) -> None:
-        self.handle.put_many.remote(items)
+        """Send ``items``, one put in flight at a time: their pixels cross the object store
+        as its argument. Once the cache is full (first-come: nothing is evicted), only
+        bad samples' records, which carry no pixels, are sent."""
+        import ray
+
+        if self.sent is not None:
+            self.full, self.sent = not ray.get(self.sent), None
+        if self.full:
+            kept = [(i, e) for i, e in items if e.pixels is None]
+            self.refused += len(items) - len(kept)
+            items = kept
+        if items:
+            self.sent = self.handle.put_many.remote(items)
 
 
 class SampleCache:
@@ -204,8 +218,8 @@ class SampleCache:
         if self._new and self.store is not None:
             try:
                 self.store.put_many(self._new)
-            except Exception:  # a full or failing disk: the run goes on without the cache
-                self.store = None
+            except Exception:  # a full or failing disk, or the node's cache actor gone:
+                self.store, self.counter = None, None  # on without, until `node.ensure`
         self._new = []
 
     def flush(self) -> None:
@@ -215,6 +229,8 @@ class SampleCache:
             self.tally.corrupt += self.store.tally.corrupt
             self.tally.refused += self.store.tally.refused
             self.store.tally = Tally()
+        elif isinstance(self.store, _Remote):
+            self.tally.refused, self.store.refused = self.tally.refused + self.store.refused, 0
         if self.counter is not None and (self.tally.hits or self.tally.misses):
             try:
                 self.counter.note.remote(self.tally)

@@ -107,10 +107,14 @@ class MemoryStore:
             out.append(entry)
         return out
 
+    def fits(self, entry: Entry) -> bool:
+        """Whether ``entry`` is within the budget left now."""
+        return self.tally.bytes + entry.nbytes <= self.budget
+
     def put_many(self, items: list[tuple[str, Entry]]) -> None:
         for i, entry in items:
             self._drop(i)  # a changed source's entry is replaced
-            if self.tally.bytes + entry.nbytes > self.budget:
+            if not self.fits(entry):
                 self.tally.refused += 1
                 continue
             if entry.pixels is not None and not entry.pixels.flags.writeable:
