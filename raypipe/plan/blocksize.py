@@ -117,15 +117,11 @@ def sized_blocks(config: PipelineConfig, *, world_size: int = 1,
     actors = config.actors[1] if actors is None else actors
     sample = 3 * config.image_size**2
     share = store_share(world_size, config=config)
-    if config.lead_batches is None:
-        lead = (
-            0
-            if world_size == 1
-            else lead_for(
-                config.batch_size * sample, store_share(world_size, here=True, config=config)
-            )
-        )
-        config = config.replace(lead_batches=lead)
+    if config.lead_batches is None and world_size == 1:
+        config = config.replace(lead_batches=0)
+    elif config.lead_batches is None:
+        here = store_share(world_size, here=True, config=config)
+        config = config.replace(lead_batches=lead_for(config.batch_size * sample, here))
     if share is None:
         rows = config.rows_per_block or config.batch_size
         return config.replace(rows_per_block=rows,
