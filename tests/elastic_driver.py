@@ -4,13 +4,16 @@
 (the real Ray autoscaler with cluster/local-autoscaling.yaml), run one epoch whose pool
 needs more CPUs than the head has, then wait for the idle worker nodes to go.
 
-``python -m tests.elastic_driver node-loss DATA OUT TEMP_DIR PORT AFTER,AFTER,..``: a ``ray.cluster_utils.Cluster``
-(head + 2 worker nodes). First a one-epoch `raypipe.Pipeline` whose transform (`stall_once`)
-holds the task of one sample on its first attempt until the actor running it is killed
-(``os.kill``): the kill hits a task in flight for certain, and every attempt at that sample
-is noted by its process id. Then one warm run of the built-in crop with one epoch per AFTER
-that loses a worker node after that batch (with the blocks of later epochs that its object
-store may hold); each removed node's id, and whether Ray still lists it alive at the end.
+``python -m tests.elastic_driver node-loss DATA OUT TEMP_DIR PORT AFTER,AFTER,.. COMPUTE CACHE``:
+a ``ray.cluster_utils.Cluster`` (head + 2 worker nodes). First a one-epoch `raypipe.Pipeline`
+whose transform (`stall_once`) holds the task of one sample on its first attempt until the
+actor running it is killed (``os.kill``): the kill hits a task in flight for certain, and
+every attempt at that sample is noted by its process id. Then one warm run of the built-in
+crop, with the decoded cache CACHE (``memory``, or ``none``), with one epoch per AFTER that
+loses a worker node after that batch (with the blocks of later epochs that its object store
+may hold, and its cached pixels); each removed node's id, and whether Ray still lists it
+alive at the end. With a cache: the removed node's cache counters just before it went, and
+every alive node's at the end of each epoch.
 
 Each writes a JSON report to OUT; the test asserts on it.
 """
@@ -77,10 +80,22 @@ def autoscale(address: str, data: str, out: str) -> None:
     _write(out, report)
 
 
+def _cache_by_node(config) -> dict[str, dict]:
+    """Every alive node's cache counters, by node id."""
+    import ray
+
+    from raypipe.preprocess.cache import node as node_cache
+
+    alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    return {i: node_cache.stats(config, node_id=i) for i in alive}
+
+
 def node_loss(data: str, out: str, temp_dir: str, port: str, kill_after: list[int],
-              compute: str) -> None:  # fmt: skip
+              compute: str, cache: str) -> None:  # fmt: skip
     import ray
     from ray.cluster_utils import Cluster
+
+    from raypipe.preprocess.cache import node as node_cache
 
     node = {
         "num_cpus": 2, "object_store_memory": 1 << 28, "node_ip_address": "127.0.0.1",
@@ -108,10 +123,11 @@ def node_loss(data: str, out: str, temp_dir: str, port: str, kill_after: list[in
         compute=compute,
     )
     report: dict = {"epochs": [], "head": cluster.head_node.node_id, "removed": []}
+    cached = config.replace(cache=None if cache == "none" else cache)
     try:
         report["actor_kill"] = _actor_kill_epoch(config, Path(temp_dir) / "stall")
         report["work_nodes"] = sorted(set((Path(temp_dir) / "stall/nodes").read_text().split()))
-        with PoolWatch(interval_s=0.5) as watch, Pipeline(config, epochs=len(kill_after)) as pipe:
+        with PoolWatch(interval_s=0.5) as watch, Pipeline(cached, epochs=len(kill_after)) as pipe:
             for epoch, batches in pipe.epochs():
                 after = kill_after[epoch]
                 cluster.wait_for_nodes(timeout=120)
@@ -120,6 +136,9 @@ def node_loss(data: str, out: str, temp_dir: str, port: str, kill_after: list[in
                     keys.extend(int(k) for k in batch["key"])
                     if i == after:  # a worker node goes; a new one comes, as on a real cluster
                         victim = workers.pop(0)
+                        if cached.cache is not None:  # what the node's cache held and did
+                            held = node_cache.stats(cached, node_id=victim.node_id)
+                            report.setdefault("victim_cache", []).append(held)
                         log.warning("removing node %s after batch %d", victim.node_id, i)
                         cluster.remove_node(victim, allow_graceful=False)
                         report["removed"].append(victim.node_id)
@@ -127,6 +146,8 @@ def node_loss(data: str, out: str, temp_dir: str, port: str, kill_after: list[in
                 report["epochs"].append({"kill_after": after, "keys": keys,
                                          "stats": batches.stats(),
                                          "ended": time.monotonic() - watch._t0})  # fmt: skip
+                if cached.cache is not None:
+                    report["epochs"][-1]["cache"] = _cache_by_node(cached)
             deadline = time.monotonic() + 120  # Ray's health checks mark a lost node dead
             while watch.summary()["nodes_lost"] < len(kill_after) < 99:
                 if time.monotonic() > deadline:
@@ -186,6 +207,6 @@ if __name__ == "__main__":
     if mode == "autoscale":
         autoscale(*args)
     elif mode == "node-loss":
-        node_loss(*args[:4], [int(a) for a in args[4].split(",")], args[5])
+        node_loss(*args[:4], [int(a) for a in args[4].split(",")], *args[5:7])
     else:
         raise SystemExit(f"unknown mode {mode!r}")

@@ -154,6 +154,8 @@ class Pipeline:
         h2d = None  # one ring and copy stream for the run: no new allocations after epoch 0
         try:
             for e in epochs:
+                if e > self.first_epoch:  # nodes that joined since: a decoded cache each
+                    node_cache.ensure(self.config)
                 skips = self.skips.epoch(e)
                 batches = TorchBatches(
                     lambda e=e: feeder.epoch(e), self.loader, skips=skips, first_pass=e,

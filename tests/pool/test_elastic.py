@@ -289,19 +289,26 @@ KILL_AFTER = (0, 5, 10)  # batches (of 12) after which a worker node goes
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compute", ["tasks", "actors"])
-def test_losing_worker_nodes_and_a_preprocessing_process_loses_no_sample(tmp_path, compute):
+@pytest.mark.parametrize(
+    ("compute", "cache"), [("tasks", "none"), ("tasks", "memory"), ("actors", "none")]
+)
+def test_losing_worker_nodes_and_a_preprocessing_process_loses_no_sample(tmp_path, compute,
+                                                                         cache):  # fmt: skip
     """Head + 2 worker nodes. The process preprocessing one sample (a pool actor's, or
     with ``compute="tasks"``, the default, a pooled worker's) is SIGKILLed while its task is
-    in flight (the task of that sample stalls until then); then each epoch loses a worker
-    node after a different batch (a new one joins). No sample is lost."""
+    in flight (the task of that sample stalls until then); then each epoch of a warm run
+    loses a worker node after a different batch (a new one joins). No sample is lost.
+
+    With ``compute="tasks"`` the warm run has ``cache="memory"`` on: the nodes lost in
+    epochs 1 and 2 held pixels cached in the epochs before (a node that joins gets a cache
+    at the next epoch), and the samples they held are decoded again on the other nodes."""
     data = slow_images(tmp_path, 96, side=512)
     temp_dir = tempfile.mkdtemp(prefix="rpn-", dir="/tmp")
     out = tmp_path / "report.json"
     try:
         _driver(
             "node-loss", str(data), str(out), temp_dir, str(_free_ports(1)[0]),
-            ",".join(map(str, KILL_AFTER)), compute, timeout=540,
+            ",".join(map(str, KILL_AFTER)), compute, cache, timeout=540,
             # the GCS calls a node dead after 3 failed health checks 1 s apart (Ray's
             # default: 5 checks 3 s apart): the lost node's objects are rebuilt sooner
             env=_env(RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3"),
@@ -332,6 +339,26 @@ def test_losing_worker_nodes_and_a_preprocessing_process_loses_no_sample(tmp_pat
     assert pool["nodes_lost"] == len(KILL_AFTER), pool  # the loss shows in the stats
     # the label selector kept every actor, or task, off the head (which has a CPU free)
     assert report["work_nodes"] and report["head"] not in report["work_nodes"]
+    if cache != "none":
+        _check_cache_after_node_loss(report)
+
+
+def _check_cache_after_node_loss(report: dict) -> None:
+    """The lost nodes held cached pixels, and the nodes left decoded samples again in every
+    epoch after one was lost (a node's counters go with it: the nodes alive at both ends of
+    an epoch, and those that joined, count what the epoch did; a node removed by then, late
+    in the epoch, may still be listed alive at its end, its counters out of reach)."""
+    held = report["victim_cache"]
+    print("lost nodes' caches:", json.dumps(held))
+    assert all(h["entries"] > 0 and h["bytes"] > 0 for h in held[1:]), held
+    assert any(h["hits"] > 0 for h in held[1:]), held  # a later epoch cropped from them
+    epochs = report["epochs"]
+    for e in range(1, len(epochs)):
+        before, gone = epochs[e - 1]["cache"], set(report["removed"][: e + 1])
+        misses = {n: s["misses"] - before.get(n, {"misses": 0})["misses"]
+                  for n, s in epochs[e]["cache"].items() if n not in gone}  # fmt: skip
+        print(f"epoch {e}: misses by node {misses}")
+        assert sum(misses.values()) > 0, (e, misses)
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ by a later run and invalidated when its source changes, corrupt entries never se
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -237,6 +238,51 @@ def test_a_memory_budget_shared_memory_has_no_room_for_is_refused_before_work(ra
         Pipeline(config, epochs=1, device="cpu").start()
     assert "\n" not in str(e.value)
     assert not [p for p in os.listdir(node.SHM_DIR) if p.startswith(node._name(config, ""))]
+
+
+def test_a_node_cache_that_dies_mid_run_costs_decodes_not_samples(ray_session, tmp_path):
+    """The node's `NodeCache` actor dies at the run's first batch, its pixels with it (as
+    on a lost node): the lookups that fail decode instead, puts and counts sent to it are
+    dropped, every epoch is still exactly once with equal batches, its counters answer
+    (without it), the next epoch starts a new cache that fills again, and release ends
+    it."""
+    import ray
+
+    from raypipe.preprocess.cache import node
+
+    source = make_imagefolder(tmp_path / "data", {"a": 30, "b": 25}, seed=4)  # 55 samples
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=5, actors=(2, 2),
+                            files_per_task=7, rows_per_block=5, cache="memory",
+                            cache_max_side=12)  # fmt: skip
+    killed: list = []
+    lock = threading.Lock()
+
+    def kill_once(rank, batch) -> None:
+        with lock:
+            if not killed:
+                killed.append(node.lookup(config))
+                ray.kill(killed[0])
+
+    out, stats = run_ranks(config, 2, 3, pause_s=(kill_once,), normalize=False)
+    for epoch in range(3):
+        keys = check_exactly_once_and_equal([r[epoch] for r in out], batch_size=5,
+                                            good=range(55))  # fmt: skip
+        assert len(keys) == 50  # 5 batches of 5 per rank, 5 samples left over
+        assert all(stats[r][epoch]["cache"]["mode"] == "memory" for r in range(2))
+    now = node.lookup(config)
+    assert killed[0] is not None and now is not None
+    assert now._actor_id != killed[0]._actor_id  # a new actor, started by the next epoch
+    deadline = time.monotonic() + 10  # the puts arrive without being waited for
+    while node.stats(config)["entries"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert node.stats(config)["entries"] > 0  # filled again
+    node.release(config)
+    node.release(config)  # nothing left: no error
+    deadline = time.monotonic() + 10
+    while node.lookup(config) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert node.lookup(config) is None
+    assert node.stats(config)["entries"] == 0
 
 
 def test_same_seed_same_pixels_per_key_cached_or_freshly_decoded(ray_session, tmp_path):

@@ -50,6 +50,8 @@ PREFIX = "raypipe-cache-"
 NEW_GRACE_S = 60.0  # a directory with no lock file yet is a cache being made, this long
 _HELD: dict[tuple[str, str], object] = {}  # (job id, actor name) -> handle: an actor
 _HELD_LOCK = threading.Lock()  # dies with its last handle; ranks in threads share this
+_BUDGETS: dict[tuple[str, str], int] = {}  # (job id, name prefix) -> its first ensure's budget
+START_TIMEOUT_S = 60.0  # ensure waits this long for new caches to be up
 
 
 def digest(config) -> str:
@@ -178,25 +180,34 @@ def _name(config, node_id: str) -> str:
 
 
 def ensure(config) -> None:
-    """Start (or find) the `NodeCache` of every alive node for ``config``; no-op without
-    a cache. The handles are kept in this process, so the actors live as long as it (or
-    until `release`). An explicit ``cache_budget`` that a node's shared memory has no room
-    for is refused here, in one line."""
+    """Start (or find) the `NodeCache` of every alive node for ``config``, and wait until
+    the new ones are up (their workers then find them at once); no-op without a cache. The
+    handles are kept in this process, so the actors live as long as it (or until
+    `release`). An explicit ``cache_budget`` that a node's shared memory has no room for is
+    refused here, in one line.
+
+    Called again (a `Pipeline` does at each epoch), it starts the caches of the nodes that
+    joined since, and again those whose actor died (empty), with the budget the first call
+    set (a smaller node joining later does not change it); a lost node's actor is gone with
+    it."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     if config.cache is None:
         return
     stores = _stores()
-    limit = budget(config, min(stores.values(), default=0))
     job = ray.get_runtime_context().get_job_id()
     started = []
     with _HELD_LOCK:
         if not _HELD:
             atexit.register(_release_all)
+        limit = _BUDGETS.get((job, _name(config, "")))
+        if limit is None:
+            limit = _BUDGETS[(job, _name(config, ""))] = budget(config, min(stores.values(),
+                                                                              default=0))  # fmt: skip
         for node_id, store in stores.items():
             name = _name(config, node_id)
-            if (job, name) in _HELD:
+            if (job, name) in _HELD and _alive(name):
                 continue
             strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
             handle = ray.remote(NodeCache).options(
@@ -205,16 +216,31 @@ def ensure(config) -> None:
             ).remote(config.cache, limit, cache_root(config, node_id), store)  # fmt: skip
             _HELD[(job, name)] = handle
             started.append(handle)
-    if config.cache == "memory" and config.cache_budget is not None and started:
-        short = [i for i in ray.get([h.info.remote() for h in started])
-                 if i["budget"] < i["asked"]]  # fmt: skip
-        if short:
-            release(config)
-            raise ValueError(
-                f"PipelineConfig.cache_budget={config.cache_budget!r}: a node's shared memory "
-                f"({SHM_DIR}) has room for {min(i['room'] for i in short)} bytes beside its "
-                "object store; lower it or use cache='disk'"
-            )
+    if not started:
+        return
+    try:
+        infos = ray.get([h.info.remote() for h in started], timeout=START_TIMEOUT_S)
+    except Exception:  # a node lost meanwhile, or slow: its workers ask it themselves
+        return
+    short = [i for i in infos if i["budget"] < i["asked"]]
+    if config.cache == "memory" and config.cache_budget is not None and short:
+        release(config)
+        raise ValueError(
+            f"PipelineConfig.cache_budget={config.cache_budget!r}: a node's shared memory "
+            f"({SHM_DIR}) has room for {min(i['room'] for i in short)} bytes beside its "
+            "object store; lower it or use cache='disk'"
+        )
+
+
+def _alive(name: str) -> bool:
+    """Whether the named actor lives (a dead one's name is free again)."""
+    import ray
+
+    try:
+        ray.get_actor(name)
+    except ValueError:
+        return False
+    return True
 
 
 def release(config) -> None:
@@ -263,7 +289,8 @@ def _release_all() -> None:
 
 def lookup(config):
     """This node's `NodeCache` handle, or None where none was started (a node that joined
-    after the run started: its samples are decoded, capped, and not kept)."""
+    after the run started, until the run's next `ensure`: its samples are decoded, capped,
+    and not kept)."""
     import ray
 
     try:
@@ -272,15 +299,18 @@ def lookup(config):
         return None
 
 
-def stats(config, timeout_s: float = 5.0) -> dict[str, float | int] | None:
-    """Every node's cache counters for ``config``, summed; None without a cache."""
+def stats(config, timeout_s: float = 5.0, *,
+          node_id: str | None = None) -> dict[str, float | int] | None:  # fmt: skip
+    """Every alive node's cache counters for ``config``, summed (``node_id``: that node's
+    alone); None without a cache. A node lost meanwhile counts nothing: its counters went
+    with it, and a node whose actor does not answer within ``timeout_s`` is left out."""
     import ray
 
     if config.cache is None:
         return None
     handles = []
     for node in ray.nodes():
-        if node.get("Alive"):
+        if node.get("Alive") and node_id in (None, node["NodeID"]):
             try:
                 handles.append(ray.get_actor(_name(config, node["NodeID"])))
             except ValueError:

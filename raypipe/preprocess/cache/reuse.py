@@ -35,6 +35,7 @@ assert __all__ == sorted(__all__)
 CHUNK = 32  # samples looked up at once
 PUT_EVERY = 32  # new entries written at once
 PENDING = 128  # new entries held while the node's actor starts (then decoded again)
+WHERE_WAIT_S = 2.0  # how long a worker waits for its node's actor before going on
 TRANSIENT = ("unreadable", "unreadable_shard")  # read errors: never remembered as bad
 
 Row = tuple[str, int, int, int, "np.ndarray | None"]  # path, first_key, samples, label, done
@@ -54,20 +55,30 @@ class SampleCache:
         self._new: list[tuple[str, Entry]] = []
 
     def _start(self) -> None:
-        """Ask this node's `NodeCache` for its directory and budget, without waiting: the
-        samples decoded before it answers (its actor may still be starting) are held, up
-        to `PENDING`, and written once it has. Without one (a node that joined after the
-        run started), a disk cache is still the node's files; a memory cache is none."""
+        """A disk cache: the node's files at once. A memory cache: ask this node's
+        `NodeCache` for its directory and budget (`node.ensure` waited for it to be up; a
+        worker waits at most `WHERE_WAIT_S`): the samples decoded before it answers are
+        held, up to `PENDING`, and written once it has; a node with none keeps nothing."""
         self._started = True
+        self._find()
+        if self.config.cache == "disk":  # the same directory and budget on every node
+            self.store = DiskStore(node.cache_root(self.config), node.budget(self.config))
+
+    def _find(self) -> None:
+        """Ask this node's `NodeCache`, if it has one (a node that joined mid-run, or whose
+        actor died, gets one at the run's next `node.ensure`: looked for again on every
+        call of `raws` until then)."""
         self.counter = node.lookup(self.config)
-        if self.counter is not None:
+        if self.counter is not None and self.config.cache == "memory":
+            import ray
+
             try:
                 self._where = self.counter.where.remote()
-                return
             except Exception:  # the node's actor is gone
                 self.counter = None
-        if self.config.cache == "disk":
-            self.store = DiskStore(node.cache_root(self.config), node.budget(self.config))
+                return
+            ray.wait([self._where], timeout=WHERE_WAIT_S)  # up already, as a rule
+            self._ready()
 
     def _ready(self) -> None:
         """The store, once the node's actor has answered (never waits for it)."""
@@ -91,6 +102,8 @@ class SampleCache:
         yields them, with the cached ones found (whole rows of them not read)."""
         if not self._started:
             self._start()
+        elif self.counter is None and self._where is None and self.config.cache == "memory":
+            self._find()
         chunk: list[Row] = []
         samples = 0
         for row in rows:
@@ -115,8 +128,9 @@ class SampleCache:
             t0 = time.perf_counter()
             try:
                 entries = self.store.get_many([a[0] for a in asks], [a[1] for a in asks])
-            except Exception:  # its files are gone (a cleared cache): decode from here on
-                self.store, entries = None, [None] * len(asks)
+            except Exception:  # its files are gone (a cleared cache): decode, and look
+                self.store, self.counter = None, None  # for the one `node.ensure` starts next
+                entries = [None] * len(asks)
             self.tally.saved_s -= time.perf_counter() - t0
             found = {a[2]: e for a, e in zip(asks, entries, strict=True) if e is not None}
         for (path, first, n, label, done), ident, keys in zip(rows, idents, todo, strict=True):
@@ -198,8 +212,8 @@ class SampleCache:
         if self._new and self.store is not None:
             try:
                 self.store.put_many(self._new)
-            except Exception:  # a full or failing disk: the run goes on without the cache
-                self.store = None
+            except Exception:  # a full or failing disk, or a memory cache cleared: on
+                self.store, self.counter = None, None  # without, until `node.ensure`
         self._new = []
 
     def flush(self) -> None:
