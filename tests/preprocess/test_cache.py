@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from raypipe import PipelineConfig
-from raypipe.preprocess.cache import node
+from raypipe.preprocess.cache import node, shm
 from raypipe.preprocess.cache.capped import decode_capped
 from raypipe.preprocess.cache.disk import DiskStore, _serialize
 from raypipe.preprocess.cache.store import Entry
@@ -70,13 +70,13 @@ def test_a_mapped_store_checks_an_entry_once_then_serves_its_mapping(tmp_path):
 def test_a_memory_cache_lives_in_shared_memory_as_long_as_its_actor(tmp_path, monkeypatch):
     """`NodeCache` holds its directory's lock; `clear` removes it; a directory whose holder
     is gone (its lock free, however it ended) is swept by the next cache to start."""
-    monkeypatch.setattr(node, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
     config = PipelineConfig(source=str(tmp_path), cache="memory")
     first = node.NodeCache("memory", 1 << 20, node.cache_root(config, "n1"), store_bytes=0)
     root, limit = first.where()
-    assert root.startswith(str(tmp_path / node.PREFIX)) and limit == 1 << 20
+    assert root.startswith(str(tmp_path / shm.PREFIX)) and limit == 1 << 20
     DiskStore(root, limit).put_many([("a", Entry.image(IDENT, "a.jpg", 0.01, pixels()))])
-    assert node.sweep(str(tmp_path)) == []  # held: left alone
+    assert shm.sweep(str(tmp_path)) == []  # held: left alone
     assert first.stats().entries == 1 and first.stats().bytes > pixels().nbytes
     # an actor killed hard: its lock goes with its process, here closed by hand
     os.close(first._lock)
@@ -237,7 +237,7 @@ def test_a_memory_budget_shared_memory_has_no_room_for_is_refused_before_work(ra
     with pytest.raises(ValueError, match="shared memory .* has room for") as e:
         Pipeline(config, epochs=1, device="cpu").start()
     assert "\n" not in str(e.value)
-    assert not [p for p in os.listdir(node.SHM_DIR) if p.startswith(node._name(config, ""))]
+    assert not [p for p in os.listdir(shm.SHM_DIR) if p.startswith(node._name(config, ""))]
 
 
 def test_a_node_cache_that_dies_mid_run_costs_decodes_not_samples(ray_session, tmp_path):

@@ -28,26 +28,20 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
-import glob
 import hashlib
 import os
 import shutil
 import threading
-import time
 
+from raypipe.preprocess.cache import shm
 from raypipe.preprocess.cache.disk import DiskStore
 from raypipe.preprocess.cache.store import Tally
 
-__all__ = ["NodeCache", "budget", "cache_root", "digest", "ensure", "lookup", "release",
-           "stats", "sweep"]  # fmt: skip
+__all__ = ["NodeCache", "budget", "cache_root", "digest", "ensure", "lookup", "release", "stats"]
 assert __all__ == sorted(__all__)
 
 DISK_BUDGET = 2 << 30  # bytes per node under cache_dir, by default
 CACHE_VERSION = 1  # changes when the capped pixels of the same bytes would change
-SHM_DIR = "/dev/shm"  # where cache="memory" keeps its files
-PREFIX = "raypipe-cache-"
-NEW_GRACE_S = 60.0  # a directory with no lock file yet is a cache being made, this long
 _HELD: dict[tuple[str, str], object] = {}  # (job id, actor name) -> handle: an actor
 _HELD_LOCK = threading.Lock()  # dies with its last handle; ranks in threads share this
 _BUDGETS: dict[tuple[str, str], int] = {}  # (job id, name prefix) -> its first ensure's budget
@@ -65,11 +59,11 @@ def digest(config) -> str:
 
 def cache_root(config, node_id: str | None = None) -> str | None:
     """The directory of a node's entries: ``cache_dir/<digest>`` (``"disk"``, the same on
-    every node), or the node's own under `SHM_DIR` (``"memory"``)."""
+    every node), or the node's own under `shm.SHM_DIR` (``"memory"``)."""
     if config.cache == "disk":
         return os.path.join(config.cache_dir, digest(config))
     if config.cache == "memory":
-        return os.path.join(SHM_DIR, _name(config, node_id or ""))
+        return os.path.join(shm.SHM_DIR, _name(config, node_id or ""))
     return None
 
 
@@ -81,10 +75,10 @@ class NodeCache:
         self.mode, self.root, self._lock = mode, root, None
         self.asked, self.room = limit, None
         if mode == "memory":
-            sweep()
-            self.room = shm_room(store_bytes)
+            shm.sweep()
+            self.room = shm.room(store_bytes)
             limit = min(limit, self.room)
-            self._lock = _hold(root)
+            self._lock = shm.hold(root)
             atexit.register(self.clear)
         self.budget = limit
         self.store = DiskStore(root, limit)
@@ -113,51 +107,6 @@ class NodeCache:
             self._lock = None
 
 
-def shm_room(store_bytes: int) -> int:
-    """Bytes the memory cache may take in `SHM_DIR`: what is free there, less the node's
-    object store (which Ray may keep there too, and fill)."""
-    try:
-        st = os.statvfs(SHM_DIR)
-    except OSError:
-        return 0
-    return max(0, st.f_bavail * st.f_frsize - store_bytes)
-
-
-def _hold(root: str) -> int:
-    """Make ``root`` with its ``lock`` file held (LOCK_EX) by this process; the fd."""
-    os.makedirs(root, exist_ok=True)
-    fd = os.open(os.path.join(root, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return fd
-
-
-def sweep(where: str | None = None) -> list[str]:
-    """Remove the memory caches under ``where`` (`SHM_DIR`) whose actor is gone (their
-    lock is free); returns the directories removed."""
-    removed = []
-    for root in glob.glob(os.path.join(where or SHM_DIR, PREFIX + "*")):
-        lock = os.path.join(root, "lock")
-        try:
-            fd = os.open(lock, os.O_RDWR)
-        except FileNotFoundError:  # being made, or left half made long ago
-            with contextlib.suppress(OSError):
-                if time.time() - os.stat(root).st_mtime > NEW_GRACE_S:
-                    shutil.rmtree(root, ignore_errors=True)
-                    removed.append(root)
-            continue
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # its actor holds it
-        finally:
-            os.close(fd)
-        shutil.rmtree(root, ignore_errors=True)
-        removed.append(root)
-    return removed
-
-
 def budget(config, store_bytes: int | None = None) -> int:
     """``config.cache_budget``, or its default: a quarter of ``store_bytes`` (the smallest
     object store) for ``cache="memory"``, `DISK_BUDGET` for ``"disk"``."""
@@ -176,7 +125,7 @@ def _stores() -> dict[str, int]:
 def _name(config, node_id: str) -> str:
     """One cache per node, pixel settings, mode, budget and directory."""
     where = f"{config.cache}|{config.cache_budget}|{config.cache_dir}"
-    return f"{PREFIX}{digest(config)}-{hashlib.sha1(where.encode()).hexdigest()[:8]}-{node_id}"
+    return f"{shm.PREFIX}{digest(config)}-{hashlib.sha1(where.encode()).hexdigest()[:8]}-{node_id}"
 
 
 def ensure(config) -> None:
@@ -227,7 +176,7 @@ def ensure(config) -> None:
         release(config)
         raise ValueError(
             f"PipelineConfig.cache_budget={config.cache_budget!r}: a node's shared memory "
-            f"({SHM_DIR}) has room for {min(i['room'] for i in short)} bytes beside its "
+            f"({shm.SHM_DIR}) has room for {min(i['room'] for i in short)} bytes beside its "
             "object store; lower it or use cache='disk'"
         )
 
@@ -256,7 +205,7 @@ def release(config) -> None:
         ]
     _end(handles)
     if config.cache == "memory":
-        sweep()  # a lost node's directory, where it shared this machine
+        shm.sweep()  # a lost node's directory, where it shared this machine
 
 
 def _end(handles: list, timeout_s: float = 10.0) -> None:
@@ -284,7 +233,7 @@ def _release_all() -> None:
     if ray.is_initialized():
         _end(handles, timeout_s=5.0)
     with contextlib.suppress(OSError):
-        sweep()
+        shm.sweep()
 
 
 def lookup(config):
