@@ -489,6 +489,7 @@ INVALID = {
     "cache_max_side": [0, 2.5],
     "cache_budget": [0, 1.5e9],
     "cache_dir": ["", 5],
+    "cache_encoding": ["png", None],
 }
 
 

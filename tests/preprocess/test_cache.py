@@ -51,13 +51,15 @@ def test_a_store_is_first_come_within_its_budget_then_sends_nothing(tmp_path):
 
 
 def test_a_mapped_store_checks_an_entry_once_then_serves_its_mapping(tmp_path):
-    store = DiskStore(str(tmp_path / "m"), budget=1 << 20, mapped=True)
-    store.put_many([(k, Entry.image(IDENT, f"{k}.jpg", 0.01, pixels(n))) for n, k in
-                    enumerate("ab")])  # fmt: skip
-    damaged = bytearray(Path(store.path("b")).read_bytes())
+    root = str(tmp_path / "m")
+    writer = DiskStore(root, budget=1 << 20, mapped=True)
+    writer.put_many([(k, Entry.image(IDENT, f"{k}.jpg", 0.01, pixels(n))) for n, k in
+                     enumerate("ab")])  # fmt: skip
+    damaged = bytearray(Path(writer.path("b")).read_bytes())
     damaged[-1] ^= 0xFF
-    Path(store.path("b") + ".new").write_bytes(bytes(damaged))
-    os.replace(store.path("b") + ".new", store.path("b"))  # as the store itself replaces
+    Path(writer.path("b") + ".new").write_bytes(bytes(damaged))
+    os.replace(writer.path("b") + ".new", writer.path("b"))  # as a store replaces a file
+    store = DiskStore(root, budget=1 << 20, mapped=True)  # another process of the node
     a, b = store.get_many(["a", "b"], [IDENT, IDENT])
     assert np.array_equal(a.pixels, pixels(0)) and b is None and store.tally.corrupt == 1
     assert not a.pixels.flags.writeable  # the file's pages, not a copy
@@ -65,6 +67,9 @@ def test_a_mapped_store_checks_an_entry_once_then_serves_its_mapping(tmp_path):
     (again,) = store.get_many(["a"], [IDENT])
     assert again is a
     assert store.get_many(["a"], [(1, 2)]) == [None]  # another source: never the mapping
+    # the writer kept what it wrote mapped: served without reading the files again
+    assert np.array_equal(writer.get_many(["b"], [IDENT])[0].pixels, pixels(1))
+    assert writer.tally.corrupt == 0
 
 
 def test_a_memory_cache_lives_in_shared_memory_as_long_as_its_actor(tmp_path, monkeypatch):

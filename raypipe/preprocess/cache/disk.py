@@ -49,8 +49,8 @@ class DiskStore:
     files' sizes), first-come.
 
     ``mapped``: up to `MAPPED` raw entries stay memory-mapped in this process once read and
-    checked, so a later epoch's hit neither reads nor checks its file again (the node's
-    processes share those pages). For the memory cache only, whose files no one but its
+    checked, or written, so a later epoch's hit neither reads nor checks its file again
+    (the node's processes share those pages). For the memory cache only, whose files no one but its
     own processes write, and only by renaming a whole new file into place: a file cut
     short under a mapping would fault.
     """
@@ -94,6 +94,20 @@ class DiskStore:
             out.append(entry)
         return out
 
+    def _map_written(self, i: str, path: str) -> None:
+        """``mapped``: keep the file just written mapped, as a later hit would (its pixels
+        are the ones just checked into it: no CRC again)."""
+        if self._mapped is None:
+            return
+        try:
+            entry = _parse(self._read(path))
+        except (OSError, ValueError):
+            return
+        if entry is not None and entry.encoded is None:
+            self._mapped[i] = entry
+            if len(self._mapped) > MAPPED:
+                self._mapped.popitem(last=False)
+
     def _read(self, path: str):
         """The file's bytes: mapped (``mapped``), else read."""
         with open(path, "rb") as f:
@@ -129,6 +143,7 @@ class DiskStore:
                 os.replace(tmp, path)
                 usage[0] += size
                 usage[1] += 1
+                self._map_written(i, path)
 
     def held(self) -> tuple[int, int]:
         """Bytes and entries the directory holds (the usage file)."""
