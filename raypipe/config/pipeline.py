@@ -118,8 +118,9 @@ class PipelineConfig:
             (``"decompression_bomb"``), refused before decoding; None for no limit.
             Checked per image in the actors instead of Pillow's process-wide limit.
         cache: ``"memory"`` or ``"disk"`` keeps each image after its first decode, on the
-            node that decoded it, downscaled to ``cache_max_side`` as raw uint8; later
-            epochs crop from those pixels and neither read nor decode the file again.
+            node that decoded it, downscaled to ``cache_max_side`` as raw uint8 (or
+            re-encoded: ``cache_encoding``); later epochs crop from those pixels and
+            neither read nor decode the file again.
             With the cache on, every crop (the first epoch's too) comes from the capped
             image. None (the default): off. See docs/configuration.md "The decoded cache".
         cache_max_side: the cached image's short side is at most this many pixels.
@@ -133,7 +134,7 @@ class PipelineConfig:
             run with the same settings reuses what it holds.
         cache_encoding: ``"raw"`` keeps the capped pixels as they are (the fastest later
             epochs); ``"jpeg"`` re-encodes them once (libjpeg-turbo, quality
-            `raypipe.preprocess.cache.capped.JPEG_QUALITY`), about a tenth of the bytes, so
+            `raypipe.preprocess.cache.capped.JPEG_QUALITY`), about a ninth of the bytes, so
             several times the images fit in a budget, each hit then decoding the small
             capped JPEG. Every crop of a jpeg cache, the first epoch's too, comes from the
             re-encoded image, so a key's pixels do not depend on whether it was cached.

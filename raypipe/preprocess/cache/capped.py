@@ -21,7 +21,7 @@ from raypipe.skips.records import BadSample
 __all__ = ["JPEG_QUALITY", "crop_chw", "decode_capped", "decode_stored", "encode_stored"]
 assert __all__ == sorted(__all__)
 
-JPEG_QUALITY = 90  # cache_encoding="jpeg": 4:2:0, about a tenth of the raw bytes
+JPEG_QUALITY = 90  # cache_encoding="jpeg": 4:2:0, about a ninth of the raw bytes
 
 
 def decode_capped(data: bytes, max_side: int, max_pixels: int | None) -> np.ndarray:

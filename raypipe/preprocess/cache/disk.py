@@ -50,9 +50,9 @@ class DiskStore:
 
     ``mapped``: up to `MAPPED` raw entries stay memory-mapped in this process once read and
     checked, or written, so a later epoch's hit neither reads nor checks its file again
-    (the node's processes share those pages). For the memory cache only, whose files no one but its
-    own processes write, and only by renaming a whole new file into place: a file cut
-    short under a mapping would fault.
+    (the node's processes share those pages). For the memory cache only, whose files no
+    one but its own processes write, and only by renaming a whole new file into place: a
+    file cut short under a mapping would fault.
     """
 
     def __init__(self, directory: str, budget: int, *, mapped: bool = False):
@@ -87,10 +87,8 @@ class DiskStore:
             elif entry is None or not entry.sound():
                 self.tally.corrupt += 1
                 entry = None
-            elif self._mapped is not None and entry.encoded is None:
-                self._mapped[i] = entry
-                if len(self._mapped) > MAPPED:
-                    self._mapped.popitem(last=False)
+            else:
+                self._remember(i, entry)
             out.append(entry)
         return out
 
@@ -103,7 +101,12 @@ class DiskStore:
             entry = _parse(self._read(path))
         except (OSError, ValueError):
             return
-        if entry is not None and entry.encoded is None:
+        if entry is not None:
+            self._remember(i, entry)
+
+    def _remember(self, i: str, entry: Entry) -> None:
+        """``mapped``: keep a raw entry's mapping, the oldest going past `MAPPED`."""
+        if self._mapped is not None and entry.encoded is None:
             self._mapped[i] = entry
             if len(self._mapped) > MAPPED:
                 self._mapped.popitem(last=False)
