@@ -34,8 +34,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check raypipe jobs tests benchmarks
 	$(BIN)/ruff format --check raypipe jobs tests benchmarks
 
-test: lint
-	$(BIN)/python -m pytest -q -rs --durations=15
+test: lint  # on a failure, what Ray's newest sessions logged follows pytest's output
+	$(BIN)/python -m pytest -q -rs --durations=15 || { status=$$?; bash .ci/ray-logs; exit $$status; }
 
 bench: $(STAMP) $(DEMO_DIR)/.done
 	$(BIN)/python benchmarks/ingest.py --size small
