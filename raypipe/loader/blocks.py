@@ -20,16 +20,16 @@ Columns = dict[str, np.ndarray]
 
 
 def execute(ds, follower=None):
-    """Start ``ds``'s execution here: its RefBundle iterator and ``stop()``, which shuts
-    the execution down (and with it its actor pools) from any thread. ``follower``: a
-    `raypipe.pool.follow.Follower` that sizes the execution's actor pools."""
+    """Start ``ds``'s execution here: its blocks as numpy columns, and ``stop()``, which
+    shuts the execution down (and with it its actor pools) from any thread. ``follower``:
+    a `raypipe.pool.follow.Follower` that sizes the execution's actor pools."""
     bundles, _, executor = rayapi.execute_to_iterator(ds)
     if follower is not None:
         from raypipe.pool.autoscale import follow
 
         follow(executor, follower)
     if executor is None:
-        return bundles, lambda: None
+        return block_columns(bundles), lambda: None
 
     def stop() -> None:
         executor.shutdown(force=True)
@@ -38,14 +38,14 @@ def execute(ds, follower=None):
         # `raypipe.loader.errors.collect_failed` can free
         executor.join(timeout=10)
 
-    return bundles, stop
+    return block_columns(bundles), stop
 
 
 def dataset_columns(ds) -> Iterator[Columns]:
     """Every block of ``ds`` as numpy columns; the execution stops when this generator does."""
-    bundles, stop = execute(ds)
+    columns, stop = execute(ds)
     try:
-        yield from block_columns(bundles)
+        yield from columns
     finally:
         stop()
 

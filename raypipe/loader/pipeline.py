@@ -27,7 +27,7 @@ from typing import Any
 
 from raypipe import localnode
 from raypipe.config import PipelineConfig
-from raypipe.loader.blocks import block_columns, execute
+from raypipe.loader.blocks import execute
 from raypipe.loader.buckets import Bucketing
 from raypipe.loader.collate import collate_for
 from raypipe.loader.demand import Demand
@@ -246,16 +246,8 @@ def batch_form(config: PipelineConfig, listing: Listing, drop_last: bool):
 
 
 def _starter(ds, follower):
-    """Start ``ds``'s execution on the feeder thread: its blocks as numpy columns and its
-    ``stop``; None when the rank has no task."""
-    if ds is None:
-        return None
-
-    def start():
-        bundles, stop = execute(ds, follower)
-        return block_columns(bundles), stop
-
-    return start
+    """Start ``ds``'s execution on the feeder thread; None when the rank has no task."""
+    return None if ds is None else functools.partial(execute, ds, follower)
 
 
 def _check_args(*, epochs, rank, world_size, ledger, prefetch_batches, progress_s, start,

@@ -16,7 +16,7 @@ import pytest
 from raypipe import PipelineConfig
 from raypipe.preprocess.cache import node, shm
 from raypipe.preprocess.cache.capped import decode_capped
-from raypipe.preprocess.cache.disk import DiskStore, _serialize
+from raypipe.preprocess.cache.disk import DiskStore, _parts
 from raypipe.preprocess.cache.store import Entry
 from tests.conftest import image_bytes, make_imagefolder
 from tests.preprocess.test_bad_data import FOLDER_SKIPS, mixed_source
@@ -35,7 +35,7 @@ def pixels(seed: int = 0, shape=(12, 14, 3)) -> np.ndarray:
 
 def test_a_store_is_first_come_within_its_budget_then_sends_nothing(tmp_path):
     one = Entry.image(IDENT, "a.jpg", 0.01, pixels())
-    size = len(_serialize(one))
+    size = sum(len(part) for part in _parts(one))
     store = DiskStore(str(tmp_path / "c"), budget=2 * size + 100)  # JSON headers vary a little
     store.put_many([(f"f{i}", Entry.image(IDENT, f"{i}.jpg", 0.01, pixels(i))) for i in range(3)])
     got = store.get_many(["f0", "f1", "f2"], [IDENT] * 3)

@@ -128,11 +128,7 @@ class DiskStore:
                     usage[0] -= os.path.getsize(path)
                     usage[1] -= 1
                     os.unlink(path)
-                if usage[0] + entry.nbytes > self.budget:  # before serializing it
-                    self.tally.refused += 1
-                    self.full = True
-                    continue
-                head, body = _parts(entry)
+                head, body = _parts(entry)  # the header; the body is a view, not a copy
                 size = len(head) + len(body)
                 if usage[0] + size > self.budget:
                     self.tally.refused += 1
@@ -178,11 +174,6 @@ def _counts(raw: bytes) -> tuple[int, int]:
     if not parts or not all(p.isdigit() for p in parts[:2]):
         return 0, 0
     return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
-
-
-def _serialize(entry: Entry) -> bytes:
-    head, body = _parts(entry)
-    return head + bytes(body)
 
 
 def _parts(entry: Entry) -> tuple[bytes, memoryview]:

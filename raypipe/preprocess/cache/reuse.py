@@ -34,8 +34,7 @@ assert __all__ == sorted(__all__)
 
 CHUNK = 32  # samples looked up at once
 PUT_EVERY = 32  # new entries written at once
-PENDING = 128  # new entries held while the node's actor starts (then decoded again)
-WHERE_WAIT_S = 2.0  # how long a worker waits for its node's actor before going on
+WHERE_WAIT_S = 2.0  # how long a worker waits for its node's actor's answer
 TRANSIENT = ("unreadable", "unreadable_shard")  # read errors: never remembered as bad
 
 Row = tuple[str, int, int, int, "np.ndarray | None"]  # path, first_key, samples, label, done
@@ -48,53 +47,36 @@ class SampleCache:
     def __init__(self, config, storage):
         self.config, self.storage = config, storage
         self.store, self.counter, self._started = None, None, False
-        self._where = None  # the node's answer (directory, budget), until it comes
         self.tally = Tally()
         self._found: dict[int, Entry] = {}  # key -> its entry, for the raw yielded next
         self._missed: dict[int, tuple[str, tuple[int, int] | None, float]] = {}
         self._new: list[tuple[str, Entry]] = []
 
     def _start(self) -> None:
-        """A disk cache: the node's files at once. A memory cache: ask this node's
-        `NodeCache` for its directory and budget (`node.ensure` waited for it to be up; a
-        worker waits at most `WHERE_WAIT_S`): the samples decoded before it answers are
-        held, up to `PENDING`, and written once it has; a node with none keeps nothing."""
+        """A disk cache: the node's files at once. A memory cache: the directory and budget
+        of this node's `NodeCache` (up already: `node.ensure` waited for it); a node with
+        none keeps nothing."""
         self._started = True
         self._find()
         if self.config.cache == "disk":  # the same directory and budget on every node
             self.store = DiskStore(node.cache_root(self.config), node.budget(self.config))
 
     def _find(self) -> None:
-        """Ask this node's `NodeCache`, if it has one (a node that joined mid-run, or whose
-        actor died, gets one at the run's next `node.ensure`: looked for again on every
-        call of `raws` until then)."""
-        self.counter = node.lookup(self.config)
-        if self.counter is not None and self.config.cache == "memory":
-            import ray
-
-            try:
-                self._where = self.counter.where.remote()
-            except Exception:  # the node's actor is gone
-                self.counter = None
-                return
-            ray.wait([self._where], timeout=WHERE_WAIT_S)  # up already, as a rule
-            self._ready()
-
-    def _ready(self) -> None:
-        """The store, once the node's actor has answered (never waits for it)."""
+        """This node's `NodeCache`, and for a memory cache its store (a node that joined
+        mid-run, or whose actor died, gets one at the run's next `node.ensure`: looked for
+        again on every call of `raws` until then)."""
         import ray
 
-        if self._where is None or not ray.wait([self._where], timeout=0)[0]:
+        self.counter = node.lookup(self.config)
+        if self.counter is None or self.config.cache != "memory":
             return
-        ref, self._where = self._where, None
         try:
-            root, limit = ray.get(ref)
-        except Exception:  # the node's actor is gone: decode from here on
+            root, limit = ray.get(self.counter.where.remote(), timeout=WHERE_WAIT_S)
+        except Exception:  # gone, or not answering: decode, and look again next call
             self.counter = None
             return
         if os.path.isdir(root):  # a memory cache cleared meanwhile: none
-            c = self.config
-            mapped = c.cache == "memory" and c.cache_encoding == "raw"
+            mapped = self.config.cache_encoding == "raw"
             self.store = DiskStore(root, limit, mapped=mapped)
 
     def raws(self, rows: Iterable[Row], read: Callable[..., Iterator[RawSample]]):
@@ -102,7 +84,7 @@ class SampleCache:
         yields them, with the cached ones found (whole rows of them not read)."""
         if not self._started:
             self._start()
-        elif self.counter is None and self._where is None and self.config.cache == "memory":
+        elif self.counter is None and self.config.cache == "memory":
             self._find()
         chunk: list[Row] = []
         samples = 0
@@ -116,7 +98,6 @@ class SampleCache:
             yield from self._chunk(chunk, read)
 
     def _chunk(self, rows: list[Row], read) -> Iterator[RawSample]:
-        self._ready()
         idents = [self._ident(r[0]) for r in rows]
         todo = [[k for k in range(first, first + n) if done is None or not done[k - first]]
                 for _, first, n, _, done in rows]  # fmt: skip
@@ -192,12 +173,6 @@ class SampleCache:
         return pixels
 
     def _keep(self, i: str, entry: Entry) -> None:
-        if self._where is not None:  # the node's actor has not answered yet: held
-            self._ready()
-            if self._where is not None:
-                if len(self._new) < PENDING:
-                    self._new.append((i, entry))
-                return  # past PENDING: decoded again next epoch, and kept then
         if self.store is None or self.store.full:  # nothing is kept: not worth a write
             self.tally.refused += self.store is not None
             return
@@ -206,9 +181,6 @@ class SampleCache:
             self._put()
 
     def _put(self) -> None:
-        self._ready()
-        if self._where is not None:
-            return  # held until the node's actor answers
         if self._new and self.store is not None:
             try:
                 self.store.put_many(self._new)

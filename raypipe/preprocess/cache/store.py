@@ -9,15 +9,12 @@ does not match is dropped and decoded again from the source, never served.
 from __future__ import annotations
 
 import dataclasses
-import math
 import zlib
 
 import numpy as np
 
 __all__ = ["Entry", "Tally"]
 assert __all__ == sorted(__all__)
-
-ENTRY_OVERHEAD = 160  # bytes counted per entry on top of its pixels and strings
 
 
 @dataclasses.dataclass
@@ -39,13 +36,6 @@ class Entry:
               encoded: bytes | None = None) -> Entry:  # fmt: skip
         return cls(ident, where, seconds, pixels, crc=zlib.crc32(pixels.data),
                    shape=tuple(pixels.shape), encoded=encoded)  # fmt: skip
-
-    @property
-    def nbytes(self) -> int:
-        strings = len(self.where) + len(self.detail or "") + len(self.reason or "")
-        if self.encoded is not None:
-            return ENTRY_OVERHEAD + strings + len(self.encoded)
-        return ENTRY_OVERHEAD + strings + (0 if self.shape is None else math.prod(self.shape))
 
     def sound(self) -> bool:
         """True when the entry can be served: a reason, or pixels that match their shape and
