@@ -34,11 +34,14 @@ lint: $(STAMP)
 	$(BIN)/ruff check raypipe jobs tests benchmarks
 	$(BIN)/ruff format --check raypipe jobs tests benchmarks
 
-test: lint  # on a failure, what Ray's newest sessions logged follows pytest's output
-	$(BIN)/python -m pytest -q -rs --durations=15 || { status=$$?; bash .ci/ray-logs; exit $$status; }
+test: SHELL := /bin/bash
+test: .SHELLFLAGS := -o pipefail -c
+test: lint  # on a failure, Ray's fatal log lines, then pytest's verdict again, end the output
+	rm -f .pytest.current; RAYPIPE_TEST_CURRENT=.pytest.current $(BIN)/python -m pytest -q -rsfE --durations=15 2>&1 \
+	    | tee .pytest.log || { status=$$?; bash .ci/ray-logs .pytest.log; exit $$status; }
 
 bench: $(STAMP) $(DEMO_DIR)/.done
 	$(BIN)/python benchmarks/ingest.py --size small
 
 clean:
-	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache .ruff_cache .pytest.log .pytest.current

@@ -21,6 +21,13 @@ from PIL import Image
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
+def pytest_runtest_logstart(nodeid, location):
+    """With ``RAYPIPE_TEST_CURRENT`` set (``make test``), the test now running, in that
+    file: a run whose process dies without a summary (`.ci/ray-logs`) still names it."""
+    if path := os.environ.get("RAYPIPE_TEST_CURRENT"):
+        Path(path).write_text(nodeid + "\n")
+
+
 def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
     """Stop a ``ray start --block`` started with ``start_new_session=True``, by its pid:
     SIGTERM (it stops its node), SIGKILL after ``grace_s``, then SIGKILL to what is left

@@ -36,6 +36,7 @@ __all__ = ["TaskStream", "rank_tasks"]
 assert __all__ == sorted(__all__)
 
 Columns = dict[str, np.ndarray]
+STOP_POLL_S = 0.2  # how soon a stopped stream stops waiting for the task it waits on
 RUNS_PER_WORKER = 4  # runs whose Preprocessor a pooled worker keeps (ranks sharing a node)
 _PREPROCESSORS: collections.OrderedDict = collections.OrderedDict()  # run id → Preprocessor
 
@@ -93,7 +94,7 @@ class TaskStream:
         self._follower = follower
         self._stopped = False
         self._in_flight: collections.deque = collections.deque()
-        self._lock = threading.Lock()  # the feeder thread submits, `stop` cancels
+        self._lock = threading.Lock()  # the feeder thread submits, `stop` ends
 
     def __call__(self):
         return self._blocks(), self.stop
@@ -116,12 +117,10 @@ class TaskStream:
                 if self._stopped:
                     return
                 oldest = self._in_flight[0]
-            try:
-                blocks = ray.get(oldest)
-            except Exception:
-                if self._stopped:  # cancelled by `stop`: the stream ends quietly
+            while not ray.wait([oldest], timeout=STOP_POLL_S)[0]:
+                if self._stopped:  # `stop` came while the task ran: the stream ends quietly
                     return
-                raise
+            blocks = ray.get(oldest)
             with self._lock:
                 if self._stopped:  # `stop` came during the get: the rest is not wanted
                     return
@@ -135,15 +134,17 @@ class TaskStream:
         return max(1, self._slots) * TASKS_IN_FLIGHT
 
     def stop(self) -> None:
-        """Cancel the tasks in flight; the stream ends at its next block."""
-        import ray
+        """End the stream within ``STOP_POLL_S``; the tasks in flight (at most the window)
+        finish on their workers and their blocks are dropped with their refs.
 
+        Never ``ray.cancel``: in Ray 2.60 a cancel that meets the task's reply on the way
+        aborts the whole driver process (``task_manager.cc: Check failed: it !=
+        submissible_tasks_.end() Tried to complete task that was not pending``: the race of
+        ray-project/ray#54798), which is how leaving an epoch early once killed a test run.
+        """
         with self._lock:
             self._stopped = True
-            refs = list(self._in_flight)
             self._in_flight.clear()
-        for ref in refs:
-            ray.cancel(ref)
 
 
 def rank_tasks(config, listing, plan, epochs: range, skips, *, world_size: int,
