@@ -413,3 +413,32 @@ def test_a_resumed_epoch_is_exactly_once_with_the_same_pixels_from_the_cache(ray
     assert sum(len(batch["key"]) for batch in warm[0][1]) == len(a)  # no key twice
     assert all(np.array_equal(a[k], b[k]) for k in a)
     assert settled(config, 61 + len(a))["hits"] >= len(a)  # the resumed epoch, from the cache
+
+
+def test_a_pool_that_sheds_slots_for_a_slow_trainer_keeps_the_cache_whole(ray_session,
+                                                                          tmp_path):  # fmt: skip
+    """The follower (on by default) sheds a slot while a slow trainer never waits, with the
+    memory cache on: each epoch still gives every key once, in equal batches, and the
+    epochs after the first come from the cache whatever slot decoded a key first."""
+    from raypipe import Pipeline
+
+    n = 96
+    source = make_imagefolder(tmp_path / "data", {"a": n // 2, "b": n // 2})
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=4, actors=(1, 2),
+                            files_per_task=4, rows_per_block=4, cache="memory",
+                            cache_max_side=12, follow_shrink_s=0.5,
+                            follow_period_s=0.2)  # fmt: skip
+    epochs = []
+    with Pipeline(config, epochs=3, device="cpu", normalize=False) as pipe:
+        for _, batches in pipe.epochs():
+            keys = []
+            for batch in batches:
+                keys.extend(int(k) for k in batch["key"])
+                time.sleep(0.05)  # the trainer: slower than the data
+            epochs.append(keys)
+            pool = batches.stats()["pool"]
+    assert [sorted(e) for e in epochs] == [list(range(n))] * 3
+    targets = [point[2] for point in pool["series"]]
+    assert (pool["min"], pool["max"]) == (1, 2) and targets[0] == 2 and 1 in targets, pool
+    s = settled(config, 3 * n)
+    assert s["misses"] == n and s["hits"] == 2 * n, s
