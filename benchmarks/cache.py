@@ -20,6 +20,11 @@ crop from the pixels they decode to).
 
     python benchmarks/cache.py --size small --rounds 5 --epochs 4
 
+``--photo WxH`` (e.g. 1600x1200) swaps the corpus for --images photos of that size (crops
+of the same sample photos, quality 90, as ``decode.py`` makes them): where the photos are
+larger than the cap, the cache keeps a downscaled image and every later epoch skips a
+large decode.
+
 Every path runs in one local Ray whose object store is ``--store-gib`` (4 GiB; the memory
 cache's files live beside it in /dev/shm, its default budget a quarter of the store, or
 ``--budget-gib``).
@@ -135,6 +140,21 @@ def capped_sizes(files: list[str], image: int) -> dict:
     return out
 
 
+def sized_corpus(root: Path, photo: str, n: int) -> Path:
+    """An image folder of ``n`` JPEGs of ``photo`` (``WxH``), in 8 classes (made once)."""
+    import decode
+
+    width, height = (int(v) for v in photo.lower().split("x"))
+    folder = root / f"corpus-{n}-{width}x{height}" / "photos"
+    if not folder.is_dir():
+        tmp = folder.with_name("photos.tmp")
+        for i, data in enumerate(decode.photos(width, height, n)):
+            (tmp / f"c{i % 8}").mkdir(parents=True, exist_ok=True)
+            (tmp / f"c{i % 8}" / f"{i:06d}.jpg").write_bytes(data)
+        tmp.rename(folder)
+    return folder
+
+
 def _size(data: bytes) -> tuple[int, int]:
     from raypipe.preprocess.decode import jpeg_size
 
@@ -172,6 +192,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--actors", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
     p.add_argument("--store-gib", type=int, default=4, help="the object store, GiB")
+    p.add_argument(
+        "--photo",
+        help="WxH: a corpus of photos of this size instead of ingest.py's (e.g. 1600x1200)",
+    )
+    p.add_argument("--images", type=int, default=1024, help="photos with --photo")
     p.add_argument("--budget-gib", type=float, help="cache_budget per node, GiB (default: "
                    "a quarter of the store for memory, 2 GiB for disk)")  # fmt: skip
     args = p.parse_args(argv)
@@ -179,7 +204,10 @@ def main(argv: list[str] | None = None) -> dict:
     # one OpenCV and torch thread here before anything decodes: a DataLoader worker forked
     # from a process whose thread pools started hangs in them
     ingest.one_thread()
-    corpus = ingest.make_corpus(args.out, ingest.SIZES[args.size][0])
+    if args.photo:
+        corpus = sized_corpus(args.out, args.photo, args.images)
+    else:
+        corpus = ingest.make_corpus(args.out, ingest.SIZES[args.size][0])
     config = ingest.pool_config(corpus, args.actors)
     if args.budget_gib:
         config = config.replace(cache_budget=int(args.budget_gib * (1 << 30)))

@@ -41,6 +41,7 @@ from raypipe.loader.h2d import HostToDevice
 from raypipe.loader.rebatch import rebatch
 from raypipe.loader.shuffle import shuffled
 from raypipe.loader.stats import Delivered, IterStats
+from raypipe.preprocess.cache import node as node_cache
 
 Batch = dict[str, Any]
 
@@ -68,7 +69,9 @@ def iter_torch_batches(
     over the returned object is one epoch of ``source``; ``.stats()`` and ``.state_dict()``
     describe the current pass. ``stats()["skipped"]`` counts skipped samples per reason
     from ``skips``, the `raypipe.SkipLog` the dataset was built with;
-    ``stats()["pool"]`` is the summary of ``watch``, a started `raypipe.PoolWatch`.
+    ``stats()["pool"]`` is the summary of ``watch``, a started `raypipe.PoolWatch`;
+    ``stats()["cache"]``, with a ``config`` whose decoded cache is on, its counts over the
+    nodes (as `raypipe.Pipeline`'s).
     """
     if not hasattr(source, "iter_batches"):
         raise TypeError(
@@ -89,11 +92,15 @@ def iter_torch_batches(
     elif collate is None and pipeline is not None:
         collate = collate_for(pipeline)
     loader = loader.replace(device=device)
+    more_stats = None
+    if pipeline is not None and pipeline.cache:  # the decoded cache's counts, as Pipeline's
+        more_stats = lambda base: {"cache": node_cache.stats(pipeline)}  # noqa: E731
     return TorchBatches(
         functools.partial(_ray_host, source, loader),
         loader,
         skips=skips,
         watch=watch,
+        more_stats=more_stats,
         collate=collate,
         device_map=device_map,
     )

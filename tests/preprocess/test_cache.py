@@ -428,17 +428,44 @@ def test_a_pool_that_sheds_slots_for_a_slow_trainer_keeps_the_cache_whole(ray_se
                             files_per_task=4, rows_per_block=4, cache="memory",
                             cache_max_side=12, follow_shrink_s=0.5,
                             follow_period_s=0.2)  # fmt: skip
+    node.release(config)  # a cache of these settings an earlier test left: counts from 0
     epochs = []
-    with Pipeline(config, epochs=3, device="cpu", normalize=False) as pipe:
-        for _, batches in pipe.epochs():
-            keys = []
-            for batch in batches:
-                keys.extend(int(k) for k in batch["key"])
-                time.sleep(0.05)  # the trainer: slower than the data
-            epochs.append(keys)
-            pool = batches.stats()["pool"]
+    try:
+        with Pipeline(config, epochs=3, device="cpu", normalize=False) as pipe:
+            for _, batches in pipe.epochs():
+                keys = []
+                for batch in batches:
+                    keys.extend(int(k) for k in batch["key"])
+                    time.sleep(0.05)  # the trainer: slower than the data
+                epochs.append(keys)
+                pool = batches.stats()["pool"]
+        s = settled(config, 3 * n)
+    finally:
+        node.release(config)
     assert [sorted(e) for e in epochs] == [list(range(n))] * 3
     targets = [point[2] for point in pool["series"]]
     assert (pool["min"], pool["max"]) == (1, 2) and targets[0] == 2 and 1 in targets, pool
-    s = settled(config, 3 * n)
     assert s["misses"] == n and s["hits"] == 2 * n, s
+
+
+def test_the_dataset_path_keeps_the_cache_and_its_batches_report_it(ray_session, datasets):
+    """`build_dataset` + `iter_torch_batches` with the cache on: epoch 1 comes from what
+    epoch 0 kept, and the batches' ``stats()["cache"]`` says so."""
+    from raypipe import build_dataset, iter_torch_batches
+    from raypipe.plan.shards import list_shards
+
+    config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=8, batch_size=4,
+                            rows_per_block=4, cache="memory", cache_max_side=10)  # fmt: skip
+    listing = list_shards(config)
+    node.release(config)  # a cache of these settings an earlier test left: counts from 0
+    try:
+        for epoch in range(2):
+            batches = iter_torch_batches(build_dataset(config, epoch=epoch, listing=listing),
+                                         config, device="cpu", drop_last=False)  # fmt: skip
+            keys = sorted(int(k) for b in batches for k in b["key"])
+            assert keys == list(range(61))
+        s = settled(config, 2 * 61)
+        assert s["misses"] == 61 and s["hits"] == 61, s
+        assert batches.stats()["cache"]["hits"] == 61
+    finally:
+        node.release(config)

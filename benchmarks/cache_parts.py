@@ -1,0 +1,125 @@
+"""Where a cached sample's CPU goes: each step of the decoded cache timed alone, in one process.
+
+For --images photos of a corpus (ingest.py's small one, or --photo WxH as cache.py makes
+it), the steps a preprocessing worker runs per sample, each timed over all the photos
+(``time.process_time``, one thread) and repeated for --rounds rounds, alternating:
+
+  uncached      read the file + `decode_crop` (decode, with DCT scaling where the crop
+                allows, + random-resized-crop 224 + flip): every epoch without the cache
+  epoch 0, cached:
+    read          the file's bytes
+    decode        `decode_capped` (the whole image, DCT-scaled and resized to the cap)
+    check         the CRC32 of the capped pixels (`Entry.image`)
+    write         `DiskStore.put_many` in groups of 32 into a fresh /dev/shm directory
+                  (one file per sample, written and renamed, then mapped)
+    crop          `crop_chw` from the capped pixels
+  a later epoch, cached:
+    first read    another process's entry met for the first time: open, map, check
+    hit           an entry already mapped in this process
+    crop          as above
+
+Reported: the medians of the rounds in ms per image, and the ratios they imply for one
+worker (uncached ÷ cached epoch 0, uncached ÷ hit + crop), which leave out what the
+pipeline adds around them (the blocks' trip to the rank, the rank's batches).
+
+    python benchmarks/cache_parts.py [--images 256] [--rounds 5] [--photo 1600x1200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import cache as cache_bench
+import ingest
+
+from raypipe.preprocess.cache.capped import crop_chw, decode_capped
+from raypipe.preprocess.cache.disk import DiskStore
+from raypipe.preprocess.cache.reuse import PUT_EVERY
+from raypipe.preprocess.cache.store import Entry
+from raypipe.preprocess.decode import decode_crop
+
+CAP = 320  # cache_max_side's default
+IDENT = (1, 1)
+
+
+def timed(fn, items) -> tuple[float, list]:
+    """ms of CPU per item for ``fn`` over ``items``, and its results."""
+    t = time.process_time()
+    out = [fn(x) for x in items]
+    return (time.process_time() - t) / len(items) * 1e3, out
+
+
+def one_round(files: list[Path], shm: Path) -> dict[str, float]:
+    r: dict[str, float] = {}
+    keys = list(range(len(files)))
+    r["uncached"], _ = timed(
+        lambda k: decode_crop(files[k].read_bytes(), ingest.IMAGE, ingest.chooser(k, 1)), keys
+    )
+    r["read"], datas = timed(lambda k: files[k].read_bytes(), keys)
+    r["decode"], rgbs = timed(lambda d: decode_capped(d, CAP, None), datas)
+    r["check"], entries = timed(lambda p: Entry.image(IDENT, "x", 0.0, p), rgbs)
+    root = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        store = DiskStore(str(root), 1 << 40, mapped=True)
+        ids = [f"{f}\0{0}" for f in files]
+        groups = [list(zip(ids[i : i + PUT_EVERY], entries[i : i + PUT_EVERY], strict=True))
+                  for i in range(0, len(ids), PUT_EVERY)]  # fmt: skip
+        t = time.process_time()
+        for g in groups:
+            store.put_many(g)
+        r["write"] = (time.process_time() - t) / len(files) * 1e3
+        plans = [ingest.chooser(k, 1)(rgb.shape[1], rgb.shape[0]) for k, rgb in enumerate(rgbs)]
+        r["crop"], _ = timed(lambda k: crop_chw(rgbs[k], plans[k], ingest.IMAGE), keys)
+        other = DiskStore(str(root), 1 << 40, mapped=True)  # another worker of the node
+        r["first_read"], _ = timed(lambda i: other.get_many([i], [IDENT]), ids)
+        r["hit"], hits = timed(lambda i: other.get_many([i], [IDENT]), ids)
+        assert all(h[0] is not None for h in hits)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return r
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--images", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--photo", help="WxH: photos of this size (cache.py's --photo corpus)")
+    p.add_argument("--corpus-images", type=int, default=2048, help="the corpus to draw from")
+    p.add_argument("--shm", type=Path, default=Path("/dev/shm"))
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    ingest.one_thread()
+    if args.photo:
+        corpus = cache_bench.sized_corpus(args.out, args.photo, args.corpus_images)
+    else:
+        corpus = ingest.make_corpus(args.out, args.corpus_images)
+    files = sorted(corpus.rglob("*.jpg"))[: args.images]
+    rounds = [one_round(files, args.shm) for _ in range(args.rounds)]
+    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    epoch0 = med["read"] + med["decode"] + med["check"] + med["write"] + med["crop"]
+    later_first, later = med["first_read"] + med["crop"], med["hit"] + med["crop"]
+    result = {"machine": platform.platform(), "args": {k: str(v) for k, v in vars(args).items()},
+              "rounds": rounds, "median_ms": med, "cached_epoch0_ms": epoch0,
+              "uncached_over_epoch0": med["uncached"] / epoch0,
+              "uncached_over_first_read": med["uncached"] / later_first,
+              "uncached_over_hit": med["uncached"] / later}  # fmt: skip
+    for k, v in med.items():
+        print(f"{k:>11}: {v:.3f} ms/image")
+    print(f"cached epoch 0: {epoch0:.3f} ms/image = {result['uncached_over_epoch0']:.2f}× the "
+          f"uncached rate; a first read + crop {result['uncached_over_first_read']:.2f}×; "
+          f"a hit + crop {result['uncached_over_hit']:.2f}×")  # fmt: skip
+    name = f"cache_parts-{args.photo or 'small'}.json"
+    (args.out / name).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
