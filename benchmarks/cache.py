@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
         help="WxH: a corpus of photos of this size instead of ingest.py's (e.g. 1600x1200)",
     )
     p.add_argument("--images", type=int, default=1024, help="photos with --photo")
+    p.add_argument("--cap", type=int, help="cache_max_side (default: the config's, 320)")
     p.add_argument("--budget-gib", type=float, help="cache_budget per node, GiB (default: "
                    "a quarter of the store for memory, 2 GiB for disk)")  # fmt: skip
     args = p.parse_args(argv)
@@ -209,6 +210,8 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         corpus = ingest.make_corpus(args.out, ingest.SIZES[args.size][0])
     config = ingest.pool_config(corpus, args.actors)
+    if args.cap:
+        config = config.replace(cache_max_side=args.cap)
     if args.budget_gib:
         config = config.replace(cache_budget=int(args.budget_gib * (1 << 30)))
     listing = list_shards(config)

@@ -22,7 +22,7 @@ Reported: the medians of the rounds in ms per image, and the ratios they imply f
 worker (uncached ÷ cached epoch 0, uncached ÷ hit + crop), which leave out what the
 pipeline adds around them (the blocks' trip to the rank, the rank's batches).
 
-    python benchmarks/cache_parts.py [--images 256] [--rounds 5] [--photo 1600x1200]
+    python benchmarks/cache_parts.py [--images 256] [--rounds 5] [--photo 1600x1200] [--cap 320]
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from raypipe.preprocess.cache.reuse import PUT_EVERY
 from raypipe.preprocess.cache.store import Entry
 from raypipe.preprocess.decode import decode_crop
 
-CAP = 320  # cache_max_side's default
 IDENT = (1, 1)
 
 
@@ -56,14 +55,14 @@ def timed(fn, items) -> tuple[float, list]:
     return (time.process_time() - t) / len(items) * 1e3, out
 
 
-def one_round(files: list[Path], shm: Path) -> dict[str, float]:
+def one_round(files: list[Path], shm: Path, cap: int) -> dict[str, float]:
     r: dict[str, float] = {}
     keys = list(range(len(files)))
     r["uncached"], _ = timed(
         lambda k: decode_crop(files[k].read_bytes(), ingest.IMAGE, ingest.chooser(k, 1)), keys
     )
     r["read"], datas = timed(lambda k: files[k].read_bytes(), keys)
-    r["decode"], rgbs = timed(lambda d: decode_capped(d, CAP, None), datas)
+    r["decode"], rgbs = timed(lambda d: decode_capped(d, cap, None), datas)
     r["check"], entries = timed(lambda p: Entry.image(IDENT, "x", 0.0, p), rgbs)
     root = Path(tempfile.mkdtemp(dir=shm))
     try:
@@ -92,6 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--photo", help="WxH: photos of this size (cache.py's --photo corpus)")
     p.add_argument("--corpus-images", type=int, default=2048, help="the corpus to draw from")
+    p.add_argument("--cap", type=int, default=320, help="cache_max_side (its default)")
     p.add_argument("--shm", type=Path, default=Path("/dev/shm"))
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
     args = p.parse_args(argv)
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         corpus = ingest.make_corpus(args.out, args.corpus_images)
     files = sorted(corpus.rglob("*.jpg"))[: args.images]
-    rounds = [one_round(files, args.shm) for _ in range(args.rounds)]
+    rounds = [one_round(files, args.shm, args.cap) for _ in range(args.rounds)]
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     epoch0 = med["read"] + med["decode"] + med["check"] + med["write"] + med["crop"]
     later_first, later = med["first_read"] + med["crop"], med["hit"] + med["crop"]
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"cached epoch 0: {epoch0:.3f} ms/image = {result['uncached_over_epoch0']:.2f}× the "
           f"uncached rate; a first read + crop {result['uncached_over_first_read']:.2f}×; "
           f"a hit + crop {result['uncached_over_hit']:.2f}×")  # fmt: skip
-    name = f"cache_parts-{args.photo or 'small'}.json"
+    name = f"cache_parts-{args.photo or 'small'}-cap{args.cap}.json"
     (args.out / name).write_text(json.dumps(result, indent=1))
     return result
 
