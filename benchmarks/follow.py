@@ -13,9 +13,11 @@ actor-seconds × ``actor_cpus``, from a `raypipe.PoolWatch`: what the pool holds
 cluster, what an autoscaler bills); *consumed* CPU-s per sample (the CPU of the whole
 process tree, ``nodecpu.CpuMeter``). Medians over ``--repeats``, the kinds interleaved.
 
-Settings: `BASE` sets ``follow_shrink_s=3`` (default 5) and ``files_per_task=8`` (default:
-sized from the object store) for a short run; ``--defaults`` leaves both at raypipe's
-defaults (`DEFAULTS`), so that the tuned and the default figures can stand side by side.
+Settings: the pool is the actor pool (``compute="actors"``: the default plain tasks hold
+no CPU between tasks and have no pool to watch). `BASE` sets ``follow_shrink_s=3``
+(default 5) and ``files_per_task=8`` (default: sized from the object store) for a short
+run; ``--defaults`` leaves both (`TUNED`) at raypipe's defaults, so that the tuned and
+the default figures can stand side by side.
 
     python benchmarks/follow.py
 
@@ -39,8 +41,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tests.pool.test_elastic import slow_images  # noqa: E402
 
+# compute="actors": what this measures is the pool's actors, which hold their CPUs between
+# tasks (a `PoolWatch` counts them); with the default plain tasks there is no pool to watch
+# and the follower sets the tasks in flight instead
 BASE = {"image_size": 256, "batch_size": 8, "files_per_task": 8, "actor_cpus": 1.0,
-        "shuffle_files": False, "follow_shrink_s": 3.0}  # fmt: skip
+        "shuffle_files": False, "follow_shrink_s": 3.0, "compute": "actors"}  # fmt: skip
 TUNED = ("files_per_task", "follow_shrink_s")  # BASE's settings that differ from the defaults
 KINDS = {"fixed": {"actors": (3, 3), "follow": False}, "following": {"actors": (1, 3)}}
 
