@@ -158,7 +158,7 @@ class SampleCache:
                                    self.config.max_image_pixels)  # fmt: skip
         except Exception as e:
             reason = reason_of(e, raw.data)
-            if i is not None and reason not in TRANSIENT:
+            if i is not None and reason not in TRANSIENT and self._keeping():
                 seconds = read_s + time.perf_counter() - t0
                 self._keep(
                     i, Entry(ident, raw.where, seconds, None, reason, detail_of(e, raw.data))
@@ -167,15 +167,20 @@ class SampleCache:
         encoded = None
         if self.config.cache_encoding == "jpeg":  # crops come from what the cache serves
             encoded, pixels = encode_stored(pixels)
-        if i is not None:
+        if i is not None and self._keeping():  # the entry (its CRC) only if it is written
             seconds = read_s + time.perf_counter() - t0
             self._keep(i, Entry.image(ident, raw.where, seconds, pixels, encoded))
         return pixels
 
+    def _keeping(self) -> bool:
+        """Whether a new entry would be written: not without a store, nor once it is full
+        (then it counts as refused)."""
+        if self.store is None:
+            return False
+        self.tally.refused += self.store.full
+        return not self.store.full
+
     def _keep(self, i: str, entry: Entry) -> None:
-        if self.store is None or self.store.full:  # nothing is kept: not worth a write
-            self.tally.refused += self.store is not None
-            return
         self._new.append((i, entry))
         if len(self._new) >= PUT_EVERY:
             self._put()
