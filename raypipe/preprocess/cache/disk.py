@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -92,17 +93,17 @@ class DiskStore:
             out.append(entry)
         return out
 
-    def _map_written(self, i: str, path: str) -> None:
-        """``mapped``: keep the file just written mapped, as a later hit would (its pixels
-        are the ones just checked into it: no CRC again)."""
-        if self._mapped is None:
-            return
-        try:
-            entry = _parse(self._read(path))
-        except (OSError, ValueError):
-            return
-        if entry is not None:
-            self._remember(i, entry)
+    def _written(self, f, entry: Entry, offset: int) -> Entry | None:
+        """``mapped``: the entry just written to ``f``, kept as a later hit would have it: a
+        raw image's pixels served from the file's pages (the ones just checked into it: no
+        read and no CRC again); None for what is not kept mapped (a jpeg entry)."""
+        if self._mapped is None or entry.encoded is not None:
+            return None
+        if entry.pixels is None:  # a bad sample's record: nothing to map
+            return entry
+        view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        pixels = np.frombuffer(view, dtype=np.uint8, offset=offset).reshape(entry.pixels.shape)
+        return dataclasses.replace(entry, pixels=pixels)
 
     def _remember(self, i: str, entry: Entry) -> None:
         """``mapped``: keep a raw entry's mapping, the oldest going past `MAPPED`."""
@@ -136,13 +137,16 @@ class DiskStore:
                     continue
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 tmp = f"{path}.{os.getpid()}.tmp"
-                with open(tmp, "wb") as f:
+                with open(tmp, "wb" if self._mapped is None else "w+b") as f:
                     f.write(head)
                     f.write(body)  # the pixels' own buffer: no copy of them first
+                    f.flush()
+                    written = self._written(f, entry, len(head))
                 os.replace(tmp, path)
                 usage[0] += size
                 usage[1] += 1
-                self._map_written(i, path)
+                if written is not None:
+                    self._remember(i, written)
 
     def held(self) -> tuple[int, int]:
         """Bytes and entries the directory holds (the usage file)."""
