@@ -16,7 +16,7 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py raypipe/preprocess/_jpegregion.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(TORCH_SPEC)
@@ -44,4 +44,4 @@ bench: $(STAMP) $(DEMO_DIR)/.done
 	$(BIN)/python benchmarks/ingest.py --size small
 
 clean:
-	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache .ruff_cache .pytest.log .pytest.current
+	rm -rf $(VENV) $(DEMO_DIR) build .pytest_cache .ruff_cache .pytest.log .pytest.current raypipe/preprocess/*.so

@@ -1,14 +1,17 @@
-"""Scaled decoding: CPU per image with libjpeg-turbo's DCT scaling against full-size decoding,
-for the same crop plans, on photos of ImageNet's sizes and larger.
+"""Decoding less: CPU per image of raypipe's fast path, decoding whole images at full size
+(before), with libjpeg-turbo's DCT scaling, and with only the crop's region decoded, for
+the same crop plans, on photos of ImageNet's sizes and larger.
 
 For each size, --images photos (crops of scikit-learn's two sample photos, resized to
 W×H, JPEG quality 90) are decoded and cropped to 224 by raypipe's fast path
-(`raypipe.preprocess.decode.decode_crop`, random-resized-crop with flips, seeded plans):
-once as shipped, where the DCT decodes at 1/2, 1/4 or 1/8 scale whenever the crop keeps
-224 pixels across, and once with that scaling off (every image decoded at full size).
-The two alternate over --rounds rounds on one thread; each round gives CPU seconds per
-image (``time.process_time``), and the table shows medians. Also: how often a plan decodes
-scaled, and how far the two outputs are apart (grey levels, mean and worst pixel).
+(`raypipe.preprocess.decode.decode_crop`, random-resized-crop with flips, seeded plans)
+three ways: ``full`` decodes every whole image at full size; ``scaled`` decodes at 1/2,
+1/4 or 1/8 DCT scale whenever the crop keeps 224 pixels across; ``region`` (as shipped,
+where `raypipe.preprocess.region` was built) also decodes only the crop's region. The
+three interleave over --rounds rounds on one thread, the order rotating; each round gives
+CPU seconds per image (``time.process_time``), and the table shows medians. Also: how
+often a plan decodes scaled, and how far each output is from ``full``'s (grey levels:
+mean, 99th percentile and worst pixel).
 
     python benchmarks/decode.py [--images 64] [--rounds 5] [--sizes 500x375 1024x768]
 """
@@ -27,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from raypipe.preprocess import decode
+from raypipe.preprocess import decode, region
 from raypipe.preprocess.augment import plan, sample_rng
 
 SIZE, SEED = 224, 0
@@ -63,21 +66,27 @@ def chooser(key: int):
                              ratio=(3 / 4, 4 / 3), flip=True)  # fmt: skip
 
 
+MODES = ("full", "scaled", "region")  # what decode_crop may do: cumulative
+
+
 def full_size(width: int, height: int, box, size: int) -> int:
     return 1  # every decode at full size: the DCT scaling off
 
 
-def decode_all(images: list[bytes], scaled: bool) -> tuple[float, list[np.ndarray]]:
-    """CPU seconds per image, and the outputs."""
-    shipped = decode._dct_reduction
-    decode._dct_reduction = shipped if scaled else full_size
+def decode_all(images: list[bytes], mode: str) -> tuple[float, list[np.ndarray]]:
+    """CPU seconds per image, and the outputs: ``full`` decodes every whole image at full
+    size (before scaled decoding), ``scaled`` adds the DCT scaling, ``region`` (as shipped
+    where the extension is built) decodes only the crop's region too."""
+    shipped, built = decode._dct_reduction, region._jpegregion
+    decode._dct_reduction = full_size if mode == "full" else shipped
+    region._jpegregion = built if mode == "region" else None
     try:
         c0 = time.process_time()
         outs = [np.ascontiguousarray(decode.decode_crop(d, SIZE, chooser(k)))
                 for k, d in enumerate(images)]  # fmt: skip
         return (time.process_time() - c0) / len(images), outs
     finally:
-        decode._dct_reduction = shipped
+        decode._dct_reduction, region._jpegregion = shipped, built
 
 
 def scaled_share(images: list[bytes]) -> float:
@@ -90,25 +99,33 @@ def scaled_share(images: list[bytes]) -> float:
     return scaled / len(images)
 
 
-def one_size(width: int, height: int, n: int, rounds: int) -> dict:
-    images = photos(width, height, n)
-    decode_all(images[:8], True), decode_all(images[:8], False)  # imports, warm caches
-    cpu = {"scaled": [], "full": []}
-    for r in range(rounds):  # alternate, and which goes first
-        for mode in ("scaled", "full") if r % 2 == 0 else ("full", "scaled"):
-            cpu[mode].append(decode_all(images, mode == "scaled")[0])
-    (_, a), (_, b) = decode_all(images, True), decode_all(images, False)
+def difference(a: list[np.ndarray], b: list[np.ndarray]) -> dict:
+    """|a - b| in grey levels: mean, 99th percentile and worst pixel."""
     diff = [np.abs(x.astype(np.int16) - y.astype(np.int16)) for x, y in zip(a, b, strict=True)]
+    return {"mean": float(np.mean([d.mean() for d in diff])),
+            "p99": float(np.percentile(np.concatenate([d.ravel() for d in diff]), 99)),
+            "max": int(max(d.max() for d in diff))}  # fmt: skip
+
+
+def one_size(width: int, height: int, n: int, rounds: int, modes: tuple[str, ...]) -> dict:
+    images = photos(width, height, n)
+    for mode in modes:
+        decode_all(images[:8], mode)  # imports, warm caches
+    cpu: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(rounds):  # interleaved, the order rotating
+        for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
+            cpu[mode].append(decode_all(images, mode)[0])
+    outs = {m: decode_all(images, m)[1] for m in modes}
     med = {m: statistics.median(v) for m, v in cpu.items()}
     return {
         "size": f"{width}x{height}", "images": n, "mean_jpeg_kib": sum(map(len, images)) / n / 1024,
         "scaled_share": scaled_share(images),
-        "cpu_ms_scaled": med["scaled"] * 1e3, "cpu_ms_full": med["full"] * 1e3,
-        "speedup": med["full"] / med["scaled"],
+        "cpu_ms": {m: v * 1e3 for m, v in med.items()},
+        "speedup_vs_full": {m: med["full"] / v for m, v in med.items()},
         "cpu_ms_rounds": {m: [round(x * 1e3, 3) for x in v] for m, v in cpu.items()},
-        "mean_abs_diff": float(np.mean([d.mean() for d in diff])),
-        "p99_abs_diff": float(np.percentile(np.concatenate([d.ravel() for d in diff]), 99)),
-        "max_abs_diff": int(max(d.max() for d in diff)),
+        "diff_vs_full": {m: difference(outs[m], outs["full"]) for m in modes if m != "full"},
+        "diff_region_vs_scaled": (difference(outs["region"], outs["scaled"])
+                                  if "region" in modes else None),
     }  # fmt: skip
 
 
@@ -128,14 +145,24 @@ def main(argv: list[str] | None = None) -> dict:
     import cv2
 
     cv2.setNumThreads(1)  # one thread, as in a pool actor
+    modes = MODES if region.available() else MODES[:2]
+    if not region.available():
+        print(
+            "region decoding was not built (no compiler or libjpeg headers): full and scaled only"
+        )
     rows = []
     for width, height in sizes:
-        rows.append(one_size(width, height, args.images, args.rounds))
+        rows.append(one_size(width, height, args.images, args.rounds, modes))
         r = rows[-1]
-        print(f"{r['size']:>10s}  scaled {r['cpu_ms_scaled']:6.2f} ms  full {r['cpu_ms_full']:6.2f} ms"
-              f"  x{r['speedup']:.2f}  scaled plans {r['scaled_share']:.0%}  diff mean "
-              f"{r['mean_abs_diff']:.2f} p99 {r['p99_abs_diff']:.0f} max {r['max_abs_diff']}",
-              flush=True)  # fmt: skip
+        times = "  ".join(f"{m} {r['cpu_ms'][m]:5.2f} ms" for m in modes)
+        gains = "  ".join(f"{m} x{r['speedup_vs_full'][m]:.2f}" for m in modes[1:])
+        diffs = "  ".join(f"{m} {d['mean']:.2f}/{d['p99']:.0f}/{d['max']}"
+                          for m, d in r["diff_vs_full"].items())  # fmt: skip
+        print(
+            f"{r['size']:>10s}  {times}  |  {gains}  |  scaled plans {r['scaled_share']:.0%}"
+            f"  |  vs full, mean/p99/max: {diffs}",
+            flush=True,
+        )
     result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                           "python": sys.version.split()[0]},
               "images": args.images, "rounds": args.rounds, "rows": rows}  # fmt: skip

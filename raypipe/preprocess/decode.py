@@ -5,6 +5,8 @@ and flip a key gets come from the one ``plan`` call, so only the pixel arithmeti
 differs (a few grey levels). What makes it cheaper:
 
 - the DCT decodes at 1/2, 1/4 or 1/8 scale whenever the crop keeps ``size`` pixels;
+- only the crop's region is decoded (`raypipe.preprocess.region`, where it was built):
+  the rows below it are not read, the rest outside it not transformed;
 - only the crop box is low-passed and resized (OpenCV's SIMD bilinear resize or one
   affine warp), never the whole image;
 - a flip is one ``cv2.flip`` of the resized crop, the HWC → CHW change a view that
@@ -21,14 +23,15 @@ import math
 
 import numpy as np
 
+from raypipe.preprocess import region
 from raypipe.preprocess.augment import Box
 from raypipe.preprocess.pillow import pillow_decode_crop
+from raypipe.preprocess.region import MARGIN
 
 __all__ = ["decode_crop", "exif_orientation", "fast_decodable", "jpeg_size", "put_chw"]
 assert __all__ == sorted(__all__)
 
 _FAST_COLORSPACES = ("YCbCr", "Gray", "RGB")
-_MARGIN = 3  # source pixels kept around a fractional box for the blur and the warp
 _BLUR = 0.5  # Gaussian sigma per sqrt(shrink² - 1): close to Pillow's triangle filter
 
 
@@ -48,16 +51,22 @@ def decode_crop(data: bytes, size: int, choose) -> np.ndarray:
     p = choose(width, height)
     try:
         k = _dct_reduction(width, height, p.box, size)
-        if k == 1:
-            rgb = simplejpeg.decode_jpeg(data, colorspace="RGB")
+        if region.available() and data[-2:] == b"\xff\xd9":  # ends whole: see below
+            rgb, box = region.decode_box(data, k, width, height, p.box)
         else:
-            want_h, want_w = -(-height // k), -(-width // k)
-            rgb = simplejpeg.decode_jpeg(
-                data, colorspace="RGB", min_height=want_h, min_width=want_w
-            )
+            if k == 1:
+                rgb = simplejpeg.decode_jpeg(data, colorspace="RGB")
+            else:
+                want_h, want_w = -(-height // k), -(-width // k)
+                rgb = simplejpeg.decode_jpeg(
+                    data, colorspace="RGB", min_height=want_h, min_width=want_w
+                )
+            box = _scaled(p.box, rgb.shape[1] / width, rgb.shape[0] / height)
     except ValueError:  # recoverable damage libjpeg-turbo refuses strictly: let Pillow try
         return pillow_decode_crop(data, size, lambda w, h: p)
-    out = crop_resize(rgb, _scaled(p.box, rgb.shape[1] / width, rgb.shape[0] / height), size)
+    # (A region decode stops below the crop, so it cannot see a file cut short; one without
+    # its end marker takes the whole-image path, which refuses it whatever the crop.)
+    out = crop_resize(rgb, box, size)
     if p.flip:
         out = cv2.flip(out, 1)
     return out.transpose(2, 0, 1)
@@ -82,9 +91,9 @@ def crop_resize(rgb: np.ndarray, box: Box, size: int) -> np.ndarray:
         x0, y0 = round(box.left), round(box.top)
         crop = rgb[y0 : y0 + round(box.height), x0 : x0 + round(box.width)]
     else:
-        x0, y0 = max(0, math.floor(box.left) - _MARGIN), max(0, math.floor(box.top) - _MARGIN)
-        x1 = min(w, math.ceil(box.left + box.width) + _MARGIN)
-        y1 = min(h, math.ceil(box.top + box.height) + _MARGIN)
+        x0, y0 = max(0, math.floor(box.left) - MARGIN), max(0, math.floor(box.top) - MARGIN)
+        x1 = min(w, math.ceil(box.left + box.width) + MARGIN)
+        y1 = min(h, math.ceil(box.top + box.height) + MARGIN)
         crop = rgb[y0:y1, x0:x1]
     blur_x, blur_y = (_BLUR * math.sqrt(max(0.0, s * s - 1.0)) for s in (sx, sy))
     if max(blur_x, blur_y) > 0.05:  # shrinking: low-pass first, as Pillow's filter does
