@@ -17,6 +17,7 @@ import numpy as np
 from raypipe.config import PipelineConfig
 from raypipe.formats.pieces import split_piece
 from raypipe.plan.shards import Listing, list_shards
+from raypipe.preprocess import region
 from raypipe.preprocess.actor import Preprocessor
 from raypipe.skips.records import detail_of, reason_of
 
@@ -60,6 +61,7 @@ def survey(config: PipelineConfig, *, samples: int = 32) -> dict[str, Any]:
         "labels_seen": dict(sorted(labels.items())),
         "skipped": skipped,
         "skipped_by_reason": dict(collections.Counter(s["reason"] for s in skipped)),
+        "jpeg_decoding": "region" if region.available() else "whole",
     }
 
 
@@ -79,6 +81,7 @@ def format_survey(report: dict[str, Any]) -> list[tuple[str, str]]:
             f"{report['looked_at']} samples: {report['good']} good, "
             f"{report['looked_at'] - report['good']} would be skipped",
         ),  # fmt: skip
+        ("jpeg decoding", _DECODING[report["jpeg_decoding"]]),
     ]
     if report["sizes"]:
         sizes = ", ".join(f"{s} ({n})" for s, n in list(report["sizes"].items())[:5])
@@ -89,6 +92,13 @@ def format_survey(report: dict[str, Any]) -> list[tuple[str, str]]:
         first = next(s for s in report["skipped"] if s["reason"] == reason)
         rows.append((f"skip: {reason}", f"{n}, e.g. {first['where']}: {first['detail']}"))
     return rows
+
+
+_DECODING = {
+    "region": "the crop's region only (libjpeg-turbo, built with raypipe)",
+    "whole": "whole images: region decoding was not built (no C compiler or libjpeg "
+    "headers at install; see docs/throughput.md)",
+}
 
 
 def _pieces(report: dict[str, Any]) -> str:

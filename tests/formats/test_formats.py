@@ -220,6 +220,18 @@ def test_no_budget_still_fails_when_every_sample_is_bad(ray_session, tmp_path):
 # --- raypipe inspect ------------------------------------------------------------------
 
 
+def test_inspect_says_how_jpegs_are_decoded(tmp_path, capsys, monkeypatch):
+    from raypipe.preprocess import region
+
+    root = hf_parquet(tmp_path / "hf", labels_of(4, seed=8), shards=1)
+    assert main(["inspect", str(root), "--json"]) == 0
+    built = json.loads(capsys.readouterr().out)["jpeg_decoding"]
+    assert built == ("region" if region.available() else "whole")
+    monkeypatch.setattr(region, "_jpegregion", None)
+    assert main(["inspect", str(root)]) == 0
+    assert "whole images: region decoding was not built" in capsys.readouterr().out
+
+
 def test_inspect_reports_format_labels_and_skips(tmp_path, capsys):
     root = hf_parquet(tmp_path / "hf", labels_of(40, seed=8), shards=4)
     assert main(["inspect", str(root), "--samples", "8"]) == 0
