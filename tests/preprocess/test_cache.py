@@ -50,6 +50,39 @@ def test_a_store_is_first_come_within_its_budget_then_sends_nothing(tmp_path):
     assert np.array_equal(store.get_many(["f0"], [(101, 7)])[0].pixels, pixels(5))
 
 
+def test_mapped_stores_lease_the_budget_and_give_back_what_they_did_not_use(tmp_path,
+                                                                             monkeypatch):  # fmt: skip
+    """Two processes' stores of one node write every entry at once, take the budget a
+    lease at a time (fewer locks than entries), never hold more than it between them, and
+    once settled the usage file counts exactly the files there."""
+    from raypipe.preprocess.cache import disk
+
+    size = sum(len(part) for part in _parts(Entry.image(IDENT, "k000.jpg", 0.01, pixels())))
+    monkeypatch.setattr(disk, "LEASE", 10 * size)
+    root = str(tmp_path / "m")
+    stores = [DiskStore(root, budget=120 * size, mapped=True) for _ in range(2)]
+    takes = []
+    for store in stores:
+        take = store._take
+        monkeypatch.setattr(store, "_take", lambda n, take=take: takes.append(take(n)) or takes[-1])
+    for n in range(150):
+        stores[n % 2].put(f"k{n:03d}", Entry.image(IDENT, f"k{n:03d}.jpg", 0.01, pixels(n)))
+        assert stores[0].held()[0] <= 120 * size  # leases included
+    for store in stores:
+        store.settle()
+    files = [f for f in Path(root).rglob("*") if f.is_file() and f.name != "usage"]
+    kept = len(files)
+    assert 118 <= kept <= 120 and sum(s.tally.refused for s in stores) == 150 - kept
+    assert all(s.full for s in stores)
+    assert stores[0].held() == (sum(f.stat().st_size for f in files), kept)
+    assert sum(takes) < kept / 3  # a lock per lease, not per entry (till the budget's end)
+    got = DiskStore(root, budget=120 * size).get_many(
+        [f"k{n:03d}" for n in range(150)], [IDENT] * 150
+    )
+    assert sum(g is not None for g in got) == kept
+    assert all(np.array_equal(g.pixels, pixels(n)) for n, g in enumerate(got) if g is not None)
+
+
 def test_a_mapped_store_checks_an_entry_once_then_serves_its_mapping(tmp_path):
     root = str(tmp_path / "m")
     writer = DiskStore(root, budget=1 << 20, mapped=True)

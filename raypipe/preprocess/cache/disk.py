@@ -15,6 +15,12 @@ eviction would throw out each sample just before it is read again; first-come ke
 fixed part of the dataset cached in every epoch. Once an entry is refused, this store
 sends no more (``full``): the decodes after it are not written only to be refused.
 
+Each entry is written as soon as it is decoded (`put`). A memory cache's process takes the
+budget a `LEASE` at a time under the usage file's lock, and gives back what it did not
+use when its task ends (`settle`); near the end of the budget, and always for a disk
+cache, it takes just what each entry needs. A process killed between the two leaves its
+unused lease counted until the memory cache goes with its run.
+
 A file written by another run with the same settings is a hit as long as its source
 file's size and modification time are unchanged; otherwise it is a miss and is replaced.
 An entry that is truncated, unreadable or fails its CRC is decoded again, never served.
@@ -43,6 +49,7 @@ assert __all__ == sorted(__all__)
 
 MAGIC = b"RPCACHE1"
 MAPPED = 8192  # entries a process keeps mapped (each one mapping; Linux allows ~65,000)
+LEASE = 16 << 20  # budget a mapped store's process takes at once (one lock per lease)
 
 
 class DiskStore:
@@ -61,6 +68,8 @@ class DiskStore:
         os.makedirs(self.root, exist_ok=True)
         self.tally = Tally()
         self.full = False
+        self._lease = 0  # bytes of the budget taken and not yet written (`put`, `settle`)
+        self._written_n = 0  # entries written since the usage file last counted them
         self._mapped: collections.OrderedDict[str, Entry] | None = (
             collections.OrderedDict() if mapped else None
         )
@@ -119,34 +128,65 @@ class DiskStore:
                 return f.read()
             return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
-    def put_many(self, items: list[tuple[str, Entry]]) -> None:
-        if not items:
+    def put(self, i: str, entry: Entry) -> None:
+        """Write one entry now, within this process's lease of the budget (`LEASE`: a
+        mapped store's process takes budget a lease at a time and gives back what it did
+        not use at `settle`; other stores take it per entry), or refuse it (``full``)."""
+        path = self.path(i)
+        head, body = _parts(entry)  # the header; the body is a view, not a copy
+        size = len(head) + len(body)
+        with contextlib.suppress(OSError):  # replaced: its bytes come back to the lease
+            old = os.path.getsize(path)
+            os.unlink(path)
+            self._lease += old
+            self._written_n -= 1
+        if self._lease < size and not self._take(size):
+            self.tally.refused += 1
+            self.full = True
             return
-        with self._usage() as usage:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb" if self._mapped is None else "w+b") as f:
+            f.write(head)
+            f.write(body)  # the pixels' own buffer: no copy of them first
+            f.flush()
+            written = self._written(f, entry, len(head))
+        os.replace(tmp, path)
+        self._lease -= size
+        self._written_n += 1
+        if written is not None:
+            self._remember(i, written)
+
+    def put_many(self, items: list[tuple[str, Entry]]) -> None:
+        """`put` each, then `settle`."""
+        try:
             for i, entry in items:
-                path = self.path(i)
-                with contextlib.suppress(OSError):
-                    usage[0] -= os.path.getsize(path)
-                    usage[1] -= 1
-                    os.unlink(path)
-                head, body = _parts(entry)  # the header; the body is a view, not a copy
-                size = len(head) + len(body)
-                if usage[0] + size > self.budget:
-                    self.tally.refused += 1
-                    self.full = True
-                    continue
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                tmp = f"{path}.{os.getpid()}.tmp"
-                with open(tmp, "wb" if self._mapped is None else "w+b") as f:
-                    f.write(head)
-                    f.write(body)  # the pixels' own buffer: no copy of them first
-                    f.flush()
-                    written = self._written(f, entry, len(head))
-                os.replace(tmp, path)
-                usage[0] += size
-                usage[1] += 1
-                if written is not None:
-                    self._remember(i, written)
+                self.put(i, entry)
+        finally:
+            self.settle()
+
+    def settle(self) -> None:
+        """Give back the unused lease and count the entries written since the last time."""
+        if self._lease or self._written_n:
+            with self._usage() as usage:
+                usage[0] -= self._lease
+                usage[1] += self._written_n
+            self._lease = self._written_n = 0
+
+    def _take(self, size: int) -> bool:
+        """Take ``size`` bytes of the budget, or a whole `LEASE` while the budget has
+        room for more than two (a mapped store): False when it has not ``size`` left."""
+        with self._usage() as usage:
+            free = self.budget - (usage[0] - self._lease)  # the unused rest comes back
+            if free < size:
+                return False
+            grant = LEASE if self._mapped is not None and free > 2 * LEASE else size
+            grant = max(size, grant) - self._lease
+            usage[0] += grant
+            usage[1] += self._written_n
+        self._lease += grant
+        self._written_n = 0
+        return True
 
     def held(self) -> tuple[int, int]:
         """Bytes and entries the directory holds (the usage file)."""

@@ -33,7 +33,6 @@ __all__ = ["SampleCache"]
 assert __all__ == sorted(__all__)
 
 CHUNK = 32  # samples looked up at once
-PUT_EVERY = 32  # new entries written at once
 WHERE_WAIT_S = 2.0  # how long a worker waits for its node's actor's answer
 TRANSIENT = ("unreadable", "unreadable_shard")  # read errors: never remembered as bad
 
@@ -50,7 +49,6 @@ class SampleCache:
         self.tally = Tally()
         self._found: dict[int, Entry] = {}  # key -> its entry, for the raw yielded next
         self._missed: dict[int, tuple[str, tuple[int, int] | None, float]] = {}
-        self._new: list[tuple[str, Entry]] = []
 
     def _start(self) -> None:
         """A disk cache: the node's files at once. A memory cache: the directory and budget
@@ -181,21 +179,24 @@ class SampleCache:
         return not self.store.full
 
     def _keep(self, i: str, entry: Entry) -> None:
-        self._new.append((i, entry))
-        if len(self._new) >= PUT_EVERY:
-            self._put()
+        """Write the entry now: its pixels are freed (or reused) once the crop is done, so
+        a worker never holds a queue of decoded images."""
+        try:
+            self.store.put(i, entry)
+        except Exception:  # a full or failing disk, or a memory cache cleared: on
+            self.store, self.counter = None, None  # without, until `node.ensure`
 
-    def _put(self) -> None:
-        if self._new and self.store is not None:
+    def _settle(self) -> None:
+        if self.store is not None:
             try:
-                self.store.put_many(self._new)
-            except Exception:  # a full or failing disk, or a memory cache cleared: on
-                self.store, self.counter = None, None  # without, until `node.ensure`
-        self._new = []
+                self.store.settle()
+            except Exception:  # as in _keep
+                self.store, self.counter = None, None
 
     def flush(self) -> None:
-        """Send the new entries, and the counters to the node's `NodeCache`."""
-        self._put()
+        """Settle the store's use of the budget; send the counters to the node's
+        `NodeCache`."""
+        self._settle()
         if self.store is not None:
             self.tally.corrupt += self.store.tally.corrupt
             self.tally.refused += self.store.tally.refused
