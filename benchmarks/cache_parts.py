@@ -4,14 +4,16 @@ For --images photos of a corpus (ingest.py's small one, or --photo WxH as cache.
 it), the steps a preprocessing worker runs per sample, each timed over all the photos
 (``time.process_time``, one thread) and repeated for --rounds rounds, alternating:
 
-  uncached      read the file + `decode_crop` (decode, with DCT scaling where the crop
-                allows, + random-resized-crop 224 + flip): every epoch without the cache
+  uncached      read the file + `decode_crop` (the crop's region decoded, with DCT scaling
+                where the crop allows, + random-resized-crop 224 + flip): every epoch
+                without the cache
   epoch 0, cached:
     read          the file's bytes
     decode        `decode_capped` (the whole image, DCT-scaled and resized to the cap)
     check         the CRC32 of the capped pixels (`Entry.image`)
-    write         `DiskStore.put_many` in groups of 32 into a fresh /dev/shm directory
-                  (one file per sample, written and renamed, then mapped)
+    write         `DiskStore.put` into a fresh /dev/shm directory, as a worker writes
+                  (one file per sample, written and renamed, then mapped; the budget
+                  taken a lease at a time)
     crop          `crop_chw` from the capped pixels
   a later epoch, cached:
     first read    another process's entry met for the first time: open, map, check
@@ -41,7 +43,6 @@ import ingest
 
 from raypipe.preprocess.cache.capped import crop_chw, decode_capped
 from raypipe.preprocess.cache.disk import DiskStore
-from raypipe.preprocess.cache.reuse import PUT_EVERY
 from raypipe.preprocess.cache.store import Entry
 from raypipe.preprocess.decode import decode_crop
 
@@ -68,11 +69,10 @@ def one_round(files: list[Path], shm: Path, cap: int) -> dict[str, float]:
     try:
         store = DiskStore(str(root), 1 << 40, mapped=True)
         ids = [f"{f}\0{0}" for f in files]
-        groups = [list(zip(ids[i : i + PUT_EVERY], entries[i : i + PUT_EVERY], strict=True))
-                  for i in range(0, len(ids), PUT_EVERY)]  # fmt: skip
         t = time.process_time()
-        for g in groups:
-            store.put_many(g)
+        for i, entry in zip(ids, entries, strict=True):
+            store.put(i, entry)
+        store.settle()
         r["write"] = (time.process_time() - t) / len(files) * 1e3
         plans = [ingest.chooser(k, 1)(rgb.shape[1], rgb.shape[0]) for k, rgb in enumerate(rgbs)]
         r["crop"], _ = timed(lambda k: crop_chw(rgbs[k], plans[k], ingest.IMAGE), keys)
