@@ -149,6 +149,38 @@ def test_disk_store_round_trips_and_refuses_damaged_files(tmp_path):
     assert small.tally.refused == 1 and small.held() == (0, 0) and small.full
 
 
+def test_entries_name_their_checksum_and_an_older_crc32_entry_is_still_checked(tmp_path):
+    """New entries carry CRC32C where the CPU has it (the `crc32c` package's hardware path);
+    a disk cache written before, whose headers name no checksum, is checked with zlib's
+    CRC32 as it was written: served when sound, never when damaged."""
+    import json
+    import struct
+    import zlib
+
+    import crc32c
+
+    from raypipe.preprocess.cache import store as cache_store
+    from raypipe.preprocess.cache.disk import MAGIC
+
+    fresh = Entry.image(IDENT, "a.jpg", 0.01, pixels())
+    assert fresh.check == ("crc32c" if crc32c.hardware_based else "crc32")
+    assert fresh.crc == cache_store.CHECKS[fresh.check](pixels().data)
+    st = DiskStore(str(tmp_path / "old"), budget=1 << 20)
+    head = {"ident": list(IDENT), "where": "o.jpg", "seconds": 0.01, "reason": None,
+            "detail": None, "crc": zlib.crc32(pixels(3).data), "shape": [12, 14, 3],
+            "encoding": "raw"}  # fmt: skip
+    text = json.dumps(head).encode()
+    path = Path(st.path("o"))
+    path.parent.mkdir(parents=True)
+    path.write_bytes(MAGIC + struct.pack("<I", len(text)) + text + pixels(3).tobytes())
+    (old,) = st.get_many(["o"], [IDENT])
+    assert old is not None and old.check == "crc32" and np.array_equal(old.pixels, pixels(3))
+    damaged = bytearray(path.read_bytes())
+    damaged[-5] ^= 0x01
+    path.write_bytes(bytes(damaged))
+    assert st.get_many(["o"], [IDENT]) == [None] and st.tally.corrupt == 1
+
+
 def test_a_jpeg_entry_round_trips_smaller_and_a_damaged_one_is_not_served(tmp_path):
     from raypipe.preprocess.cache.capped import encode_stored
 

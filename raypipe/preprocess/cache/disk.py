@@ -224,6 +224,7 @@ def _parts(entry: Entry) -> tuple[bytes, memoryview]:
     """An entry's file: its header (MAGIC, length, JSON), and its body as a buffer."""
     head = {"ident": list(entry.ident), "where": entry.where, "seconds": entry.seconds,
             "reason": entry.reason, "detail": entry.detail, "crc": entry.crc,
+            "check": entry.check,
             "shape": None if entry.pixels is None else list(entry.pixels.shape),
             "encoding": "raw" if entry.encoded is None else "jpeg"}  # fmt: skip
     text = json.dumps(head).encode()
@@ -263,7 +264,7 @@ def _parse(data: bytes) -> Entry | None:
             return None
         return Entry((int(head["ident"][0]), int(head["ident"][1])), str(head["where"]),
                      float(head["seconds"]), pixels, head["reason"], head["detail"],
-                     int(head["crc"]), None if pixels is None else pixels.shape,
-                     encoded)  # fmt: skip
+                     int(head["crc"]), str(head.get("check", "crc32")),
+                     None if pixels is None else pixels.shape, encoded)  # fmt: skip
     except (ValueError, KeyError, TypeError, IndexError, struct.error):
         return None

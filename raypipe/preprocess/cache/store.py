@@ -2,8 +2,10 @@
 
 An entry is a sample's capped pixels, or the reason it is bad, under the identity of its
 source file (size and modification time) when it was decoded: a file that changed since
-is a miss, and its entry is replaced. Every entry carries a CRC32 of its pixels; one that
-does not match is dropped and decoded again from the source, never served.
+is a miss, and its entry is replaced. Every entry carries a checksum of its pixels (CRC32C
+with the CPU's instruction where the `crc32c` package has it, else zlib's CRC32; the entry
+names which); one that does not match is dropped and decoded again from the source, never
+served.
 """
 
 from __future__ import annotations
@@ -11,10 +13,16 @@ from __future__ import annotations
 import dataclasses
 import zlib
 
+import crc32c
 import numpy as np
 
-__all__ = ["Entry", "Tally"]
+__all__ = ["CHECKS", "Entry", "Tally"]
 assert __all__ == sorted(__all__)
+
+# a checksum of the pixels, by the name an entry records: CRC32C runs 4-5x faster than
+# zlib's CRC32 where the CPU has an instruction for it
+CHECKS = {"crc32c": crc32c.crc32c, "crc32": zlib.crc32}
+CHECK = "crc32c" if crc32c.hardware_based else "crc32"  # what new entries use
 
 
 @dataclasses.dataclass
@@ -28,13 +36,14 @@ class Entry:
     reason: str | None = None
     detail: str | None = None
     crc: int = 0
+    check: str = CHECK  # which of `CHECKS` made ``crc``
     shape: tuple[int, ...] | None = None  # the pixels' (H, W, 3)
     encoded: bytes | None = None  # cache_encoding="jpeg": what is stored (pixels decode from it)
 
     @classmethod
     def image(cls, ident, where: str, seconds: float, pixels: np.ndarray,
               encoded: bytes | None = None) -> Entry:  # fmt: skip
-        return cls(ident, where, seconds, pixels, crc=zlib.crc32(pixels.data),
+        return cls(ident, where, seconds, pixels, crc=CHECKS[CHECK](pixels.data),
                    shape=tuple(pixels.shape), encoded=encoded)  # fmt: skip
 
     def sound(self) -> bool:
@@ -45,8 +54,10 @@ class Entry:
         p = self.pixels
         if p is None:
             return False
-        return (p.dtype == np.uint8 and p.shape == tuple(self.shape) and p.shape[2] == 3
-                and p.flags.c_contiguous and zlib.crc32(p.data) == self.crc)  # fmt: skip
+        check = CHECKS.get(self.check)
+        return (check is not None and p.dtype == np.uint8 and p.shape == tuple(self.shape)
+                and p.shape[2] == 3 and p.flags.c_contiguous
+                and check(p.data) == self.crc)  # fmt: skip
 
 
 @dataclasses.dataclass
