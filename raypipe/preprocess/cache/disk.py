@@ -5,8 +5,9 @@ under ``cache_dir`` (``cache="disk"``, kept for later runs) or in the node's sha
 ```
  <root>/usage                 bytes and entries held (under an flock)
  <root>/<ab>/<sha1 of id>     MAGIC, header length, JSON header (ident, where, seconds,
-                              shape or reason, CRC32 of the pixels, encoding), then the
-                              raw pixels, or their JPEG (cache_encoding="jpeg")
+                              shape or reason, checksum of the pixels and its kind,
+                              encoding), then the raw pixels, or their JPEG
+                              (cache_encoding="jpeg")
 ```
 
 The budget is first-come: the first samples decoded are kept until the next one would
