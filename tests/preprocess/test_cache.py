@@ -83,6 +83,26 @@ def test_mapped_stores_lease_the_budget_and_give_back_what_they_did_not_use(tmp_
     assert all(np.array_equal(g.pixels, pixels(n)) for n, g in enumerate(got) if g is not None)
 
 
+def test_a_write_that_fails_leaves_no_file_and_gives_its_budget_back(tmp_path, monkeypatch):
+    from raypipe.preprocess.cache import disk
+
+    store = DiskStore(str(tmp_path / "m"), budget=1 << 20, mapped=True)
+    store.put("a", Entry.image(IDENT, "a.jpg", 0.01, pixels(1)))
+    real = os.replace
+
+    def full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(disk.os, "replace", full)
+    with pytest.raises(OSError):
+        store.put("b", Entry.image(IDENT, "b.jpg", 0.01, pixels(2)))
+    monkeypatch.setattr(disk.os, "replace", real)
+    store.settle()
+    files = [f for f in (tmp_path / "m").rglob("*") if f.is_file() and f.name != "usage"]
+    assert [f.name for f in files] == [Path(store.path("a")).name]  # no .tmp left
+    assert store.held() == (files[0].stat().st_size, 1)
+
+
 def test_a_mapped_store_checks_an_entry_once_then_serves_its_mapping(tmp_path):
     root = str(tmp_path / "m")
     writer = DiskStore(root, budget=1 << 20, mapped=True)

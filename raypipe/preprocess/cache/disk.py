@@ -145,14 +145,19 @@ class DiskStore:
             self.tally.refused += 1
             self.full = True
             return
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb" if self._mapped is None else "w+b") as f:
-            f.write(head)
-            f.write(body)  # the pixels' own buffer: no copy of them first
-            f.flush()
-            written = self._written(f, entry, len(head))
-        os.replace(tmp, path)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(tmp, "wb" if self._mapped is None else "w+b") as f:
+                f.write(head)
+                f.write(body)  # the pixels' own buffer: no copy of them first
+                f.flush()
+                written = self._written(f, entry, len(head))
+            os.replace(tmp, path)
+        except BaseException:  # a full disk, a cleared cache: the lease keeps its bytes
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         self._lease -= size
         self._written_n += 1
         if written is not None:

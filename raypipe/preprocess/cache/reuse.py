@@ -16,6 +16,7 @@ A read error (``unreadable``, ``unreadable_shard``) may pass: it is never rememb
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -184,7 +185,9 @@ class SampleCache:
         try:
             self.store.put(i, entry)
         except Exception:  # a full or failing disk, or a memory cache cleared: on
-            self.store, self.counter = None, None  # without, until `node.ensure`
+            with contextlib.suppress(Exception):  # without, until `node.ensure`; what
+                self.store.settle()  # it took of the budget and did not use, given back
+            self.store, self.counter = None, None
 
     def _settle(self) -> None:
         if self.store is not None:
