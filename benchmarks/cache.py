@@ -44,8 +44,8 @@ import numpy as np
 from raypipe.config import PipelineConfig
 from raypipe.plan.shards import list_shards
 from raypipe.preprocess.cache import node
-from raypipe.preprocess.cache.capped import crop_chw, decode_capped, encode_stored
-from raypipe.preprocess.decode import decode_crop
+from raypipe.preprocess.cache.capped import decode_capped, encode_stored
+from raypipe.preprocess.decode import crop_chw, decode_crop
 
 PILLOW = {"num_workers": 2, "persistent_workers": True, "prefetch_factor": 2}
 SIDES = (128, 160, 224, 256, 320, 512)

@@ -41,10 +41,10 @@ from pathlib import Path
 import cache as cache_bench
 import ingest
 
-from raypipe.preprocess.cache.capped import crop_chw, decode_capped
+from raypipe.preprocess.cache.capped import decode_capped
 from raypipe.preprocess.cache.disk import DiskStore
 from raypipe.preprocess.cache.store import Entry
-from raypipe.preprocess.decode import decode_crop
+from raypipe.preprocess.decode import crop_chw, decode_crop
 
 IDENT = (1, 1)
 

@@ -59,8 +59,8 @@ from raypipe.cli import localray
 from raypipe.config import PipelineConfig
 from raypipe.preprocess.augment import plan, sample_rng
 from raypipe.preprocess.cache import node
-from raypipe.preprocess.cache.capped import crop_chw, decode_capped
-from raypipe.preprocess.decode import decode_crop
+from raypipe.preprocess.cache.capped import decode_capped
+from raypipe.preprocess.decode import crop_chw, decode_crop
 
 GRID = (3, 4)  # photos: rows × columns of cells per sample photo
 QUALITY = 90

@@ -32,9 +32,8 @@ from raypipe.formats.sample import RawSample
 from raypipe.plan.rankplan import RankTasks
 from raypipe.plan.shards import Reader, unpack_done
 from raypipe.preprocess.augment import Plan, plan, sample_rng
-from raypipe.preprocess.cache.capped import crop_chw
 from raypipe.preprocess.cache.reuse import SampleCache
-from raypipe.preprocess.decode import decode_crop
+from raypipe.preprocess.decode import crop_chw, decode_crop
 from raypipe.preprocess.encoded import Encoded, EncodedBlocks
 from raypipe.preprocess.imageblocks import ImageBlocks
 from raypipe.preprocess.samples.fields import sample_map

@@ -26,6 +26,10 @@ class Box(NamedTuple):
     width: float
     height: float
 
+    def scaled(self, sx: float, sy: float) -> Box:
+        """The box in an image scaled by ``sx``, ``sy`` (a DCT-scaled decode)."""
+        return Box(self.left * sx, self.top * sy, self.width * sx, self.height * sy)
+
 
 def sample_rng(seed: int, epoch: int, key: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64([seed, epoch, key]))

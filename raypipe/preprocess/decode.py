@@ -24,11 +24,11 @@ import math
 import numpy as np
 
 from raypipe.preprocess import region
-from raypipe.preprocess.augment import Box
+from raypipe.preprocess.augment import Box, Plan
 from raypipe.preprocess.pillow import pillow_decode_crop
-from raypipe.preprocess.region import MARGIN
 
-__all__ = ["decode_crop", "exif_orientation", "fast_decodable", "jpeg_size", "put_chw"]
+__all__ = ["crop_chw", "crop_resize", "decode_crop", "decode_scaled", "exif_orientation",
+           "fast_decodable", "jpeg_size", "put_chw"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 _FAST_COLORSPACES = ("YCbCr", "Gray", "RGB")
@@ -41,9 +41,6 @@ def decode_crop(data: bytes, size: int, choose) -> np.ndarray:
     The result may be the CHW view of an H×W×3 array; copy it where contiguity matters
     (`put_chw` does, fast).
     """
-    import cv2
-    import simplejpeg
-
     head = jpeg_size(data)
     if head is None:
         return pillow_decode_crop(data, size, choose)
@@ -51,22 +48,31 @@ def decode_crop(data: bytes, size: int, choose) -> np.ndarray:
     p = choose(width, height)
     try:
         k = _dct_reduction(width, height, p.box, size)
-        if region.available() and data[-2:] == b"\xff\xd9":  # ends whole: see below
+        if region.fits(data):
             rgb, box = region.decode_box(data, k, width, height, p.box)
         else:
-            if k == 1:
-                rgb = simplejpeg.decode_jpeg(data, colorspace="RGB")
-            else:
-                want_h, want_w = -(-height // k), -(-width // k)
-                rgb = simplejpeg.decode_jpeg(
-                    data, colorspace="RGB", min_height=want_h, min_width=want_w
-                )
-            box = _scaled(p.box, rgb.shape[1] / width, rgb.shape[0] / height)
+            rgb = decode_scaled(data, width, height, k)
+            box = p.box.scaled(rgb.shape[1] / width, rgb.shape[0] / height)
     except ValueError:  # recoverable damage libjpeg-turbo refuses strictly: let Pillow try
         return pillow_decode_crop(data, size, lambda w, h: p)
-    # (A region decode stops below the crop, so it cannot see a file cut short; one without
-    # its end marker takes the whole-image path, which refuses it whatever the crop.)
-    out = crop_resize(rgb, box, size)
+    return crop_chw(rgb, p._replace(box=box), size)
+
+
+def decode_scaled(data: bytes, width: int, height: int, k: int) -> np.ndarray:
+    """The whole JPEG ``data`` (``width``×``height``) as H×W×3 RGB, decoded at 1/``k``
+    scale (libjpeg's size: each side rounded up). Raises ValueError on damage."""
+    import simplejpeg
+
+    return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=-(-height // k),
+                                  min_width=-(-width // k))  # fmt: skip
+
+
+def crop_chw(rgb: np.ndarray, p: Plan, size: int) -> np.ndarray:
+    """``p``'s crop of the H×W×3 ``rgb``, resized to size×size and flipped as planned:
+    uint8 (3, size, size), the CHW view of an H×W×3 array."""
+    import cv2
+
+    out = crop_resize(rgb, p.box, size)
     if p.flip:
         out = cv2.flip(out, 1)
     return out.transpose(2, 0, 1)
@@ -91,9 +97,7 @@ def crop_resize(rgb: np.ndarray, box: Box, size: int) -> np.ndarray:
         x0, y0 = round(box.left), round(box.top)
         crop = rgb[y0 : y0 + round(box.height), x0 : x0 + round(box.width)]
     else:
-        x0, y0 = max(0, math.floor(box.left) - MARGIN), max(0, math.floor(box.top) - MARGIN)
-        x1 = min(w, math.ceil(box.left + box.width) + MARGIN)
-        y1 = min(h, math.ceil(box.top + box.height) + MARGIN)
+        x0, y0, x1, y1 = region.window(box, w, h)
         crop = rgb[y0:y1, x0:x1]
     blur_x, blur_y = (_BLUR * math.sqrt(max(0.0, s * s - 1.0)) for s in (sx, sy))
     if max(blur_x, blur_y) > 0.05:  # shrinking: low-pass first, as Pillow's filter does
@@ -192,7 +196,3 @@ def _dct_reduction(width: int, height: int, box: Box, size: int) -> int:
         if box.width * sx >= size and box.height * sy >= size:
             return k
     return 1
-
-
-def _scaled(box: Box, sx: float, sy: float) -> Box:
-    return Box(box.left * sx, box.top * sy, box.width * sx, box.height * sy)

@@ -22,31 +22,44 @@ try:
 except ImportError:  # built without a compiler or libjpeg's headers
     _jpegregion = None
 
-__all__ = ["MARGIN", "available", "decode_box"]
+__all__ = ["MARGIN", "available", "decode_box", "fits", "window"]
 assert __all__ == sorted(__all__)
 
 MARGIN = 3  # source pixels kept around the box for the resize's low-pass and warp
+_EOI = b"\xff\xd9"  # a JPEG's end marker
 
 
 def available() -> bool:
-    """True when region decoding was built (else decode_box is not to be called)."""
+    """True when region decoding was built."""
     return _jpegregion is not None
 
 
+def fits(data) -> bool:
+    """Whether ``data`` (a JPEG the fast path takes) may be region-decoded: built, and the
+    file ends with its end marker. A region decode stops below the crop, so it cannot see
+    a file cut short; such a file is decoded whole, which refuses it whatever the crop, so
+    a bad sample does not come and go with its crops."""
+    return _jpegregion is not None and data[-2:] == _EOI
+
+
+def window(box: Box, width: int, height: int) -> tuple[int, int, int, int]:
+    """The whole pixels ``x0, y0, x1, y1`` of a ``width``×``height`` image that a crop of
+    the fractional ``box`` reads: the box and `MARGIN` pixels each side, clipped."""
+    x0, y0 = max(0, math.floor(box.left) - MARGIN), max(0, math.floor(box.top) - MARGIN)
+    x1 = min(width, math.ceil(box.left + box.width) + MARGIN)
+    y1 = min(height, math.ceil(box.top + box.height) + MARGIN)
+    return x0, y0, x1, y1
+
+
 def decode_box(data: bytes, k: int, width: int, height: int, box: Box) -> tuple[np.ndarray, Box]:
-    """The part of the JPEG ``data`` (``width``×``height``) around ``box``, decoded at
+    """The `window` around ``box`` of the JPEG ``data`` (``width``×``height``) decoded at
     1/``k`` scale: uint8 H×W×3 (a view), and ``box`` in that array's pixels (scaled to the
-    decode and shifted to the region's origin). The region is ``box`` plus `MARGIN`
-    pixels each side, clipped to the image.
+    decode and shifted to the window's origin). Call it only where `fits` holds.
 
     Raises ValueError for data libjpeg-turbo refuses or warns about."""
     sw, sh = -(-width // k), -(-height // k)  # libjpeg's size at 1/k: rounded up
-    fx, fy = sw / width, sh / height
-    left, top = box.left * fx, box.top * fy
-    bw, bh = box.width * fx, box.height * fy
-    x0, y0 = max(0, math.floor(left) - MARGIN), max(0, math.floor(top) - MARGIN)
-    x1 = min(sw, math.ceil(left + bw) + MARGIN)
-    y1 = min(sh, math.ceil(top + bh) + MARGIN)
+    scaled = box.scaled(sw / width, sh / height)
+    x0, y0, x1, y1 = window(scaled, sw, sh)
     if x1 <= x0 or y1 <= y0:
         raise ValueError(f"crop box {box} is outside the {width}x{height} image")
     # one column more each side: the decoder starts a region at a block edge, where the
@@ -54,4 +67,4 @@ def decode_box(data: bytes, k: int, width: int, height: int, box: Box) -> tuple[
     a, b = max(0, x0 - 1), min(sw, x1 + 1)
     buf, xs, cols = _jpegregion.decode(data, k, a, y0, b - a, y1 - y0)
     rgb = np.frombuffer(buf, dtype=np.uint8).reshape(y1 - y0, cols, 3)[:, x0 - xs : x1 - xs]
-    return rgb, Box(left - x0, top - y0, bw, bh)
+    return rgb, scaled._replace(left=scaled.left - x0, top=scaled.top - y0)

@@ -26,6 +26,13 @@ from tests.ranks import run_ranks
 IDENT = (100, 7)
 
 
+def put_all(store: DiskStore, items: list[tuple[str, Entry]]) -> None:
+    """Write ``items`` as a worker's task does: each at once, the budget settled after."""
+    for i, entry in items:
+        store.put(i, entry)
+    store.settle()
+
+
 def pixels(seed: int = 0, shape=(12, 14, 3)) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
 
@@ -37,7 +44,7 @@ def test_a_store_is_first_come_within_its_budget_then_sends_nothing(tmp_path):
     one = Entry.image(IDENT, "a.jpg", 0.01, pixels())
     size = sum(len(part) for part in _parts(one))
     store = DiskStore(str(tmp_path / "c"), budget=2 * size + 100)  # JSON headers vary a little
-    store.put_many([(f"f{i}", Entry.image(IDENT, f"{i}.jpg", 0.01, pixels(i))) for i in range(3)])
+    put_all(store, [(f"f{i}", Entry.image(IDENT, f"{i}.jpg", 0.01, pixels(i))) for i in range(3)])
     got = store.get_many(["f0", "f1", "f2"], [IDENT] * 3)
     assert [g is not None for g in got] == [True, True, False]  # the third did not fit
     held = store.held()
@@ -45,7 +52,7 @@ def test_a_store_is_first_come_within_its_budget_then_sends_nothing(tmp_path):
     assert 2 * size - 20 < held[0] <= store.budget
     assert np.array_equal(got[1].pixels, pixels(1))
     assert store.get_many(["f0"], [(101, 7)]) == [None]  # the file changed: a miss
-    store.put_many([("f0", Entry.image((101, 7), "0.jpg", 0.01, pixels(5)))])  # replaced
+    put_all(store, [("f0", Entry.image((101, 7), "0.jpg", 0.01, pixels(5)))])  # replaced
     assert store.held()[1] == 2
     assert np.array_equal(store.get_many(["f0"], [(101, 7)])[0].pixels, pixels(5))
 
@@ -106,7 +113,7 @@ def test_a_write_that_fails_leaves_no_file_and_gives_its_budget_back(tmp_path, m
 def test_a_mapped_store_checks_an_entry_once_then_serves_its_mapping(tmp_path):
     root = str(tmp_path / "m")
     writer = DiskStore(root, budget=1 << 20, mapped=True)
-    writer.put_many([(k, Entry.image(IDENT, f"{k}.jpg", 0.01, pixels(n))) for n, k in
+    put_all(writer, [(k, Entry.image(IDENT, f"{k}.jpg", 0.01, pixels(n))) for n, k in
                      enumerate("ab")])  # fmt: skip
     damaged = bytearray(Path(writer.path("b")).read_bytes())
     damaged[-1] ^= 0xFF
@@ -133,7 +140,7 @@ def test_a_memory_cache_lives_in_shared_memory_as_long_as_its_actor(tmp_path, mo
     first = node.NodeCache("memory", 1 << 20, node.cache_root(config, "n1"), store_bytes=0)
     root, limit = first.where()
     assert root.startswith(str(tmp_path / shm.PREFIX)) and limit == 1 << 20
-    DiskStore(root, limit).put_many([("a", Entry.image(IDENT, "a.jpg", 0.01, pixels()))])
+    put_all(DiskStore(root, limit), [("a", Entry.image(IDENT, "a.jpg", 0.01, pixels()))])
     assert shm.sweep(str(tmp_path)) == []  # held: left alone
     assert first.stats().entries == 1 and first.stats().bytes > pixels().nbytes
     # an actor killed hard: its lock goes with its process, here closed by hand
@@ -151,7 +158,7 @@ def test_a_memory_cache_lives_in_shared_memory_as_long_as_its_actor(tmp_path, mo
 def test_disk_store_round_trips_and_refuses_damaged_files(tmp_path):
     store = DiskStore(str(tmp_path / "c"), budget=1 << 20)
     bad = Entry(IDENT, "b.jpg", 0.02, None, "not_an_image", "it is text")
-    store.put_many([("a", Entry.image(IDENT, "a.jpg", 0.01, pixels())), ("b", bad)])
+    put_all(store, [("a", Entry.image(IDENT, "a.jpg", 0.01, pixels())), ("b", bad)])
     a, b = store.get_many(["a", "b"], [IDENT, IDENT])
     assert np.array_equal(a.pixels, pixels()) and a.where == "a.jpg"
     assert (b.pixels, b.reason, b.detail) == (None, "not_an_image", "it is text")
@@ -165,7 +172,7 @@ def test_disk_store_round_trips_and_refuses_damaged_files(tmp_path):
     assert store.get_many(["a"], [IDENT]) == [None] and store.tally.corrupt == 2
     assert store.get_many(["b"], [(1, 1)]) == [None]  # the source changed: a miss
     small = DiskStore(str(tmp_path / "d"), budget=100)
-    small.put_many([("a", Entry.image(IDENT, "a.jpg", 0.01, pixels()))])
+    put_all(small, [("a", Entry.image(IDENT, "a.jpg", 0.01, pixels()))])
     assert small.tally.refused == 1 and small.held() == (0, 0) and small.full
 
 
@@ -209,7 +216,7 @@ def test_a_jpeg_entry_round_trips_smaller_and_a_damaged_one_is_not_served(tmp_pa
     data, served = encode_stored(rgb)
     assert served.shape == rgb.shape and np.abs(served.astype(int) - rgb).mean() < 3
     store = DiskStore(str(tmp_path / "j"), budget=1 << 20)
-    store.put_many([("a", Entry.image(IDENT, "a.jpg", 0.01, served, data))])
+    put_all(store, [("a", Entry.image(IDENT, "a.jpg", 0.01, served, data))])
     (got,) = store.get_many(["a"], [IDENT])
     assert np.array_equal(got.pixels, served)  # the pixels the first crop came from
     assert os.path.getsize(store.path("a")) < rgb.nbytes / 2

@@ -1,4 +1,5 @@
-"""Decode an image to its capped size (short side at most ``max_side``), and crop from it.
+"""Decode an image to its capped size (short side at most ``max_side``); crops from it are
+`raypipe.preprocess.decode.crop_chw`'s.
 
 With the cache on, every crop comes from the capped image, the first decode's too, so a
 key gets the same pixels whether its image was just decoded or came from the cache. The
@@ -13,12 +14,11 @@ import math
 
 import numpy as np
 
-from raypipe.preprocess.augment import Plan
-from raypipe.preprocess.decode import crop_resize, jpeg_size
+from raypipe.preprocess.decode import decode_scaled, jpeg_size
 from raypipe.preprocess.pillow import open_image, to_rgb
 from raypipe.skips.records import BadSample
 
-__all__ = ["JPEG_QUALITY", "crop_chw", "decode_capped", "decode_stored", "encode_stored"]
+__all__ = ["JPEG_QUALITY", "decode_capped", "decode_stored", "encode_stored"]
 assert __all__ == sorted(__all__)
 
 JPEG_QUALITY = 90  # cache_encoding="jpeg": 4:2:0, about a ninth of the raw bytes
@@ -57,25 +57,10 @@ def decode_stored(data: bytes) -> np.ndarray:
     return simplejpeg.decode_jpeg(data, colorspace="RGB")
 
 
-def crop_chw(rgb: np.ndarray, p: Plan, size: int) -> np.ndarray:
-    """``p``'s crop of the H×W×3 ``rgb``, resized to size×size: uint8 (3, size, size)."""
-    import cv2
-
-    out = crop_resize(rgb, p.box, size)
-    if p.flip:
-        out = cv2.flip(out, 1)
-    return out.transpose(2, 0, 1)
-
-
 def _turbo(data: bytes, width: int, height: int, max_side: int) -> np.ndarray | None:
-    import simplejpeg
-
     k = next((k for k in (8, 4, 2) if min(-(-width // k), -(-height // k)) >= max_side), 1)
     try:
-        if k == 1:
-            return simplejpeg.decode_jpeg(data, colorspace="RGB")
-        return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=-(-height // k),
-                                      min_width=-(-width // k))  # fmt: skip
+        return decode_scaled(data, width, height, k)
     except ValueError:  # damage libjpeg-turbo refuses strictly: Pillow tries
         return None
 

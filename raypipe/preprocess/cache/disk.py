@@ -163,14 +163,6 @@ class DiskStore:
         if written is not None:
             self._remember(i, written)
 
-    def put_many(self, items: list[tuple[str, Entry]]) -> None:
-        """`put` each, then `settle`."""
-        try:
-            for i, entry in items:
-                self.put(i, entry)
-        finally:
-            self.settle()
-
     def settle(self) -> None:
         """Give back the unused lease and count the entries written since the last time."""
         if self._lease or self._written_n:

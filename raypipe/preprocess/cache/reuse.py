@@ -16,7 +16,6 @@ A read error (``unreadable``, ``unreadable_shard``) may pass: it is never rememb
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -185,9 +184,8 @@ class SampleCache:
         try:
             self.store.put(i, entry)
         except Exception:  # a full or failing disk, or a memory cache cleared: on
-            with contextlib.suppress(Exception):  # without, until `node.ensure`; what
-                self.store.settle()  # it took of the budget and did not use, given back
-            self.store, self.counter = None, None
+            self._settle()  # without, once what it took of the budget is given back
+            self.store, self.counter = None, None  # (until `node.ensure` starts one)
 
     def _settle(self) -> None:
         if self.store is not None:
