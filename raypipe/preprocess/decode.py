@@ -55,7 +55,7 @@ def decode_crop(data: bytes, size: int, choose) -> np.ndarray:
             box = p.box.scaled(rgb.shape[1] / width, rgb.shape[0] / height)
     except ValueError:  # recoverable damage libjpeg-turbo refuses strictly: let Pillow try
         return pillow_decode_crop(data, size, lambda w, h: p)
-    return crop_chw(rgb, p._replace(box=box), size)
+    return crop_chw(rgb, Plan(box, p.flip), size)
 
 
 def decode_scaled(data: bytes, width: int, height: int, k: int) -> np.ndarray:

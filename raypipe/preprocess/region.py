@@ -67,4 +67,4 @@ def decode_box(data: bytes, k: int, width: int, height: int, box: Box) -> tuple[
     a, b = max(0, x0 - 1), min(sw, x1 + 1)
     buf, xs, cols = _jpegregion.decode(data, k, a, y0, b - a, y1 - y0)
     rgb = np.frombuffer(buf, dtype=np.uint8).reshape(y1 - y0, cols, 3)[:, x0 - xs : x1 - xs]
-    return rgb, scaled._replace(left=scaled.left - x0, top=scaled.top - y0)
+    return rgb, Box(scaled.left - x0, scaled.top - y0, scaled.width, scaled.height)

@@ -90,20 +90,46 @@ def test_mapped_stores_lease_the_budget_and_give_back_what_they_did_not_use(tmp_
     assert all(np.array_equal(g.pixels, pixels(n)) for n, g in enumerate(got) if g is not None)
 
 
+def test_two_processes_writing_one_entry_at_once_count_it_once(tmp_path, monkeypatch):
+    """An epoch's task and the next epoch's read-ahead can decode one sample at once: both
+    find no file, both write it. The usage file must count one entry of one file's bytes
+    (it counted two, and ``stats()["cache"]["entries"]`` with it)."""
+    root = str(tmp_path / "m")
+    first, second = (DiskStore(root, budget=1 << 20, mapped=True) for _ in range(2))
+    later = second._written
+
+    def meanwhile(f, entry, offset):  # the first process writes the entry in between
+        from raypipe.preprocess.cache import disk
+
+        with monkeypatch.context() as m:  # another process: a temporary file of its own
+            m.setattr(disk.os, "getpid", lambda: 1)
+            first.put("k", Entry.image(IDENT, "k.jpg", 0.01, pixels(1)))
+        return later(f, entry, offset)
+
+    monkeypatch.setattr(second, "_written", meanwhile)
+    second.put("k", Entry.image(IDENT, "k.jpg", 0.01, pixels(2)))
+    first.settle()
+    second.settle()
+    files = [f for f in Path(root).rglob("*") if f.is_file() and f.name != "usage"]
+    assert len(files) == 1 and first.held() == (files[0].stat().st_size, 1)
+    (got,) = DiskStore(root, budget=1 << 20).get_many(["k"], [IDENT])
+    assert np.array_equal(got.pixels, pixels(2))  # the last write wins, whole
+
+
 def test_a_write_that_fails_leaves_no_file_and_gives_its_budget_back(tmp_path, monkeypatch):
     from raypipe.preprocess.cache import disk
 
     store = DiskStore(str(tmp_path / "m"), budget=1 << 20, mapped=True)
     store.put("a", Entry.image(IDENT, "a.jpg", 0.01, pixels(1)))
-    real = os.replace
+    real = disk._place
 
     def full(src, dst):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(disk.os, "replace", full)
+    monkeypatch.setattr(disk, "_place", full)
     with pytest.raises(OSError):
         store.put("b", Entry.image(IDENT, "b.jpg", 0.01, pixels(2)))
-    monkeypatch.setattr(disk.os, "replace", real)
+    monkeypatch.setattr(disk, "_place", real)
     store.settle()
     files = [f for f in (tmp_path / "m").rglob("*") if f.is_file() and f.name != "usage"]
     assert [f.name for f in files] == [Path(store.path("a")).name]  # no .tmp left

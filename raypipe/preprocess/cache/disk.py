@@ -25,7 +25,8 @@ unused lease counted until the memory cache goes with its run.
 A file written by another run with the same settings is a hit as long as its source
 file's size and modification time are unchanged; otherwise it is a miss and is replaced.
 An entry that is truncated, unreadable or fails its CRC is decoded again, never served.
-Files are written to a temporary name and renamed, so a reader never sees half of one.
+Files are written to a temporary name and linked (or renamed) into place, so a reader never
+sees half of one, and two processes writing one entry at once count it once (`_place`).
 """
 
 from __future__ import annotations
@@ -153,13 +154,16 @@ class DiskStore:
                 f.write(body)  # the pixels' own buffer: no copy of them first
                 f.flush()
                 written = self._written(f, entry, len(head))
-            os.replace(tmp, path)
+            raced = _place(tmp, path)
         except BaseException:  # a full disk, a cleared cache: the lease keeps its bytes
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
         self._lease -= size
-        self._written_n += 1
+        if raced is None:
+            self._written_n += 1
+        else:  # another process wrote the same entry meanwhile: one entry, its bytes back
+            self._lease += raced
         if written is not None:
             self._remember(i, written)
 
@@ -208,6 +212,27 @@ class DiskStore:
             os.pwrite(fd, text, 0)
         finally:
             os.close(fd)  # releases the lock
+
+
+def _place(tmp: str, path: str) -> int | None:
+    """Move the written ``tmp`` to ``path``: None when ``path`` was free, else the bytes of
+    the file it replaced, which another process of the node wrote since this one looked
+    (two tasks that decode one sample at once: an epoch and the next one's read-ahead).
+    A hard link claims ``path`` atomically; without hard links, a plain rename."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        try:
+            raced = os.path.getsize(path)
+        except OSError:
+            raced = 0
+        os.replace(tmp, path)
+        return raced
+    except OSError:  # a file system without hard links
+        os.replace(tmp, path)
+        return None
+    os.unlink(tmp)
+    return None
 
 
 def _counts(raw: bytes) -> tuple[int, int]:
