@@ -33,6 +33,10 @@ assert __all__ == sorted(__all__)
 
 _FAST_COLORSPACES = ("YCbCr", "Gray", "RGB")
 _BLUR = 0.5  # Gaussian sigma per sqrt(shrink² - 1): close to Pillow's triangle filter
+# OpenCV's 8-bit Gaussian kernels are fixed point (8 fractional bits): up to this sigma the
+# side taps round to 0 and a pass along that axis returns its input (found by bisection; a
+# test holds it against cv2.GaussianBlur)
+_SIGMA_IDENTITY = 0.283
 
 
 def decode_crop(data: bytes, size: int, choose) -> np.ndarray:
@@ -100,9 +104,10 @@ def crop_resize(rgb: np.ndarray, box: Box, size: int) -> np.ndarray:
         x0, y0, x1, y1 = region.window(box, w, h)
         crop = rgb[y0:y1, x0:x1]
     blur_x, blur_y = (_BLUR * math.sqrt(max(0.0, s * s - 1.0)) for s in (sx, sy))
-    if max(blur_x, blur_y) > 0.05:  # shrinking: low-pass first, as Pillow's filter does
+    taps = (_taps(blur_x), _taps(blur_y))
+    if taps != (1, 1):  # shrinking: low-pass first, as Pillow's filter does
         crop = cv2.GaussianBlur(
-            crop, (0, 0), sigmaX=max(blur_x, 1e-3), sigmaY=max(blur_y, 1e-3),
+            crop, taps, sigmaX=max(blur_x, 1e-3), sigmaY=max(blur_y, 1e-3),
             borderType=cv2.BORDER_REPLICATE,
         )  # fmt: skip
     if whole:
@@ -114,6 +119,12 @@ def crop_resize(rgb: np.ndarray, box: Box, size: int) -> np.ndarray:
     return cv2.warpAffine(
         crop, to_source, (size, size), flags=flags, borderMode=cv2.BORDER_REPLICATE
     )
+
+
+def _taps(sigma: float) -> int:
+    """The Gaussian's kernel size along one axis: 1 (no pass) where OpenCV's 8-bit kernel
+    is the identity, else 0 (OpenCV's own size for ``sigma``)."""
+    return 1 if sigma <= _SIGMA_IDENTITY else 0
 
 
 def put_chw(dst: np.ndarray, image: np.ndarray) -> None:

@@ -156,6 +156,32 @@ def test_an_axis_that_shrinks_is_low_passed_when_the_other_grows(box):
     assert abs(fast.mean() - standard.mean()) < 3
 
 
+def test_the_low_pass_leaves_out_only_what_opencv_would_not_change():
+    """The crop's blur takes no pass along an axis whose 8-bit kernel is the identity: for
+    every sigma (both axes alike and mixed), the pixels equal those of OpenCV's own kernel
+    sizes (the input itself where no pass is taken). A threshold set too high fails here."""
+    import cv2
+
+    rng = np.random.default_rng(0)
+    img = rng.integers(0, 256, (61, 67, 3), dtype=np.uint8)
+    img[0], img[1] = 0, 255  # the widest steps a kernel's rounding can show
+
+    def blur(size, sx, sy):
+        return cv2.GaussianBlur(img, size, sigmaX=sx, sigmaY=sy, borderType=cv2.BORDER_REPLICATE)
+
+    sigmas = np.append(np.linspace(0.001, 1.2, 2400), decode._SIGMA_IDENTITY)
+    others = (0.001, 0.2, decode._SIGMA_IDENTITY, 0.35, 0.7)
+    taken = set()
+    for sx in sigmas:
+        for sy in (sx, *others):
+            size = (decode._taps(sx), decode._taps(sy))
+            taken.add(size)
+            expected = blur((0, 0), sx, sy)
+            got = img if size == (1, 1) else blur(size, sx, sy)
+            assert np.array_equal(got, expected), (sx, sy, size)
+    assert {(1, 1), (0, 0), (1, 0), (0, 1)} <= taken
+
+
 @pytest.mark.parametrize("shape", [(224, 224), (31, 17), (1, 5)])
 def test_put_chw_writes_every_layout_as_its_chw_copy(shape):
     """decode_crop's CHW view of an HWC array, a mirrored view, contiguous CHW arrays and
