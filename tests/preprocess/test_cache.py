@@ -234,23 +234,82 @@ def test_entries_name_their_checksum_and_an_older_crc32_entry_is_still_checked(t
     assert st.get_many(["o"], [IDENT]) == [None] and st.tally.corrupt == 1
 
 
-def test_a_jpeg_entry_round_trips_smaller_and_a_damaged_one_is_not_served(tmp_path):
-    from raypipe.preprocess.cache.capped import encode_stored
+def ramp(height: int = 40, width: int = 60) -> np.ndarray:
+    y, x = np.mgrid[0:height, 0:width]
+    return np.ascontiguousarray(np.stack([x * 4, y * 6, (x + y) * 2], axis=-1).astype(np.uint8))
 
-    y, x = np.mgrid[0:40, 0:60]
-    rgb = np.ascontiguousarray(np.stack([x * 4, y * 6, (x + y) * 2], axis=-1).astype(np.uint8))
+
+def test_a_jpeg_entry_round_trips_smaller_and_a_damaged_one_is_not_served(tmp_path):
+    """A ``cache_encoding="jpeg"`` entry comes back as its JPEG (the checksum covers its
+    bytes), which decodes to the pixels the first crop came from; one byte changed in it
+    and it is refused."""
+    from raypipe.preprocess.cache.capped import Stored, encode_stored
+
+    rgb = ramp()
     data, served = encode_stored(rgb)
     assert served.shape == rgb.shape and np.abs(served.astype(int) - rgb).mean() < 3
     store = DiskStore(str(tmp_path / "j"), budget=1 << 20)
     put_all(store, [("a", Entry.image(IDENT, "a.jpg", 0.01, served, data))])
     (got,) = store.get_many(["a"], [IDENT])
-    assert np.array_equal(got.pixels, served)  # the pixels the first crop came from
+    assert got.pixels is None and got.encoded == data and got.of == "encoded"
+    assert np.array_equal(Stored(got.encoded, *got.shape[:2]).pixels(), served)
     assert os.path.getsize(store.path("a")) < rgb.nbytes / 2
     path = store.path("a")
     damaged = bytearray(Path(path).read_bytes())
     damaged[-40] ^= 0x5A
     Path(path).write_bytes(bytes(damaged))
     assert store.get_many(["a"], [IDENT]) == [None] and store.tally.corrupt == 1
+
+
+def test_a_jpeg_entry_written_before_its_bytes_were_checked_is_still_checked(tmp_path):
+    """A disk cache's jpeg entry from before (the checksum of its decoded pixels, no "of" in
+    its header) is decoded and checked as it was written: served when sound, not when its
+    JPEG was changed."""
+    import json
+    import struct
+
+    from raypipe.preprocess.cache.capped import encode_stored
+    from raypipe.preprocess.cache.disk import MAGIC
+    from raypipe.preprocess.cache.store import CHECK, CHECKS
+
+    data, served = encode_stored(ramp())
+    head = {"ident": list(IDENT), "where": "o.jpg", "seconds": 0.01, "reason": None,
+            "detail": None, "crc": CHECKS[CHECK](served.data), "check": CHECK,
+            "shape": list(served.shape), "encoding": "jpeg"}  # fmt: skip
+    text = json.dumps(head).encode()
+    st = DiskStore(str(tmp_path / "old"), budget=1 << 20)
+    path = Path(st.path("o"))
+    path.parent.mkdir(parents=True)
+    path.write_bytes(MAGIC + struct.pack("<I", len(text)) + text + data)
+    (old,) = st.get_many(["o"], [IDENT])
+    assert old is not None and old.of == "pixels" and np.array_equal(old.pixels, served)
+    damaged = bytearray(path.read_bytes())
+    damaged[-40] ^= 0x5A
+    path.write_bytes(bytes(damaged))
+    assert st.get_many(["o"], [IDENT]) == [None]
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_a_crop_of_a_stored_jpeg_is_the_crop_of_its_whole_decode(train):
+    """`crop_stored` (the crop's region decoded, where region decoding was built) gives the
+    pixels `crop_chw` gives from the whole decode, for random-resized and center crops of
+    several sizes, flipped or not."""
+    from raypipe.preprocess.augment import plan, sample_rng
+    from raypipe.preprocess.cache.capped import Stored, crop_stored, encode_stored
+    from raypipe.preprocess.decode import crop_chw
+
+    rng = np.random.default_rng(3)
+    for height, width in ((240, 320), (320, 427), (97, 131)):
+        noisy = np.clip(ramp(height, width) + rng.integers(0, 40, (height, width, 3)), 0, 255)
+        data, whole = encode_stored(noisy.astype(np.uint8))
+        stored = Stored(data, height, width)
+        for key in range(24):
+            p = plan(width, height, train=train, rng=sample_rng(0, 1, key), scale=(0.08, 1.0),
+                     ratio=(3 / 4, 4 / 3), flip=True)  # fmt: skip
+            for size in (32, 224):
+                expected = np.ascontiguousarray(crop_chw(whole, p, size))
+                got = np.ascontiguousarray(crop_stored(stored, p, size))
+                assert np.array_equal(got, expected), (height, width, key, size, p)
 
 
 def test_decode_capped_keeps_the_short_side_at_most_the_cap():

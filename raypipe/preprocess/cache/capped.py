@@ -6,19 +6,27 @@ key gets the same pixels whether its image was just decoded or came from the cac
 capped image is the whole upright RGB image (EXIF rotation applied), uint8 H×W×3:
 libjpeg-turbo decodes at the 1/2, 1/4 or 1/8 DCT scale that keeps the short side at least
 ``max_side``, then one area resize brings it down to exactly ``max_side``.
+
+``cache_encoding="jpeg"`` keeps the capped image re-encoded; every crop comes from what that
+JPEG decodes to. A cached one is served as `Stored`, and `crop_stored` decodes only the
+crop's region of it (`raypipe.preprocess.region`: the same pixels as the whole decode).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
-from raypipe.preprocess.decode import decode_scaled, jpeg_size
+from raypipe.preprocess import region
+from raypipe.preprocess.augment import Plan
+from raypipe.preprocess.decode import crop_chw, decode_scaled, jpeg_size
 from raypipe.preprocess.pillow import open_image, to_rgb
 from raypipe.skips.records import BadSample
 
-__all__ = ["JPEG_QUALITY", "decode_capped", "decode_stored", "encode_stored"]
+__all__ = ["JPEG_QUALITY", "Stored", "crop_stored", "decode_capped", "decode_stored",
+           "encode_stored", "stored_size"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 JPEG_QUALITY = 90  # cache_encoding="jpeg": 4:2:0, about a ninth of the raw bytes
@@ -55,6 +63,42 @@ def decode_stored(data: bytes) -> np.ndarray:
     import simplejpeg
 
     return simplejpeg.decode_jpeg(data, colorspace="RGB")
+
+
+def stored_size(data: bytes) -> tuple[int, int] | None:
+    """(height, width) of a re-encoded cache entry, from its header; None if unreadable."""
+    import simplejpeg
+
+    try:
+        return tuple(simplejpeg.decode_jpeg_header(data)[:2])
+    except ValueError:
+        return None
+
+
+class Stored(NamedTuple):
+    """A cached ``cache_encoding="jpeg"`` image, not decoded yet: its JPEG and size."""
+
+    data: bytes
+    height: int
+    width: int
+
+    def pixels(self) -> np.ndarray:
+        """The whole image (for a user transform, which gets all of it)."""
+        return decode_stored(self.data)
+
+
+def crop_stored(stored: Stored, p: Plan, size: int) -> np.ndarray:
+    """``p``'s crop of a stored JPEG, as `crop_chw` makes it from the whole decode: only
+    the crop's region is decoded where region decoding was built (its pixels are the
+    whole decode's)."""
+    if region.fits(stored.data):
+        try:
+            rgb, box = region.decode_box(stored.data, 1, stored.width, stored.height, p.box)
+        except ValueError:  # not expected of a JPEG that passed its check: decode it whole
+            pass
+        else:
+            return crop_chw(rgb, Plan(box, p.flip), size)
+    return crop_chw(stored.pixels(), p, size)
 
 
 def _turbo(data: bytes, width: int, height: int, max_side: int) -> np.ndarray | None:

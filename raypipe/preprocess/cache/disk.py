@@ -5,9 +5,9 @@ under ``cache_dir`` (``cache="disk"``, kept for later runs) or in the node's sha
 ```
  <root>/usage                 bytes and entries held (under an flock)
  <root>/<ab>/<sha1 of id>     MAGIC, header length, JSON header (ident, where, seconds,
-                              shape or reason, checksum of the pixels and its kind,
+                              shape or reason, checksum, its kind and what it covers,
                               encoding), then the raw pixels, or their JPEG
-                              (cache_encoding="jpeg")
+                              (cache_encoding="jpeg", the checksum of its bytes)
 ```
 
 The budget is first-come: the first samples decoded are kept until the next one would
@@ -43,7 +43,7 @@ import struct
 
 import numpy as np
 
-from raypipe.preprocess.cache.capped import decode_stored
+from raypipe.preprocess.cache.capped import decode_stored, stored_size
 from raypipe.preprocess.cache.store import Entry, Tally
 
 __all__ = ["DiskStore"]
@@ -248,8 +248,8 @@ def _parts(entry: Entry) -> tuple[bytes, memoryview]:
     head = {"ident": list(entry.ident), "where": entry.where, "seconds": entry.seconds,
             "reason": entry.reason, "detail": entry.detail, "crc": entry.crc,
             "check": entry.check,
-            "shape": None if entry.pixels is None else list(entry.pixels.shape),
-            "encoding": "raw" if entry.encoded is None else "jpeg"}  # fmt: skip
+            "shape": None if entry.shape is None else list(entry.shape),
+            "encoding": "raw" if entry.encoded is None else "jpeg", "of": entry.of}  # fmt: skip
     text = json.dumps(head).encode()
     if entry.encoded is not None:
         body = memoryview(entry.encoded)
@@ -262,32 +262,43 @@ def _parts(entry: Entry) -> tuple[bytes, memoryview]:
 
 def _parse(data: bytes) -> Entry | None:
     """The entry in ``data``; None when it is not a whole, well-formed entry (the CRC of
-    its pixels is checked by `Entry.sound`)."""
+    what it stores is checked by `Entry.sound`)."""
     try:
         if data[:8] != MAGIC:
             return None
         (n,) = struct.unpack("<I", data[8:12])
         head = json.loads(data[12 : 12 + n])
         body = memoryview(data)[12 + n :]
-        pixels, encoded = None, None
+        shape, pixels, encoded = None, None, None
         if head["shape"] is not None:
             shape = tuple(int(s) for s in head["shape"])
-            if len(shape) != 3:
-                return None
-            if head.get("encoding", "raw") == "jpeg":
-                encoded = bytes(body)
-                pixels = decode_stored(encoded)
-                if pixels.shape != shape:
-                    return None
-            else:
-                if len(body) != int(np.prod(shape)):
-                    return None
-                pixels = np.frombuffer(body, dtype=np.uint8).reshape(shape)
+            pixels, encoded = _stored(head, body, shape)
         elif len(body):
-            return None
+            raise ValueError("a bad sample's record with a body")
         return Entry((int(head["ident"][0]), int(head["ident"][1])), str(head["where"]),
                      float(head["seconds"]), pixels, head["reason"], head["detail"],
-                     int(head["crc"]), str(head.get("check", "crc32")),
-                     None if pixels is None else pixels.shape, encoded)  # fmt: skip
+                     int(head["crc"]), str(head.get("check", "crc32")), shape, encoded,
+                     str(head.get("of", "pixels")))  # fmt: skip
     except (ValueError, KeyError, TypeError, IndexError, struct.error):
         return None
+
+
+def _stored(head: dict, body: memoryview, shape: tuple[int, ...]):
+    """An image entry's ``(pixels, encoded)``: raw pixels (a view of ``body``), or a JPEG's
+    bytes, whose pixels are left to the crop (decoded here only for an entry written before
+    its checksum covered the bytes). Raises ValueError where they do not fit ``shape``."""
+    if len(shape) != 3:
+        raise ValueError(f"shape {shape}")
+    if head.get("encoding", "raw") != "jpeg":
+        if len(body) != int(np.prod(shape)):
+            raise ValueError("the pixels are cut short")
+        return np.frombuffer(body, dtype=np.uint8).reshape(shape), None
+    encoded = bytes(body)
+    if head.get("of", "pixels") == "pixels":  # written before: a CRC of its pixels
+        pixels = decode_stored(encoded)
+        if pixels.shape != shape:
+            raise ValueError("the JPEG is not the size its header says")
+        return pixels, encoded
+    if stored_size(encoded) != shape[:2]:
+        raise ValueError("the JPEG is not the size its header says")
+    return None, encoded

@@ -6,7 +6,7 @@
    ▼ one lookup per chunk in this node's cache files (`DiskStore`: shared memory or disk)
    ▼ rows whose samples are all cached: their samples, without reading the file
      others: read as usual, cached samples among them not decoded
- image(raw) ── a hit: the cached pixels, or the remembered reason it is bad
+ image(raw) ── a hit: the cached pixels (or JPEG), or the remembered reason it is bad
            └─ a miss: read + decode to the capped size (`decode_capped`), kept (first-come
               within the budget) with what it cost; a bad sample is kept as bad
 ```
@@ -24,7 +24,7 @@ import numpy as np
 
 from raypipe.formats.sample import RawSample
 from raypipe.preprocess.cache import node
-from raypipe.preprocess.cache.capped import decode_capped, encode_stored
+from raypipe.preprocess.cache.capped import Stored, decode_capped, encode_stored
 from raypipe.preprocess.cache.disk import DiskStore
 from raypipe.preprocess.cache.store import Entry, Tally
 from raypipe.skips.records import BadSample, detail_of, reason_of
@@ -134,15 +134,18 @@ class SampleCache:
         except (OSError, ValueError):
             return None  # read will say what is wrong; nothing is cached for it
 
-    def image(self, raw: RawSample) -> np.ndarray:
-        """The capped H×W×3 image of ``raw``; raises `BadSample` for a bad one (cached or not)."""
+    def image(self, raw: RawSample) -> np.ndarray | Stored:
+        """The capped H×W×3 image of ``raw``, or a cached JPEG of it (`Stored`: the crop
+        decodes what it needs); raises `BadSample` for a bad one (cached or not)."""
         entry = self._found.pop(raw.key, None)
         if entry is not None:
             self.tally.hits += 1
             self.tally.saved_s += entry.seconds
-            if entry.pixels is None:
+            if entry.shape is None:
                 self.tally.bad_hits += 1
                 raise BadSample(entry.reason, entry.detail)
+            if entry.pixels is None:
+                return Stored(entry.encoded, entry.shape[0], entry.shape[1])
             return entry.pixels
         self.tally.misses += 1
         i, ident, read_s = self._missed.pop(raw.key, (None, None, 0.0))

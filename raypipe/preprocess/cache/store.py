@@ -2,10 +2,11 @@
 
 An entry is a sample's capped pixels, or the reason it is bad, under the identity of its
 source file (size and modification time) when it was decoded: a file that changed since
-is a miss, and its entry is replaced. Every entry carries a checksum of its pixels (CRC32C
-with the CPU's instruction where the `crc32c` package has it, else zlib's CRC32; the entry
-names which); one that does not match is dropped and decoded again from the source, never
-served.
+is a miss, and its entry is replaced. Every entry carries a checksum of what it stores: its
+raw pixels, or its JPEG (``cache_encoding="jpeg"``, which a hit then decodes only where its
+crop needs). CRC32C with the CPU's instruction where the `crc32c` package has it, else
+zlib's CRC32; the entry names which. One that does not match is dropped and decoded again
+from the source, never served.
 """
 
 from __future__ import annotations
@@ -39,25 +40,33 @@ class Entry:
     check: str = CHECK  # which of `CHECKS` made ``crc``
     shape: tuple[int, ...] | None = None  # the pixels' (H, W, 3)
     encoded: bytes | None = None  # cache_encoding="jpeg": what is stored (pixels decode from it)
+    of: str = "pixels"  # what ``crc`` covers: "pixels", or "encoded" (the JPEG's bytes)
 
     @classmethod
     def image(cls, ident, where: str, seconds: float, pixels: np.ndarray,
               encoded: bytes | None = None) -> Entry:  # fmt: skip
-        return cls(ident, where, seconds, pixels, crc=CHECKS[CHECK](pixels.data),
-                   shape=tuple(pixels.shape), encoded=encoded)  # fmt: skip
+        """A decoded image's entry: its raw ``pixels``, or its JPEG ``encoded`` (whose
+        bytes the checksum then covers; ``pixels`` are what it decodes to)."""
+        if encoded is None:
+            crc, of = CHECKS[CHECK](pixels.data), "pixels"
+        else:
+            crc, of = CHECKS[CHECK](encoded), "encoded"
+        return cls(ident, where, seconds, pixels, crc=crc, shape=tuple(pixels.shape),
+                   encoded=encoded, of=of)  # fmt: skip
 
     def sound(self) -> bool:
-        """True when the entry can be served: a reason, or pixels that match their shape and
-        CRC."""
+        """True when the entry can be served: a reason, or pixels (or a JPEG) that match
+        their shape and CRC."""
         if self.shape is None:
             return self.reason is not None and self.pixels is None
-        p = self.pixels
-        if p is None:
-            return False
         check = CHECKS.get(self.check)
-        return (check is not None and p.dtype == np.uint8 and p.shape == tuple(self.shape)
-                and p.shape[2] == 3 and p.flags.c_contiguous
-                and check(p.data) == self.crc)  # fmt: skip
+        if check is None or len(self.shape) != 3 or self.shape[2] != 3:
+            return False
+        if self.of == "encoded":
+            return self.encoded is not None and check(self.encoded) == self.crc
+        p = self.pixels
+        return (p is not None and p.dtype == np.uint8 and p.shape == tuple(self.shape)
+                and p.flags.c_contiguous and check(p.data) == self.crc)  # fmt: skip
 
 
 @dataclasses.dataclass
