@@ -118,8 +118,9 @@ def capped_sizes(files: list[str], image: int) -> dict:
             data = Path(f).read_bytes()
             rgb = decode_capped(data, side, None)
             nbytes.append(rgb.nbytes)
-            encoded, served = encode_stored(rgb)
-            jpeg_bytes.append(len(encoded))
+            stored = encode_stored(rgb)
+            served = stored.pixels()
+            jpeg_bytes.append(len(stored.data))
             h, w = rgb.shape[:2]
             # one plan drawn on the full image's size, scaled to the capped one
             full = decode_crop(data, image, ingest.chooser(k, 1))

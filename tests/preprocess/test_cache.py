@@ -246,10 +246,11 @@ def test_a_jpeg_entry_round_trips_smaller_and_a_damaged_one_is_not_served(tmp_pa
     from raypipe.preprocess.cache.capped import Stored, encode_stored
 
     rgb = ramp()
-    data, served = encode_stored(rgb)
+    stored = encode_stored(rgb)
+    data, served = stored.data, stored.pixels()
     assert served.shape == rgb.shape and np.abs(served.astype(int) - rgb).mean() < 3
     store = DiskStore(str(tmp_path / "j"), budget=1 << 20)
-    put_all(store, [("a", Entry.image(IDENT, "a.jpg", 0.01, served, data))])
+    put_all(store, [("a", Entry.stored(IDENT, "a.jpg", 0.01, data, served.shape))])
     (got,) = store.get_many(["a"], [IDENT])
     assert got.pixels is None and got.encoded == data and got.of == "encoded"
     assert np.array_equal(Stored(got.encoded, *got.shape[:2]).pixels(), served)
@@ -272,7 +273,8 @@ def test_a_jpeg_entry_written_before_its_bytes_were_checked_is_still_checked(tmp
     from raypipe.preprocess.cache.disk import MAGIC
     from raypipe.preprocess.cache.store import CHECK, CHECKS
 
-    data, served = encode_stored(ramp())
+    stored = encode_stored(ramp())
+    data, served = stored.data, stored.pixels()
     head = {"ident": list(IDENT), "where": "o.jpg", "seconds": 0.01, "reason": None,
             "detail": None, "crc": CHECKS[CHECK](served.data), "check": CHECK,
             "shape": list(served.shape), "encoding": "jpeg"}  # fmt: skip
@@ -301,8 +303,9 @@ def test_a_crop_of_a_stored_jpeg_is_the_crop_of_its_whole_decode(train):
     rng = np.random.default_rng(3)
     for height, width in ((240, 320), (320, 427), (97, 131)):
         noisy = np.clip(ramp(height, width) + rng.integers(0, 40, (height, width, 3)), 0, 255)
-        data, whole = encode_stored(noisy.astype(np.uint8))
-        stored = Stored(data, height, width)
+        stored = encode_stored(noisy.astype(np.uint8))
+        assert stored == Stored(stored.data, height, width)
+        whole = stored.pixels()
         for key in range(24):
             p = plan(width, height, train=train, rng=sample_rng(0, 1, key), scale=(0.08, 1.0),
                      ratio=(3 / 4, 4 / 3), flip=True)  # fmt: skip

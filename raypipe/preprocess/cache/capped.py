@@ -7,9 +7,10 @@ capped image is the whole upright RGB image (EXIF rotation applied), uint8 HÃ—WÃ
 libjpeg-turbo decodes at the 1/2, 1/4 or 1/8 DCT scale that keeps the short side at least
 ``max_side``, then one area resize brings it down to exactly ``max_side``.
 
-``cache_encoding="jpeg"`` keeps the capped image re-encoded; every crop comes from what that
-JPEG decodes to. A cached one is served as `Stored`, and `crop_stored` decodes only the
-crop's region of it (`raypipe.preprocess.region`: the same pixels as the whole decode).
+``cache_encoding="jpeg"`` keeps the capped image re-encoded, and every crop comes from what
+that JPEG decodes to: it is served as `Stored`, just encoded or cached alike, and
+`crop_stored` decodes only the crop's region of it (`raypipe.preprocess.region`: the same
+pixels as the whole decode).
 """
 
 from __future__ import annotations
@@ -48,14 +49,14 @@ def decode_capped(data: bytes, max_side: int, max_pixels: int | None) -> np.ndar
     return _cap(rgb, max_side)
 
 
-def encode_stored(rgb: np.ndarray) -> tuple[bytes, np.ndarray]:
-    """``cache_encoding="jpeg"``: the capped image re-encoded, and the pixels it decodes
-    to, which every crop of the key then comes from (cached or just decoded alike)."""
+def encode_stored(rgb: np.ndarray) -> Stored:
+    """``cache_encoding="jpeg"``: the capped image re-encoded. Every crop of the key comes
+    from what it decodes to, the first one too (`crop_stored`), cached or just decoded alike."""
     import simplejpeg
 
     data = simplejpeg.encode_jpeg(np.ascontiguousarray(rgb), quality=JPEG_QUALITY,
                                   colorspace="RGB", colorsubsampling="420")  # fmt: skip
-    return data, decode_stored(data)
+    return Stored(data, rgb.shape[0], rgb.shape[1])
 
 
 def decode_stored(data: bytes) -> np.ndarray:

@@ -135,18 +135,24 @@ class SampleCache:
             return None  # read will say what is wrong; nothing is cached for it
 
     def image(self, raw: RawSample) -> np.ndarray | Stored:
-        """The capped H×W×3 image of ``raw``, or a cached JPEG of it (`Stored`: the crop
-        decodes what it needs); raises `BadSample` for a bad one (cached or not)."""
+        """The capped H×W×3 image of ``raw``, or its JPEG (``cache_encoding="jpeg"``:
+        `Stored`, the crop decodes what it needs); raises `BadSample` for a bad one (cached
+        or not)."""
         entry = self._found.pop(raw.key, None)
-        if entry is not None:
-            self.tally.hits += 1
-            self.tally.saved_s += entry.seconds
-            if entry.shape is None:
-                self.tally.bad_hits += 1
-                raise BadSample(entry.reason, entry.detail)
-            if entry.pixels is None:
-                return Stored(entry.encoded, entry.shape[0], entry.shape[1])
-            return entry.pixels
+        if entry is None:
+            return self._decoded(raw)
+        self.tally.hits += 1
+        self.tally.saved_s += entry.seconds
+        if entry.shape is None:
+            self.tally.bad_hits += 1
+            raise BadSample(entry.reason, entry.detail)
+        if entry.pixels is None:
+            return Stored(entry.encoded, entry.shape[0], entry.shape[1])
+        return entry.pixels
+
+    def _decoded(self, raw: RawSample) -> np.ndarray | Stored:
+        """A miss: decoded to the cap (and re-encoded, for ``jpeg``), kept if the store
+        takes it; a bad sample is kept as bad."""
         self.tally.misses += 1
         i, ident, read_s = self._missed.pop(raw.key, (None, None, 0.0))
         t0 = time.perf_counter()
@@ -165,13 +171,17 @@ class SampleCache:
                     i, Entry(ident, raw.where, seconds, None, reason, detail_of(e, raw.data))
                 )
             raise
-        encoded = None
+        served = pixels
         if self.config.cache_encoding == "jpeg":  # crops come from what the cache serves
-            encoded, pixels = encode_stored(pixels)
+            served = encode_stored(pixels)
         if i is not None and self._keeping():  # the entry (its CRC) only if it is written
             seconds = read_s + time.perf_counter() - t0
-            self._keep(i, Entry.image(ident, raw.where, seconds, pixels, encoded))
-        return pixels
+            if isinstance(served, Stored):
+                entry = Entry.stored(ident, raw.where, seconds, served.data, pixels.shape)
+            else:
+                entry = Entry.image(ident, raw.where, seconds, pixels)
+            self._keep(i, entry)
+        return served
 
     def _keeping(self) -> bool:
         """Whether a new entry would be written: not without a store, nor once it is full

@@ -43,16 +43,18 @@ class Entry:
     of: str = "pixels"  # what ``crc`` covers: "pixels", or "encoded" (the JPEG's bytes)
 
     @classmethod
-    def image(cls, ident, where: str, seconds: float, pixels: np.ndarray,
-              encoded: bytes | None = None) -> Entry:  # fmt: skip
-        """A decoded image's entry: its raw ``pixels``, or its JPEG ``encoded`` (whose
-        bytes the checksum then covers; ``pixels`` are what it decodes to)."""
-        if encoded is None:
-            crc, of = CHECKS[CHECK](pixels.data), "pixels"
-        else:
-            crc, of = CHECKS[CHECK](encoded), "encoded"
-        return cls(ident, where, seconds, pixels, crc=crc, shape=tuple(pixels.shape),
-                   encoded=encoded, of=of)  # fmt: skip
+    def image(cls, ident, where: str, seconds: float, pixels: np.ndarray) -> Entry:
+        """A decoded image's entry: its raw ``pixels``, the checksum theirs."""
+        return cls(ident, where, seconds, pixels, crc=CHECKS[CHECK](pixels.data),
+                   shape=tuple(pixels.shape))  # fmt: skip
+
+    @classmethod
+    def stored(cls, ident, where: str, seconds: float, data: bytes,
+               shape: tuple[int, int, int]) -> Entry:  # fmt: skip
+        """A ``cache_encoding="jpeg"`` entry: the JPEG ``data`` of a ``shape`` image, the
+        checksum its bytes'."""
+        return cls(ident, where, seconds, None, crc=CHECKS[CHECK](data), shape=tuple(shape),
+                   encoded=data, of="encoded")  # fmt: skip
 
     def sound(self) -> bool:
         """True when the entry can be served: a reason, or pixels (or a JPEG) that match
