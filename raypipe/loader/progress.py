@@ -5,7 +5,9 @@ raypipe rank 0 epoch 1: 3,072/6,144 samples  1,540 samples/s  wait 2%  actors 3 
 ```
 
 With the decoded cache on, the line ends with its hits, the bytes it holds and the read +
-decode seconds it saved, over the run and all nodes (``cache 9,216 hits 812 MiB saved 14 s``).
+decode seconds it saved, over the run and all nodes (``cache 9,216 hits 812 MiB saved 14 s``),
+and once its budget is full, the samples decoded since that it could not keep (``, 3,100
+decoded past its budget``): those are decoded again every epoch.
 
 The samples are the rank's batches handed to its trainer so far this epoch, of the planned
 rows; samples/s and the trainer's wait (share of the time it waited for a batch) are over
@@ -63,6 +65,8 @@ class ProgressLine:
         if c:
             text += (f"  cache {c['hits']:,} hits {c['bytes'] / 2**20:,.0f} MiB "
                      f"saved {c['saved_s']:,.0f} s")  # fmt: skip
+            if c.get("refused"):  # the budget is full: these decode again every epoch
+                text += f", {c['refused']:,} decoded past its budget"
         return text
 
     def _run(self) -> None:

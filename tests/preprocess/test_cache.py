@@ -365,6 +365,10 @@ def test_the_progress_line_shows_the_cache():
                      cache=lambda: counts)  # fmt: skip
     try:
         assert p.line().endswith("cache 9,216 hits 812 MiB saved 14 s")
+        counts["refused"] = 3100  # the budget is full: say what it costs
+        assert p.line().endswith(
+            "cache 9,216 hits 812 MiB saved 14 s, 3,100 decoded past its budget"
+        )
     finally:
         p.close()
 
