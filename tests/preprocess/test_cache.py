@@ -524,6 +524,26 @@ def test_a_jpeg_cache_gives_every_epoch_the_pixels_of_its_first(ray_session, tmp
     assert raw["entries"] == 26 and held["bytes"] < raw["bytes"]
 
 
+def test_a_jpeg_cache_gives_a_key_the_same_crops_fresh_or_cached(ray_session, tmp_path):
+    """``cache_encoding="jpeg"`` with random crops: a run whose budget keeps almost nothing
+    (each crop decoded by region from a freshly encoded JPEG) and one that keeps all (epoch 1
+    by region from the cached JPEGs) give the same pixels per key and epoch."""
+    source = make_imagefolder(tmp_path / "data", {"a": 14, "b": 12}, seed=6)
+    base = PipelineConfig(source=str(source), image_size=8, batch_size=2, rows_per_block=2,
+                          actors=(1, 1), cache="memory", cache_encoding="jpeg",
+                          cache_max_side=16)  # fmt: skip
+    small = base.replace(cache_budget=2 * 3 * 16 * 16)  # one block: a few small JPEGs
+    fresh, _ = run_ranks(small, 1, 2, normalize=False)
+    assert settled(small, 2 * 26)["refused"] > 0
+    cached, _ = run_ranks(base, 1, 2, normalize=False)
+    assert settled(base, 2 * 26)["hits"] >= 26
+    for epoch in range(2):
+        a, b = by_key(fresh, epoch), by_key(cached, epoch)
+        assert a.keys() == b.keys() and len(a) == 26
+        assert all(np.array_equal(a[k], b[k]) for k in a), epoch
+    assert any(not np.array_equal(by_key(cached, 0)[k], by_key(cached, 1)[k]) for k in a)
+
+
 def test_disk_cache_is_reused_by_a_later_run_and_invalidated_by_a_change(ray_session, tmp_path):
     source = make_imagefolder(tmp_path / "data", {"a": 12, "b": 9}, seed=5)
     config = PipelineConfig(source=str(source), image_size=8, batch_size=3, actors=(1, 1),

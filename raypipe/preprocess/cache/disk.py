@@ -246,8 +246,7 @@ def _counts(raw: bytes) -> tuple[int, int]:
 def _parts(entry: Entry) -> tuple[bytes, memoryview]:
     """An entry's file: its header (MAGIC, length, JSON), and its body as a buffer."""
     head = {"ident": list(entry.ident), "where": entry.where, "seconds": entry.seconds,
-            "reason": entry.reason, "detail": entry.detail, "crc": entry.crc,
-            "check": entry.check,
+            "reason": entry.reason, "detail": entry.detail, "crc": entry.crc, "check": entry.check,
             "shape": None if entry.shape is None else list(entry.shape),
             "encoding": "raw" if entry.encoded is None else "jpeg", "of": entry.of}  # fmt: skip
     text = json.dumps(head).encode()
@@ -285,20 +284,17 @@ def _parse(data: bytes) -> Entry | None:
 
 def _stored(head: dict, body: memoryview, shape: tuple[int, ...]):
     """An image entry's ``(pixels, encoded)``: raw pixels (a view of ``body``), or a JPEG's
-    bytes, whose pixels are left to the crop (decoded here only for an entry written before
-    its checksum covered the bytes). Raises ValueError where they do not fit ``shape``."""
+    bytes, left to the crop to decode (but for an entry from before its checksum covered
+    them). Raises ValueError where they do not fit ``shape``."""
     if len(shape) != 3:
         raise ValueError(f"shape {shape}")
     if head.get("encoding", "raw") != "jpeg":
         if len(body) != int(np.prod(shape)):
             raise ValueError("the pixels are cut short")
         return np.frombuffer(body, dtype=np.uint8).reshape(shape), None
-    encoded = bytes(body)
+    encoded, pixels = bytes(body), None
     if head.get("of", "pixels") == "pixels":  # written before: a CRC of its pixels
         pixels = decode_stored(encoded)
-        if pixels.shape != shape:
-            raise ValueError("the JPEG is not the size its header says")
-        return pixels, encoded
-    if stored_size(encoded) != shape[:2]:
+    if (stored_size(encoded) if pixels is None else pixels.shape[:2]) != shape[:2]:
         raise ValueError("the JPEG is not the size its header says")
-    return None, encoded
+    return pixels, encoded
