@@ -16,7 +16,8 @@ import pytest
 from raypipe import PipelineConfig
 from raypipe.preprocess.cache import node, shm
 from raypipe.preprocess.cache.capped import decode_capped
-from raypipe.preprocess.cache.disk import DiskStore, _parts
+from raypipe.preprocess.cache.disk import DiskStore
+from raypipe.preprocess.cache.entryfile import parts
 from raypipe.preprocess.cache.store import Entry
 from tests.conftest import image_bytes, make_imagefolder
 from tests.preprocess.test_bad_data import FOLDER_SKIPS, mixed_source
@@ -42,7 +43,7 @@ def pixels(seed: int = 0, shape=(12, 14, 3)) -> np.ndarray:
 
 def test_a_store_is_first_come_within_its_budget_then_sends_nothing(tmp_path):
     one = Entry.image(IDENT, "a.jpg", 0.01, pixels())
-    size = sum(len(part) for part in _parts(one))
+    size = sum(len(part) for part in parts(one))
     store = DiskStore(str(tmp_path / "c"), budget=2 * size + 100)  # JSON headers vary a little
     put_all(store, [(f"f{i}", Entry.image(IDENT, f"{i}.jpg", 0.01, pixels(i))) for i in range(3)])
     got = store.get_many(["f0", "f1", "f2"], [IDENT] * 3)
@@ -64,7 +65,7 @@ def test_mapped_stores_lease_the_budget_and_give_back_what_they_did_not_use(tmp_
     once settled the usage file counts exactly the files there."""
     from raypipe.preprocess.cache import disk
 
-    size = sum(len(part) for part in _parts(Entry.image(IDENT, "k000.jpg", 0.01, pixels())))
+    size = sum(len(part) for part in parts(Entry.image(IDENT, "k000.jpg", 0.01, pixels())))
     monkeypatch.setattr(disk, "LEASE", 10 * size)
     root = str(tmp_path / "m")
     stores = [DiskStore(root, budget=120 * size, mapped=True) for _ in range(2)]
@@ -213,7 +214,7 @@ def test_entries_name_their_checksum_and_an_older_crc32_entry_is_still_checked(t
     import crc32c
 
     from raypipe.preprocess.cache import store as cache_store
-    from raypipe.preprocess.cache.disk import MAGIC
+    from raypipe.preprocess.cache.entryfile import MAGIC
 
     fresh = Entry.image(IDENT, "a.jpg", 0.01, pixels())
     assert fresh.check == ("crc32c" if crc32c.hardware_based else "crc32")
@@ -270,7 +271,7 @@ def test_a_jpeg_entry_written_before_its_bytes_were_checked_is_still_checked(tmp
     import struct
 
     from raypipe.preprocess.cache.capped import encode_stored
-    from raypipe.preprocess.cache.disk import MAGIC
+    from raypipe.preprocess.cache.entryfile import MAGIC
     from raypipe.preprocess.cache.store import CHECK, CHECKS
 
     stored = encode_stored(ramp())

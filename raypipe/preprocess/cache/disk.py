@@ -4,10 +4,7 @@ under ``cache_dir`` (``cache="disk"``, kept for later runs) or in the node's sha
 
 ```
  <root>/usage                 bytes and entries held (under an flock)
- <root>/<ab>/<sha1 of id>     MAGIC, header length, JSON header (ident, where, seconds,
-                              shape or reason, checksum, its kind and what it covers,
-                              encoding), then the raw pixels, or their JPEG
-                              (cache_encoding="jpeg", the checksum of its bytes)
+ <root>/<ab>/<sha1 of id>     one entry (`raypipe.preprocess.cache.entryfile`)
 ```
 
 The budget is first-come: the first samples decoded are kept until the next one would
@@ -36,20 +33,17 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
-import json
 import mmap
 import os
-import struct
 
 import numpy as np
 
-from raypipe.preprocess.cache.capped import decode_stored, stored_size
+from raypipe.preprocess.cache import entryfile
 from raypipe.preprocess.cache.store import Entry, Tally
 
 __all__ = ["DiskStore"]
 assert __all__ == sorted(__all__)
 
-MAGIC = b"RPCACHE1"
 MAPPED = 8192  # entries a process keeps mapped (each one mapping; Linux allows ~65,000)
 LEASE = 16 << 20  # budget a mapped store's process takes at once (one lock per lease)
 
@@ -93,7 +87,7 @@ class DiskStore:
             except (OSError, ValueError):
                 out.append(None)
                 continue
-            entry = _parse(data)
+            entry = entryfile.parse(data)
             if entry is not None and tuple(entry.ident) != tuple(ident):
                 entry = None  # the source changed: a miss, replaced on the next put
             elif entry is None or not entry.sound():
@@ -135,7 +129,7 @@ class DiskStore:
         mapped store's process takes budget a lease at a time and gives back what it did
         not use at `settle`; other stores take it per entry), or refuse it (``full``)."""
         path = self.path(i)
-        head, body = _parts(entry)  # the header; the body is a view, not a copy
+        head, body = entryfile.parts(entry)  # the body is a view, not a copy
         size = len(head) + len(body)
         with contextlib.suppress(OSError):  # replaced: its bytes come back to the lease
             old = os.path.getsize(path)
@@ -241,60 +235,3 @@ def _counts(raw: bytes) -> tuple[int, int]:
     if not parts or not all(p.isdigit() for p in parts[:2]):
         return 0, 0
     return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
-
-
-def _parts(entry: Entry) -> tuple[bytes, memoryview]:
-    """An entry's file: its header (MAGIC, length, JSON), and its body as a buffer."""
-    head = {"ident": list(entry.ident), "where": entry.where, "seconds": entry.seconds,
-            "reason": entry.reason, "detail": entry.detail, "crc": entry.crc, "check": entry.check,
-            "shape": None if entry.shape is None else list(entry.shape),
-            "encoding": "raw" if entry.encoded is None else "jpeg", "of": entry.of}  # fmt: skip
-    text = json.dumps(head).encode()
-    if entry.encoded is not None:
-        body = memoryview(entry.encoded)
-    elif entry.pixels is None:
-        body = memoryview(b"")
-    else:
-        body = memoryview(np.ascontiguousarray(entry.pixels)).cast("B")
-    return MAGIC + struct.pack("<I", len(text)) + text, body
-
-
-def _parse(data: bytes) -> Entry | None:
-    """The entry in ``data``; None when it is not a whole, well-formed entry (the CRC of
-    what it stores is checked by `Entry.sound`)."""
-    try:
-        if data[:8] != MAGIC:
-            return None
-        (n,) = struct.unpack("<I", data[8:12])
-        head = json.loads(data[12 : 12 + n])
-        body = memoryview(data)[12 + n :]
-        shape, pixels, encoded = None, None, None
-        if head["shape"] is not None:
-            shape = tuple(int(s) for s in head["shape"])
-            pixels, encoded = _stored(head, body, shape)
-        elif len(body):
-            raise ValueError("a bad sample's record with a body")
-        return Entry((int(head["ident"][0]), int(head["ident"][1])), str(head["where"]),
-                     float(head["seconds"]), pixels, head["reason"], head["detail"],
-                     int(head["crc"]), str(head.get("check", "crc32")), shape, encoded,
-                     str(head.get("of", "pixels")))  # fmt: skip
-    except (ValueError, KeyError, TypeError, IndexError, struct.error):
-        return None
-
-
-def _stored(head: dict, body: memoryview, shape: tuple[int, ...]):
-    """An image entry's ``(pixels, encoded)``: raw pixels (a view of ``body``), or a JPEG's
-    bytes, left to the crop to decode (but for an entry from before its checksum covered
-    them). Raises ValueError where they do not fit ``shape``."""
-    if len(shape) != 3:
-        raise ValueError(f"shape {shape}")
-    if head.get("encoding", "raw") != "jpeg":
-        if len(body) != int(np.prod(shape)):
-            raise ValueError("the pixels are cut short")
-        return np.frombuffer(body, dtype=np.uint8).reshape(shape), None
-    encoded, pixels = bytes(body), None
-    if head.get("of", "pixels") == "pixels":  # written before: a CRC of its pixels
-        pixels = decode_stored(encoded)
-    if (stored_size(encoded) if pixels is None else pixels.shape[:2]) != shape[:2]:
-        raise ValueError("the JPEG is not the size its header says")
-    return pixels, encoded
