@@ -32,7 +32,7 @@ from raypipe.formats.sample import RawSample
 from raypipe.plan.rankplan import RankTasks
 from raypipe.plan.shards import Reader, unpack_done
 from raypipe.preprocess.augment import Plan, plan, sample_rng
-from raypipe.preprocess.cache.capped import Stored, crop_stored
+from raypipe.preprocess.cache.capped import Stored
 from raypipe.preprocess.cache.reuse import SampleCache
 from raypipe.preprocess.decode import crop_chw, decode_crop
 from raypipe.preprocess.encoded import Encoded, EncodedBlocks
@@ -175,11 +175,11 @@ class Preprocessor:
         rng = sample_rng(self.config.seed, epoch, raw.key)
         if self.cache is not None:  # the capped image: cached, or decoded and kept
             rgb = self.cache.image(raw)
-            if isinstance(rgb, Stored):  # a cached JPEG: decoded here, only what is needed
+            if isinstance(rgb, Stored):  # a JPEG: decoded here, only what the crop reads
                 if self.usermap is not None:
-                    return self.usermap(raw, epoch, image=rgb.pixels())
+                    return self.usermap(raw, epoch, image=self.cache.pixels_of(rgb)[0])
                 p = self._plan(rgb.width, rgb.height, rng)
-                return crop_stored(rgb, p, self.config.image_size)
+                return crop_chw(*self.cache.pixels_of(rgb, p), self.config.image_size)
             if self.usermap is not None:
                 return self.usermap(raw, epoch, image=rgb)
             return crop_chw(

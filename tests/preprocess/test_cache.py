@@ -294,11 +294,11 @@ def test_a_jpeg_entry_written_before_its_bytes_were_checked_is_still_checked(tmp
 
 @pytest.mark.parametrize("train", [True, False])
 def test_a_crop_of_a_stored_jpeg_is_the_crop_of_its_whole_decode(train):
-    """`crop_stored` (the crop's region decoded, where region decoding was built) gives the
-    pixels `crop_chw` gives from the whole decode, for random-resized and center crops of
-    several sizes, flipped or not."""
+    """The crop from `region_of` (the crop's region decoded, where region decoding was
+    built) has the pixels `crop_chw` gives from the whole decode, for random-resized and
+    center crops of several sizes, flipped or not."""
     from raypipe.preprocess.augment import plan, sample_rng
-    from raypipe.preprocess.cache.capped import Stored, crop_stored, encode_stored
+    from raypipe.preprocess.cache.capped import Stored, encode_stored, region_of
     from raypipe.preprocess.decode import crop_chw
 
     rng = np.random.default_rng(3)
@@ -312,8 +312,29 @@ def test_a_crop_of_a_stored_jpeg_is_the_crop_of_its_whole_decode(train):
                      ratio=(3 / 4, 4 / 3), flip=True)  # fmt: skip
             for size in (32, 224):
                 expected = np.ascontiguousarray(crop_chw(whole, p, size))
-                got = np.ascontiguousarray(crop_stored(stored, p, size))
+                got = np.ascontiguousarray(crop_chw(*region_of(stored, p), size))
                 assert np.array_equal(got, expected), (height, width, key, size, p)
+
+
+def test_a_jpeg_hit_counts_its_decode_against_what_it_saved(tmp_path):
+    """A cached JPEG is decoded when it is cropped, after its lookup: that decode comes off
+    ``saved_s`` as a lookup does; a just-encoded one's (a miss) does not."""
+    from raypipe.preprocess.augment import Box, Plan
+    from raypipe.preprocess.cache.capped import Stored, encode_stored
+    from raypipe.preprocess.cache.reuse import SampleCache
+
+    cache = SampleCache(PipelineConfig(source=str(tmp_path), cache="memory"), None)
+    fresh = encode_stored(ramp(240, 320))
+    p = Plan(Box(10, 20, 100, 90), False)
+    cache.pixels_of(fresh, p)
+    cache.pixels_of(fresh)
+    assert cache.tally.saved_s == 0
+    hit = Stored(*fresh[:3], hit=True)
+    rgb, q = cache.pixels_of(hit, p)
+    after_crop = cache.tally.saved_s
+    whole, none = cache.pixels_of(hit)
+    assert after_crop < 0 and cache.tally.saved_s < after_crop
+    assert rgb.shape[0] < 240 and q.box != p.box and whole.shape == (240, 320, 3) and none is None
 
 
 def test_decode_capped_keeps_the_short_side_at_most_the_cap():

@@ -9,7 +9,7 @@ libjpeg-turbo decodes at the 1/2, 1/4 or 1/8 DCT scale that keeps the short side
 
 ``cache_encoding="jpeg"`` keeps the capped image re-encoded, and every crop comes from what
 that JPEG decodes to: it is served as `Stored`, just encoded or cached alike, and
-`crop_stored` decodes only the crop's region of it (`raypipe.preprocess.region`: the same
+`region_of` decodes only the crop's region of it (`raypipe.preprocess.region`: the same
 pixels as the whole decode).
 """
 
@@ -22,12 +22,12 @@ import numpy as np
 
 from raypipe.preprocess import region
 from raypipe.preprocess.augment import Plan
-from raypipe.preprocess.decode import crop_chw, decode_scaled, jpeg_size
+from raypipe.preprocess.decode import decode_scaled, jpeg_size
 from raypipe.preprocess.pillow import open_image, to_rgb
 from raypipe.skips.records import BadSample
 
-__all__ = ["JPEG_QUALITY", "Stored", "crop_stored", "decode_capped", "decode_stored",
-           "encode_stored", "stored_size"]  # fmt: skip
+__all__ = ["JPEG_QUALITY", "Stored", "decode_capped", "decode_stored", "encode_stored",
+           "region_of", "stored_size"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 JPEG_QUALITY = 90  # cache_encoding="jpeg": 4:2:0, about a ninth of the raw bytes
@@ -51,7 +51,7 @@ def decode_capped(data: bytes, max_side: int, max_pixels: int | None) -> np.ndar
 
 def encode_stored(rgb: np.ndarray) -> Stored:
     """``cache_encoding="jpeg"``: the capped image re-encoded. Every crop of the key comes
-    from what it decodes to, the first one too (`crop_stored`), cached or just decoded alike."""
+    from what it decodes to, the first one too (`region_of`), cached or just decoded alike."""
     import simplejpeg
 
     data = simplejpeg.encode_jpeg(np.ascontiguousarray(rgb), quality=JPEG_QUALITY,
@@ -77,29 +77,31 @@ def stored_size(data: bytes) -> tuple[int, int] | None:
 
 
 class Stored(NamedTuple):
-    """A cached ``cache_encoding="jpeg"`` image, not decoded yet: its JPEG and size."""
+    """A ``cache_encoding="jpeg"`` image, not decoded yet: its JPEG and size, and whether
+    it came from the cache (a hit) or was just encoded."""
 
     data: bytes
     height: int
     width: int
+    hit: bool = False
 
     def pixels(self) -> np.ndarray:
         """The whole image (for a user transform, which gets all of it)."""
         return decode_stored(self.data)
 
 
-def crop_stored(stored: Stored, p: Plan, size: int) -> np.ndarray:
-    """``p``'s crop of a stored JPEG, as `crop_chw` makes it from the whole decode: only
-    the crop's region is decoded where region decoding was built (its pixels are the
-    whole decode's)."""
+def region_of(stored: Stored, p: Plan) -> tuple[np.ndarray, Plan]:
+    """The pixels of a stored JPEG that ``p``'s crop reads, and ``p`` in them: `crop_chw`
+    of the two is the crop of the whole decode. Only the crop's region is decoded where
+    region decoding was built (its pixels are the whole decode's), else the whole image."""
     if region.fits(stored.data):
         try:
             rgb, box = region.decode_box(stored.data, 1, stored.width, stored.height, p.box)
         except ValueError:  # not expected of a JPEG that passed its check: decode it whole
             pass
         else:
-            return crop_chw(rgb, Plan(box, p.flip), size)
-    return crop_chw(stored.pixels(), p, size)
+            return rgb, Plan(box, p.flip)
+    return stored.pixels(), p
 
 
 def _turbo(data: bytes, width: int, height: int, max_side: int) -> np.ndarray | None:

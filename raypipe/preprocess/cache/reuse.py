@@ -23,8 +23,9 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from raypipe.formats.sample import RawSample
+from raypipe.preprocess.augment import Plan
 from raypipe.preprocess.cache import node
-from raypipe.preprocess.cache.capped import Stored, decode_capped, encode_stored
+from raypipe.preprocess.cache.capped import Stored, decode_capped, encode_stored, region_of
 from raypipe.preprocess.cache.disk import DiskStore
 from raypipe.preprocess.cache.store import Entry, Tally
 from raypipe.skips.records import BadSample, detail_of, reason_of
@@ -147,8 +148,18 @@ class SampleCache:
             self.tally.bad_hits += 1
             raise BadSample(entry.reason, entry.detail)
         if entry.pixels is None:
-            return Stored(entry.encoded, entry.shape[0], entry.shape[1])
+            return Stored(entry.encoded, entry.shape[0], entry.shape[1], hit=True)
         return entry.pixels
+
+    def pixels_of(self, stored: Stored, p: Plan | None = None) -> tuple[np.ndarray, Plan | None]:
+        """What of a JPEG from `image` a crop with plan ``p`` reads, and ``p`` in it
+        (`region_of`), or, with no plan, the whole image (a user transform's). A hit's
+        decode counts against what it saved, as a raw entry's lookup does."""
+        t0 = time.perf_counter()
+        out = region_of(stored, p) if p is not None else (stored.pixels(), None)
+        if stored.hit:
+            self.tally.saved_s -= time.perf_counter() - t0
+        return out
 
     def _decoded(self, raw: RawSample) -> np.ndarray | Stored:
         """A miss: decoded to the cap (and re-encoded, for ``jpeg``), kept if the store
