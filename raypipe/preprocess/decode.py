@@ -27,8 +27,8 @@ from raypipe.preprocess import region
 from raypipe.preprocess.augment import Box, Plan
 from raypipe.preprocess.pillow import pillow_decode_crop
 
-__all__ = ["crop_chw", "crop_resize", "decode_crop", "decode_scaled", "exif_orientation",
-           "fast_decodable", "jpeg_size", "put_chw"]  # fmt: skip
+__all__ = ["crop_chw", "crop_resize", "decode_around", "decode_crop", "decode_scaled",
+           "exif_orientation", "fast_decodable", "jpeg_size", "put_chw"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 _FAST_COLORSPACES = ("YCbCr", "Gray", "RGB")
@@ -52,14 +52,20 @@ def decode_crop(data: bytes, size: int, choose) -> np.ndarray:
     p = choose(width, height)
     try:
         k = _dct_reduction(width, height, p.box, size)
-        if region.fits(data):
-            rgb, box = region.decode_box(data, k, width, height, p.box)
-        else:
-            rgb = decode_scaled(data, width, height, k)
-            box = p.box.scaled(rgb.shape[1] / width, rgb.shape[0] / height)
+        rgb, box = decode_around(data, width, height, k, p.box)
     except ValueError:  # recoverable damage libjpeg-turbo refuses strictly: let Pillow try
         return pillow_decode_crop(data, size, lambda w, h: p)
     return crop_chw(rgb, Plan(box, p.flip), size)
+
+
+def decode_around(data: bytes, width: int, height: int, k: int, box: Box):
+    """The pixels of the JPEG ``data`` (``width``×``height``) that a crop of ``box`` reads,
+    decoded at 1/``k`` scale, and ``box`` in them: only the crop's region where
+    `region.fits`, else the whole image (the same pixels). Raises ValueError on damage."""
+    if region.fits(data):
+        return region.decode_box(data, k, width, height, box)
+    rgb = decode_scaled(data, width, height, k)
+    return rgb, box.scaled(rgb.shape[1] / width, rgb.shape[0] / height)
 
 
 def decode_scaled(data: bytes, width: int, height: int, k: int) -> np.ndarray:

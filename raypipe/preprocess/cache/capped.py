@@ -20,14 +20,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from raypipe.preprocess import region
 from raypipe.preprocess.augment import Plan
-from raypipe.preprocess.decode import decode_scaled, jpeg_size
+from raypipe.preprocess.decode import decode_around, decode_scaled, jpeg_size
 from raypipe.preprocess.pillow import open_image, to_rgb
 from raypipe.skips.records import BadSample
 
 __all__ = ["JPEG_QUALITY", "Stored", "decode_capped", "decode_stored", "encode_stored",
-           "region_of", "stored_size"]  # fmt: skip
+           "region_of"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 JPEG_QUALITY = 90  # cache_encoding="jpeg": 4:2:0, about a ninth of the raw bytes
@@ -66,16 +65,6 @@ def decode_stored(data: bytes) -> np.ndarray:
     return simplejpeg.decode_jpeg(data, colorspace="RGB")
 
 
-def stored_size(data: bytes) -> tuple[int, int] | None:
-    """(height, width) of a re-encoded cache entry, from its header; None if unreadable."""
-    import simplejpeg
-
-    try:
-        return tuple(simplejpeg.decode_jpeg_header(data)[:2])
-    except ValueError:
-        return None
-
-
 class Stored(NamedTuple):
     """A ``cache_encoding="jpeg"`` image, not decoded yet: its JPEG and size, and whether
     it came from the cache (a hit) or was just encoded."""
@@ -91,17 +80,10 @@ class Stored(NamedTuple):
 
 
 def region_of(stored: Stored, p: Plan) -> tuple[np.ndarray, Plan]:
-    """The pixels of a stored JPEG that ``p``'s crop reads, and ``p`` in them: `crop_chw`
-    of the two is the crop of the whole decode. Only the crop's region is decoded where
-    region decoding was built (its pixels are the whole decode's), else the whole image."""
-    if region.fits(stored.data):
-        try:
-            rgb, box = region.decode_box(stored.data, 1, stored.width, stored.height, p.box)
-        except ValueError:  # not expected of a JPEG that passed its check: decode it whole
-            pass
-        else:
-            return rgb, Plan(box, p.flip)
-    return stored.pixels(), p
+    """The pixels of a stored JPEG that ``p``'s crop reads, and ``p`` in them (`crop_chw`
+    of the two is the crop of the whole decode): `decode_around` at full scale."""
+    rgb, box = decode_around(stored.data, stored.width, stored.height, 1, p.box)
+    return rgb, Plan(box, p.flip)
 
 
 def _turbo(data: bytes, width: int, height: int, max_side: int) -> np.ndarray | None:

@@ -17,8 +17,9 @@ import struct
 
 import numpy as np
 
-from raypipe.preprocess.cache.capped import decode_stored, stored_size
+from raypipe.preprocess.cache.capped import decode_stored
 from raypipe.preprocess.cache.store import Entry
+from raypipe.preprocess.decode import jpeg_size
 
 __all__ = ["MAGIC", "parse", "parts"]
 assert __all__ == sorted(__all__)
@@ -31,7 +32,8 @@ def parts(entry: Entry) -> tuple[bytes, memoryview]:
     head = {"ident": list(entry.ident), "where": entry.where, "seconds": entry.seconds,
             "reason": entry.reason, "detail": entry.detail, "crc": entry.crc, "check": entry.check,
             "shape": None if entry.shape is None else list(entry.shape),
-            "encoding": "raw" if entry.encoded is None else "jpeg", "of": entry.of}  # fmt: skip
+            "encoding": "raw" if entry.encoded is None else "jpeg",
+            "of": "pixels" if entry.encoded is None else "encoded"}  # fmt: skip
     text = json.dumps(head).encode()
     if entry.encoded is not None:
         body = memoryview(entry.encoded)
@@ -59,8 +61,8 @@ def parse(data: bytes) -> Entry | None:
             raise ValueError("a bad sample's record with a body")
         return Entry((int(head["ident"][0]), int(head["ident"][1])), str(head["where"]),
                      float(head["seconds"]), pixels, head["reason"], head["detail"],
-                     int(head["crc"]), str(head.get("check", "crc32")), shape, encoded,
-                     str(head.get("of", "pixels")))  # fmt: skip
+                     int(head["crc"]), str(head.get("check", "crc32")), shape,
+                     encoded)  # fmt: skip
     except (ValueError, KeyError, TypeError, IndexError, struct.error):
         return None
 
@@ -78,6 +80,6 @@ def _stored(head: dict, body: memoryview, shape: tuple[int, ...]):
     encoded, pixels = bytes(body), None
     if head.get("of", "pixels") == "pixels":  # written before: a CRC of its pixels
         pixels = decode_stored(encoded)
-    if (stored_size(encoded) if pixels is None else pixels.shape[:2]) != shape[:2]:
+    if (jpeg_size(encoded) if pixels is None else pixels.shape[:2]) != shape[:2]:
         raise ValueError("the JPEG is not the size its header says")
     return pixels, encoded

@@ -39,8 +39,9 @@ class Entry:
     crc: int = 0
     check: str = CHECK  # which of `CHECKS` made ``crc``
     shape: tuple[int, ...] | None = None  # the pixels' (H, W, 3)
-    encoded: bytes | None = None  # cache_encoding="jpeg": what is stored (pixels decode from it)
-    of: str = "pixels"  # what ``crc`` covers: "pixels", or "encoded" (the JPEG's bytes)
+    # cache_encoding="jpeg": what is stored. Without ``pixels`` (left to the crop) ``crc``
+    # covers these bytes; with them (an entry from before) it covers the pixels.
+    encoded: bytes | None = None
 
     @classmethod
     def image(cls, ident, where: str, seconds: float, pixels: np.ndarray) -> Entry:
@@ -54,7 +55,7 @@ class Entry:
         """A ``cache_encoding="jpeg"`` entry: the JPEG ``data`` of a ``shape`` image, the
         checksum its bytes'."""
         return cls(ident, where, seconds, None, crc=CHECKS[CHECK](data), shape=tuple(shape),
-                   encoded=data, of="encoded")  # fmt: skip
+                   encoded=data)  # fmt: skip
 
     def sound(self) -> bool:
         """True when the entry can be served: a reason, or pixels (or a JPEG) that match
@@ -64,11 +65,11 @@ class Entry:
         check = CHECKS.get(self.check)
         if check is None or len(self.shape) != 3 or self.shape[2] != 3:
             return False
-        if self.of == "encoded":
-            return self.encoded is not None and check(self.encoded) == self.crc
         p = self.pixels
-        return (p is not None and p.dtype == np.uint8 and p.shape == tuple(self.shape)
-                and p.flags.c_contiguous and check(p.data) == self.crc)  # fmt: skip
+        if p is None:  # a JPEG, its bytes checked
+            return self.encoded is not None and check(self.encoded) == self.crc
+        return (p.dtype == np.uint8 and p.shape == tuple(self.shape) and p.flags.c_contiguous
+                and check(p.data) == self.crc)  # fmt: skip
 
 
 @dataclasses.dataclass
