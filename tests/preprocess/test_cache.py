@@ -137,6 +137,46 @@ def test_a_write_that_fails_leaves_no_file_and_gives_its_budget_back(tmp_path, m
     assert store.held() == (files[0].stat().st_size, 1)
 
 
+def test_a_disk_store_counts_in_place_and_opens_its_usage_file_once_a_task(tmp_path,
+                                                                          monkeypatch):  # fmt: skip
+    """A disk cache takes its budget per entry: each count rewrites the usage file in place
+    (no truncation) through one open file, until the task's settle. A usage file written
+    the old way, longer than the new count's digits, is read and wholly replaced."""
+    from raypipe.preprocess.cache import disk
+
+    root = tmp_path / "d"
+    root.mkdir()
+    (root / "usage").write_bytes(b"0000000000000000000000000001000 3")  # 1000 bytes, 3 entries
+    opened = []
+    real_open = disk.os.open
+    monkeypatch.setattr(disk.os, "open", lambda p, *a: opened.append(p) or real_open(p, *a))
+    store = DiskStore(str(root), budget=1 << 20)
+    items = [(f"k{n}", Entry.image(IDENT, f"k{n}.jpg", 0.01, pixels(n))) for n in range(5)]
+    put_all(store, items)
+    assert [Path(p).name for p in opened] == ["usage"]
+    sizes = sum(sum(len(part) for part in parts(e)) for _, e in items)
+    assert store.held() == (1000 + sizes, 3 + 5)
+    more = Entry.image(IDENT, "k5.jpg", 0.01, pixels(5))
+    put_all(store, [("k5", more)])  # the next task: the file opened again
+    assert len(opened) == 2
+    assert store.held() == (1000 + sizes + sum(len(part) for part in parts(more)), 3 + 6)
+
+
+def test_a_store_whose_directory_was_cleared_writes_nothing_more(tmp_path):
+    """A memory cache cleared under a store holding a lease of its budget: the next write
+    raises (its worker then gives the store up) and makes nothing again, where it once
+    made the cleared directory anew and wrote an entry no usage file counted."""
+    import shutil
+
+    root = tmp_path / "m"
+    store = DiskStore(str(root), budget=1 << 30, mapped=True)
+    store.put("a", Entry.image(IDENT, "a.jpg", 0.01, pixels(1)))
+    shutil.rmtree(root)
+    with pytest.raises(FileNotFoundError):
+        store.put("b", Entry.image(IDENT, "b.jpg", 0.01, pixels(2)))
+    assert not root.exists()
+
+
 def test_a_mapped_store_checks_an_entry_once_then_serves_its_mapping(tmp_path):
     root = str(tmp_path / "m")
     writer = DiskStore(root, budget=1 << 20, mapped=True)

@@ -66,6 +66,8 @@ class DiskStore:
         self.full = False
         self._lease = 0  # bytes of the budget taken and not yet written (`put`, `settle`)
         self._written_n = 0  # entries written since the usage file last counted them
+        self._usage_file = None  # the usage file (unbuffered), open from a task's first count
+        self._dirs: set[str] = set()  # the <ab> directories known to exist
         self._mapped: collections.OrderedDict[str, Entry] | None = (
             collections.OrderedDict() if mapped else None
         )
@@ -142,8 +144,7 @@ class DiskStore:
             return
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(tmp, "wb" if self._mapped is None else "w+b") as f:
+            with self._create(tmp) as f:
                 f.write(head)
                 f.write(body)  # the pixels' own buffer: no copy of them first
                 f.flush()
@@ -161,13 +162,30 @@ class DiskStore:
         if written is not None:
             self._remember(i, written)
 
+    def _create(self, tmp: str):
+        """The new file ``tmp``, open to write; its directory made on first use here, never
+        the cache's own: once that is gone (a cleared cache), this raises and the store is
+        given up (`raypipe.preprocess.cache.reuse.SampleCache`), not half made again."""
+        parent = os.path.dirname(tmp)
+        if parent not in self._dirs:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(parent)
+            self._dirs.add(parent)
+        return open(tmp, "wb" if self._mapped is None else "w+b")
+
     def settle(self) -> None:
-        """Give back the unused lease and count the entries written since the last time."""
-        if self._lease or self._written_n:
-            with self._usage() as usage:
-                usage[0] -= self._lease
-                usage[1] += self._written_n
-            self._lease = self._written_n = 0
+        """Give back the unused lease and count the entries written since the last time;
+        close the usage file until the next count."""
+        try:
+            if self._lease or self._written_n:
+                with self._usage() as usage:
+                    usage[0] -= self._lease
+                    usage[1] += self._written_n
+                self._lease = self._written_n = 0
+        finally:
+            if self._usage_file is not None:
+                f, self._usage_file = self._usage_file, None
+                f.close()
 
     def _take(self, size: int) -> bool:
         """Take ``size`` bytes of the budget, or a whole `LEASE` while the budget has
@@ -195,17 +213,20 @@ class DiskStore:
     @contextlib.contextmanager
     def _usage(self):
         """``[bytes, entries]`` held, under an exclusive lock on the usage file; written
-        back after."""
-        fd = os.open(os.path.join(self.root, "usage"), os.O_RDWR | os.O_CREAT, 0o644)
+        back after, in place (a fixed-width record: no truncation, which costs a journal
+        write on ext4). The file stays open until `settle`, so that a disk cache, which
+        counts every entry, opens it once a task."""
+        if self._usage_file is None:  # a file object: closed with the store if not before
+            fd = os.open(os.path.join(self.root, "usage"), os.O_RDWR | os.O_CREAT, 0o644)
+            self._usage_file = os.fdopen(fd, "r+b", buffering=0)
+        fd = self._usage_file.fileno()
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
             usage = list(_counts(os.pread(fd, 64, 0)))
             yield usage
-            text = f"{max(0, usage[0])} {max(0, usage[1])}".encode()
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, text, 0)
+            os.pwrite(fd, _record(usage), 0)
         finally:
-            os.close(fd)  # releases the lock
+            fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 def _place(tmp: str, path: str) -> int | None:
@@ -227,6 +248,12 @@ def _place(tmp: str, path: str) -> int | None:
         return None
     os.unlink(tmp)
     return None
+
+
+def _record(usage: list[int]) -> bytes:
+    """The usage file's text: ``bytes entries``, each right-aligned in 20 columns, so that
+    every record overwrites the whole of the one before (and of any shorter, older one)."""
+    return f"{max(0, usage[0]):>20} {max(0, usage[1]):>20}\n".encode()
 
 
 def _counts(raw: bytes) -> tuple[int, int]:
