@@ -52,6 +52,9 @@ def _preprocess(run: str, kwargs: list, task: int) -> list[Columns]:
         while len(_PREPROCESSORS) > RUNS_PER_WORKER:
             _PREPROCESSORS.popitem(last=False)
     _PREPROCESSORS.move_to_end(run)
+    for other in _PREPROCESSORS.values():  # finished runs' caches: their mappings closed
+        if other is not pre:
+            other.let_go_of_a_released_cache()
     return [_numpy(b) for b in pre({"id": np.array([task], dtype=np.int64)}) if len(b["key"])]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -59,6 +60,51 @@ def test_stopping_early_ends_quietly_and_never_cancels_a_task(ray_session, datas
         assert not [t for t in threading.enumerate() if t.name == "raypipe-feeder"]
     assert cancelled == []
     assert _epochs(config, epochs=1)[0]  # the pooled workers still serve the next run
+
+
+def test_a_released_memory_cache_is_let_go_at_the_workers_next_task(ray_session, tmp_path):
+    """A pooled worker keeps a finished run's `Preprocessor`, and with it the mappings of
+    its memory cache's entries. Once the run releases the cache, the worker's next task
+    (of any run) closes them: the removed files' memory goes back to the node, where it
+    once stayed taken (and the next cache's budget, sized to the room left, came out
+    short)."""
+    import ray
+
+    from raypipe.plan.rankplan import RankPlan, RankTasks
+    from raypipe.plan.shards import list_shards
+    from raypipe.preprocess.cache import node
+    from tests.conftest import make_imagefolder
+
+    source = make_imagefolder(tmp_path / "data", {"a": 12}, seed=3)
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=4, files_per_task=12,
+                            rows_per_block=4, cache="memory", cache_max_side=12)  # fmt: skip
+    listing = list_shards(config)
+    plan = RankPlan.of(listing, seed=0, shuffle=True, rank=0, world_size=1, per_task=12)
+    tasks = RankTasks.of(listing, plan, range(1))
+
+    def args(c):
+        return [ray.put({"config": c, "reader": listing.reader, "tasks": tasks})]
+
+    cache = task_module._PREPROCESSORS
+    cache.clear()
+    node.ensure(config)
+    try:
+        task_module._preprocess("cached", args(config), 0)  # this process as the worker
+        root = ray.get(node.lookup(config).where.remote())[0]
+
+        def mapped() -> list[str]:
+            with open("/proc/self/maps") as f:
+                return [line for line in f if root in line]
+
+        assert len(mapped()) == 12  # every entry it wrote, kept mapped
+        node.release(config)
+        assert not os.path.exists(root) and mapped()  # removed, and still held
+        task_module._preprocess("next", args(config.replace(cache=None)), 0)
+        assert mapped() == []
+        assert list(cache) == ["cached", "next"]  # the run's Preprocessor itself is kept
+    finally:
+        node.release(config)
+        cache.clear()
 
 
 def test_a_worker_keeps_one_preprocessor_per_run_and_only_the_last_few(ray_session, datasets):

@@ -3,7 +3,7 @@ under ``cache_dir`` (``cache="disk"``, kept for later runs) or in the node's sha
 (``cache="memory"``, for the run).
 
 ```
- <root>/usage                 bytes and entries held (under an flock)
+ <root>/usage                 bytes and entries held (`raypipe.preprocess.cache.usage`)
  <root>/<ab>/<sha1 of id>     one entry (`raypipe.preprocess.cache.entryfile`)
 ```
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import mmap
 import os
@@ -40,11 +39,24 @@ import numpy as np
 
 from raypipe.preprocess.cache import entryfile
 from raypipe.preprocess.cache.store import Entry, Tally
+from raypipe.preprocess.cache.usage import Usage
 
 __all__ = ["DiskStore"]
 assert __all__ == sorted(__all__)
 
-MAPPED = 8192  # entries a process keeps mapped (each one mapping; Linux allows ~65,000)
+
+def _mapped_limit() -> int:
+    """Entries a process keeps mapped, each one mapping: half of the mappings the kernel
+    allows a process (``vm.max_map_count``, 65,530 by default), the other half left to its
+    libraries, allocators and Ray's store; 8,192 where that cannot be read."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return max(1024, int(f.read()) // 2)
+    except (OSError, ValueError):
+        return 8192
+
+
+MAPPED = _mapped_limit()
 LEASE = 16 << 20  # budget a mapped store's process takes at once (one lock per lease)
 
 
@@ -62,15 +74,28 @@ class DiskStore:
     def __init__(self, directory: str, budget: int, *, mapped: bool = False):
         self.root, self.budget = directory, budget
         os.makedirs(self.root, exist_ok=True)
+        self._root_id = _identity(self.root)  # a directory made anew is another cache
         self.tally = Tally()
         self.full = False
         self._lease = 0  # bytes of the budget taken and not yet written (`put`, `settle`)
         self._written_n = 0  # entries written since the usage file last counted them
-        self._usage_file = None  # the usage file (unbuffered), open from a task's first count
+        self._usage = Usage(self.root)
         self._dirs: set[str] = set()  # the <ab> directories known to exist
         self._mapped: collections.OrderedDict[str, Entry] | None = (
             collections.OrderedDict() if mapped else None
         )
+
+    def cleared(self) -> bool:
+        """Whether this store's directory is gone, or another was made in its place (a
+        memory cache released, and perhaps started again by a later run)."""
+        return _identity(self.root) != self._root_id
+
+    def close(self) -> None:
+        """Let go of this process's mappings (their pages go back to the node once no
+        process maps a removed file) and of the usage file; the store is not used after."""
+        if self._mapped is not None:
+            self._mapped.clear()
+        self._usage.close()
 
     def path(self, i: str) -> str:
         h = hashlib.sha1(i.encode()).hexdigest()
@@ -178,19 +203,17 @@ class DiskStore:
         close the usage file until the next count."""
         try:
             if self._lease or self._written_n:
-                with self._usage() as usage:
+                with self._usage.counting() as usage:
                     usage[0] -= self._lease
                     usage[1] += self._written_n
                 self._lease = self._written_n = 0
         finally:
-            if self._usage_file is not None:
-                f, self._usage_file = self._usage_file, None
-                f.close()
+            self._usage.close()
 
     def _take(self, size: int) -> bool:
         """Take ``size`` bytes of the budget, or a whole `LEASE` while the budget has
         room for more than two (a mapped store): False when it has not ``size`` left."""
-        with self._usage() as usage:
+        with self._usage.counting() as usage:
             free = self.budget - (usage[0] - self._lease)  # the unused rest comes back
             if free < size:
                 return False
@@ -203,30 +226,8 @@ class DiskStore:
         return True
 
     def held(self) -> tuple[int, int]:
-        """Bytes and entries the directory holds (the usage file)."""
-        try:
-            with open(os.path.join(self.root, "usage"), "rb") as f:
-                return _counts(f.read())
-        except OSError:
-            return 0, 0
-
-    @contextlib.contextmanager
-    def _usage(self):
-        """``[bytes, entries]`` held, under an exclusive lock on the usage file; written
-        back after, in place (a fixed-width record: no truncation, which costs a journal
-        write on ext4). The file stays open until `settle`, so that a disk cache, which
-        counts every entry, opens it once a task."""
-        if self._usage_file is None:  # a file object: closed with the store if not before
-            fd = os.open(os.path.join(self.root, "usage"), os.O_RDWR | os.O_CREAT, 0o644)
-            self._usage_file = os.fdopen(fd, "r+b", buffering=0)
-        fd = self._usage_file.fileno()
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            usage = list(_counts(os.pread(fd, 64, 0)))
-            yield usage
-            os.pwrite(fd, _record(usage), 0)
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        """Bytes and entries the directory holds (its usage file)."""
+        return self._usage.held()
 
 
 def _place(tmp: str, path: str) -> int | None:
@@ -250,15 +251,9 @@ def _place(tmp: str, path: str) -> int | None:
     return None
 
 
-def _record(usage: list[int]) -> bytes:
-    """The usage file's text: ``bytes entries``, each right-aligned in 20 columns, so that
-    every record overwrites the whole of the one before (and of any shorter, older one)."""
-    return f"{max(0, usage[0]):>20} {max(0, usage[1]):>20}\n".encode()
-
-
-def _counts(raw: bytes) -> tuple[int, int]:
-    """The usage file's ``bytes entries`` (a file of one number: entries unknown, 0)."""
-    parts = raw.split()
-    if not parts or not all(p.isdigit() for p in parts[:2]):
-        return 0, 0
-    return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
