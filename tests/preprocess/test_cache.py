@@ -202,9 +202,9 @@ def test_a_mapped_store_checks_an_entry_once_then_serves_its_mapping(tmp_path):
 def test_a_process_keeps_the_newest_mappings_up_to_half_what_the_kernel_allows(tmp_path,
                                                                                monkeypatch):  # fmt: skip
     """Up to `MAPPED` entries stay mapped in a process (the newest met); one past it is read
-    again from its file. `MAPPED` is half of ``vm.max_map_count``: a node caching more
-    entries than the old fixed 8,192 kept them mapped (a later epoch of 16,384 photos ran
-    at 0.8x the rate of 2,048)."""
+    again from its file. `MAPPED` is half of ``vm.max_map_count``, not the old fixed 8,192:
+    later epochs of 16,384 photos ran 1.23x faster with it (benchmarks/RESULTS.md, "Many
+    entries on a node")."""
     from raypipe.preprocess.cache import disk
 
     with open("/proc/sys/vm/max_map_count") as f:

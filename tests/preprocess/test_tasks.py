@@ -65,9 +65,9 @@ def test_stopping_early_ends_quietly_and_never_cancels_a_task(ray_session, datas
 def test_a_released_memory_cache_is_let_go_at_the_workers_next_task(ray_session, tmp_path):
     """A pooled worker keeps a finished run's `Preprocessor`, and with it the mappings of
     its memory cache's entries. Once the run releases the cache, the worker's next task
-    (of any run) closes them: the removed files' memory goes back to the node, where it
-    once stayed taken (and the next cache's budget, sized to the room left, came out
-    short)."""
+    (of any run) closes them, so the removed files' memory goes back to the node. It once
+    stayed taken: a later cached run on 16,384 photos then kept fewer entries and decoded
+    some samples again (benchmarks/RESULTS.md, "Many entries on a node")."""
     import ray
 
     from raypipe.plan.rankplan import RankPlan, RankTasks
