@@ -93,12 +93,6 @@ class Preprocessor:
         self.skipped = 0
         self.cache = SampleCache(config, self.reader.storage) if config.cache else None
 
-    def let_go_of_a_released_cache(self) -> None:
-        """Close the mappings of this run's memory cache once the run has released it (a
-        pooled worker keeps a finished run's `Preprocessor`: `raypipe.preprocess.tasks`)."""
-        if self.cache is not None:
-            self.cache.let_go_if_cleared()
-
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         if self.tasks is None:  # shard rows of self.epoch
             yield from self._blocks(batch, self.epoch, self.skips)

@@ -30,6 +30,7 @@ import numpy as np
 from raypipe.plan.blocksize import TASKS_IN_FLIGHT
 from raypipe.plan.rankplan import RankTasks, rank_pool
 from raypipe.preprocess.actor import Preprocessor
+from raypipe.preprocess.cache import mapped
 from raypipe.preprocess.cache import node as node_cache
 
 __all__ = ["TaskStream", "rank_tasks"]
@@ -52,9 +53,7 @@ def _preprocess(run: str, kwargs: list, task: int) -> list[Columns]:
         while len(_PREPROCESSORS) > RUNS_PER_WORKER:
             _PREPROCESSORS.popitem(last=False)
     _PREPROCESSORS.move_to_end(run)
-    for other in _PREPROCESSORS.values():  # finished runs' caches: their mappings closed
-        if other is not pre:
-            other.let_go_of_a_released_cache()
+    mapped.PROCESS.drop_cleared()  # released memory caches: this worker lets go of them
     return [_numpy(b) for b in pre({"id": np.array([task], dtype=np.int64)}) if len(b["key"])]
 
 

@@ -177,7 +177,10 @@ def test_a_store_whose_directory_was_cleared_writes_nothing_more(tmp_path):
     assert not root.exists()
 
 
-def test_a_mapped_store_checks_an_entry_once_then_serves_its_mapping(tmp_path):
+def test_a_mapped_store_checks_an_entry_once_then_serves_its_mapping(tmp_path, monkeypatch):
+    from raypipe.preprocess.cache import mapped
+
+    monkeypatch.setattr(mapped, "PROCESS", mapped.Mappings())  # the writer's process
     root = str(tmp_path / "m")
     writer = DiskStore(root, budget=1 << 20, mapped=True)
     put_all(writer, [(k, Entry.image(IDENT, f"{k}.jpg", 0.01, pixels(n))) for n, k in
@@ -186,7 +189,9 @@ def test_a_mapped_store_checks_an_entry_once_then_serves_its_mapping(tmp_path):
     damaged[-1] ^= 0xFF
     Path(writer.path("b") + ".new").write_bytes(bytes(damaged))
     os.replace(writer.path("b") + ".new", writer.path("b"))  # as a store replaces a file
-    store = DiskStore(root, budget=1 << 20, mapped=True)  # another process of the node
+    writer_process = mapped.PROCESS
+    monkeypatch.setattr(mapped, "PROCESS", mapped.Mappings())  # another process of the node
+    store = DiskStore(root, budget=1 << 20, mapped=True)
     a, b = store.get_many(["a", "b"], [IDENT, IDENT])
     assert np.array_equal(a.pixels, pixels(0)) and b is None and store.tally.corrupt == 1
     assert not a.pixels.flags.writeable  # the file's pages, not a copy
@@ -195,6 +200,7 @@ def test_a_mapped_store_checks_an_entry_once_then_serves_its_mapping(tmp_path):
     assert again is a
     assert store.get_many(["a"], [(1, 2)]) == [None]  # another source: never the mapping
     # the writer kept what it wrote mapped: served without reading the files again
+    monkeypatch.setattr(mapped, "PROCESS", writer_process)
     assert np.array_equal(writer.get_many(["b"], [IDENT])[0].pixels, pixels(1))
     assert writer.tally.corrupt == 0
 
@@ -205,13 +211,14 @@ def test_a_process_keeps_the_newest_mappings_up_to_half_what_the_kernel_allows(t
     again from its file. `MAPPED` is half of ``vm.max_map_count``, not the old fixed 8,192:
     later epochs of 16,384 photos ran 1.23x faster with it (benchmarks/RESULTS.md, "Many
     entries on a node")."""
-    from raypipe.preprocess.cache import disk
+    from raypipe.preprocess.cache import mapped
 
     with open("/proc/sys/vm/max_map_count") as f:
         allowed = int(f.read())
-    limit = disk.MAPPED
+    limit = mapped.MAPPED
     assert limit == max(1024, allowed // 2)
-    monkeypatch.setattr(disk, "MAPPED", 3)
+    monkeypatch.setattr(mapped, "MAPPED", 3)
+    monkeypatch.setattr(mapped, "PROCESS", mapped.Mappings())  # this test's process
     root = str(tmp_path / "m")
     store = DiskStore(root, budget=1 << 20, mapped=True)
     keys = [f"k{n}" for n in range(5)]
@@ -219,14 +226,46 @@ def test_a_process_keeps_the_newest_mappings_up_to_half_what_the_kernel_allows(t
                     enumerate(keys)])  # fmt: skip
     # another process replaces every file (a new inode each): a mapping still serves the
     # pixels it maps, a read finds the new ones
-    put_all(DiskStore(root, budget=1 << 20),
-            [(k, Entry.image(IDENT, f"{k}.jpg", 0.01, pixels(10 + n))) for n, k in
-             enumerate(keys)])  # fmt: skip
+    with monkeypatch.context() as m:
+        m.setattr(mapped, "PROCESS", mapped.Mappings())
+        put_all(DiskStore(root, budget=1 << 20, mapped=True),
+                [(k, Entry.image(IDENT, f"{k}.jpg", 0.01, pixels(10 + n))) for n, k in
+                 enumerate(keys)])  # fmt: skip
     newest_first = keys[::-1]  # so that no read evicts a mapping before it is asked for
     got = store.get_many(newest_first, [IDENT] * 5)
     served = [next(s for s in (n, 10 + n) if np.array_equal(g.pixels, pixels(s)))
               for n, g in zip((4, 3, 2, 1, 0), got, strict=True)]  # fmt: skip
     assert served == [4, 3, 2, 11, 10]  # the two oldest written were no longer mapped
+
+
+def test_stores_of_one_process_share_its_mappings_and_let_go_of_a_cleared_cache(tmp_path,
+                                                                                monkeypatch):  # fmt: skip
+    """Two stores of one directory in one process (a worker serving two ranks' runs) map
+    each entry once between them, where each once kept its own mappings, up to `MAPPED`
+    each, and so could pass the kernel's limit together. A directory removed, or made anew
+    in its place, is another cache: `drop_cleared` closes its mappings."""
+    import shutil
+
+    from raypipe.preprocess.cache import mapped
+
+    monkeypatch.setattr(mapped, "PROCESS", mapped.Mappings())
+    root = tmp_path / "m"
+    first, second = (DiskStore(str(root), budget=1 << 20, mapped=True) for _ in range(2))
+    put_all(first, [(f"k{n}", Entry.image(IDENT, f"k{n}.jpg", 0.01, pixels(n)))
+                    for n in range(4)])  # fmt: skip
+    for n in range(4):
+        os.unlink(second.path(f"k{n}"))  # served from the mappings, never read
+    got = second.get_many([f"k{n}" for n in range(4)], [IDENT] * 4)
+    assert all(np.array_equal(g.pixels, pixels(n)) for n, g in enumerate(got))
+    assert len(mapped.PROCESS) == 4
+    mapped.PROCESS.drop_cleared()
+    assert len(mapped.PROCESS) == 4  # the directory is still there: kept
+    shutil.rmtree(root)
+    root.mkdir()  # made anew, as a later run's memory cache of the same settings is
+    later = DiskStore(str(root), budget=1 << 20, mapped=True)
+    assert later.get_many(["k0"], [IDENT]) == [None]  # not the old cache's mapping
+    mapped.PROCESS.drop_cleared()
+    assert len(mapped.PROCESS) == 0
 
 
 def test_a_memory_cache_lives_in_shared_memory_as_long_as_its_actor(tmp_path, monkeypatch):

@@ -28,7 +28,6 @@ sees half of one, and two processes writing one entry at once count it once (`_p
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -38,6 +37,7 @@ import os
 import numpy as np
 
 from raypipe.preprocess.cache import entryfile
+from raypipe.preprocess.cache import mapped as mapped_entries
 from raypipe.preprocess.cache.store import Entry, Tally
 from raypipe.preprocess.cache.usage import Usage
 
@@ -45,18 +45,6 @@ __all__ = ["DiskStore"]
 assert __all__ == sorted(__all__)
 
 
-def _mapped_limit() -> int:
-    """Entries a process keeps mapped, each one mapping: half of the mappings the kernel
-    allows a process (``vm.max_map_count``, 65,530 by default), the other half left to its
-    libraries, allocators and Ray's store; 8,192 where that cannot be read."""
-    try:
-        with open("/proc/sys/vm/max_map_count") as f:
-            return max(1024, int(f.read()) // 2)
-    except (OSError, ValueError):
-        return 8192
-
-
-MAPPED = _mapped_limit()
 LEASE = 16 << 20  # budget a mapped store's process takes at once (one lock per lease)
 
 
@@ -64,9 +52,10 @@ class DiskStore:
     """Entries of one settings digest under ``directory``, within ``budget`` bytes (the
     files' sizes), first-come.
 
-    ``mapped``: up to `MAPPED` raw entries stay memory-mapped in this process once read and
-    checked, or written, so a later epoch's hit neither reads nor checks its file again
-    (the node's processes share those pages). For the memory cache only, whose files no
+    ``mapped``: raw entries stay memory-mapped in this process once read and checked, or
+    written (`raypipe.preprocess.cache.mapped`: the newest `MAPPED` of all its stores), so a
+    later epoch's hit neither reads nor checks its file again (the node's processes share
+    those pages). For the memory cache only, whose files no
     one but its own processes write, and only by renaming a whole new file into place: a
     file cut short under a mapping would fault.
     """
@@ -74,28 +63,14 @@ class DiskStore:
     def __init__(self, directory: str, budget: int, *, mapped: bool = False):
         self.root, self.budget = directory, budget
         os.makedirs(self.root, exist_ok=True)
-        self._root_id = _identity(self.root)  # a directory made anew is another cache
+        self.mapped = mapped
+        self._root_id = mapped_entries.identity(self.root)  # made anew: another cache
         self.tally = Tally()
         self.full = False
         self._lease = 0  # bytes of the budget taken and not yet written (`put`, `settle`)
         self._written_n = 0  # entries written since the usage file last counted them
         self._usage = Usage(self.root)
         self._dirs: set[str] = set()  # the <ab> directories known to exist
-        self._mapped: collections.OrderedDict[str, Entry] | None = (
-            collections.OrderedDict() if mapped else None
-        )
-
-    def cleared(self) -> bool:
-        """Whether this store's directory is gone, or another was made in its place (a
-        memory cache released, and perhaps started again by a later run)."""
-        return _identity(self.root) != self._root_id
-
-    def close(self) -> None:
-        """Let go of this process's mappings (their pages go back to the node once no
-        process maps a removed file) and of the usage file; the store is not used after."""
-        if self._mapped is not None:
-            self._mapped.clear()
-        self._usage.close()
 
     def path(self, i: str) -> str:
         h = hashlib.sha1(i.encode()).hexdigest()
@@ -104,9 +79,8 @@ class DiskStore:
     def get_many(self, ids: list[str], idents: list[tuple[int, int]]) -> list[Entry | None]:
         out: list[Entry | None] = []
         for i, ident in zip(ids, idents, strict=True):
-            entry = self._mapped.get(i) if self._mapped is not None else None
+            entry = mapped_entries.PROCESS.get(self._root_id, i) if self.mapped else None
             if entry is not None and tuple(entry.ident) == tuple(ident):
-                self._mapped.move_to_end(i)
                 out.append(entry)
                 continue
             try:
@@ -129,7 +103,7 @@ class DiskStore:
         """``mapped``: the entry just written to ``f``, kept as a later hit would have it: a
         raw image's pixels served from the file's pages (the ones just checked into it: no
         read and no CRC again); None for what is not kept mapped (a jpeg entry)."""
-        if self._mapped is None or entry.encoded is not None:
+        if not self.mapped or entry.encoded is not None:
             return None
         if entry.pixels is None:  # a bad sample's record: nothing to map
             return entry
@@ -138,16 +112,14 @@ class DiskStore:
         return dataclasses.replace(entry, pixels=pixels)
 
     def _remember(self, i: str, entry: Entry) -> None:
-        """``mapped``: keep a raw entry's mapping, the oldest going past `MAPPED`."""
-        if self._mapped is not None and entry.encoded is None:
-            self._mapped[i] = entry
-            if len(self._mapped) > MAPPED:
-                self._mapped.popitem(last=False)
+        """``mapped``: keep a raw entry's mapping (in the process's `PROCESS` table)."""
+        if self.mapped and entry.encoded is None:
+            mapped_entries.PROCESS.keep(self.root, self._root_id, i, entry)
 
     def _read(self, path: str):
         """The file's bytes: mapped (``mapped``), else read."""
         with open(path, "rb") as f:
-            if self._mapped is None:
+            if not self.mapped:
                 return f.read()
             return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
@@ -196,7 +168,7 @@ class DiskStore:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(parent)
             self._dirs.add(parent)
-        return open(tmp, "wb" if self._mapped is None else "w+b")
+        return open(tmp, "w+b" if self.mapped else "wb")
 
     def settle(self) -> None:
         """Give back the unused lease and count the entries written since the last time;
@@ -217,7 +189,7 @@ class DiskStore:
             free = self.budget - (usage[0] - self._lease)  # the unused rest comes back
             if free < size:
                 return False
-            grant = LEASE if self._mapped is not None and free > 2 * LEASE else size
+            grant = LEASE if self.mapped and free > 2 * LEASE else size
             grant = max(size, grant) - self._lease
             usage[0] += grant
             usage[1] += self._written_n
@@ -249,11 +221,3 @@ def _place(tmp: str, path: str) -> int | None:
         return None
     os.unlink(tmp)
     return None
-
-
-def _identity(path: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino

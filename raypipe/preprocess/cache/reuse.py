@@ -78,14 +78,6 @@ class SampleCache:
             mapped = self.config.cache_encoding == "raw"
             self.store = DiskStore(root, limit, mapped=mapped)
 
-    def let_go_if_cleared(self) -> None:
-        """A memory cache whose directory is gone or made anew (its run released it): close
-        this process's mappings of its entries, which would keep their memory from the
-        node, and look for the node's cache again at the next `raws`."""
-        if self.config.cache == "memory" and self.store is not None and self.store.cleared():
-            self.store.close()
-            self.store, self.counter = None, None
-
     def raws(self, rows: Iterable[Row], read: Callable[..., Iterator[RawSample]]):
         """The rows' samples in order, as ``read(path, first_key, samples, label, done)``
         yields them, with the cached ones found (whole rows of them not read)."""

@@ -1,0 +1,84 @@
+"""The raw cache entries this process keeps memory-mapped (`PROCESS`), shared by all its
+`raypipe.preprocess.cache.disk.DiskStore` objects: a worker serving several runs or ranks
+maps each entry once, and never holds more mappings than `MAPPED` between them.
+
+Each entry is one mapping, and Linux allows a process ``vm.max_map_count`` of them (65,530
+by default): `MAPPED` is half, the other half left to the process's libraries, allocators
+and Ray's store. A hit on a mapped entry costs about a microsecond; one past `MAPPED` is
+opened, mapped and checked again (`benchmarks/cache_parts.py`'s ``first_read``).
+
+A memory cache removed (its run released it) or made anew in its place is another cache:
+`Mappings.drop_cleared` closes what this process maps of it, so that its pages go back to
+the node; a pooled worker calls it at each task (`raypipe.preprocess.tasks`), since it
+keeps a finished run's `Preprocessor` and would otherwise hold them.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+
+__all__ = ["MAPPED", "Mappings", "PROCESS", "identity"]
+assert __all__ == sorted(__all__)
+
+
+def _limit() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return max(1024, int(f.read()) // 2)
+    except (OSError, ValueError):
+        return 8192
+
+
+MAPPED = _limit()
+
+
+def identity(path: str) -> tuple[int, int] | None:
+    """A directory's (device, inode): a cache removed and made again is another one."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+class Mappings:
+    """Mapped entries by (their directory's `identity`, id), the newest `MAPPED` kept."""
+
+    def __init__(self):
+        self._lru: collections.OrderedDict = collections.OrderedDict()
+        self._roots: dict[tuple[int, int] | None, str] = {}  # identity -> the path it had
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def get(self, root: tuple[int, int] | None, i: str):
+        with self._lock:
+            entry = self._lru.get((root, i))
+            if entry is not None:
+                self._lru.move_to_end((root, i))
+            return entry
+
+    def keep(self, path: str, root: tuple[int, int] | None, i: str, entry) -> None:
+        with self._lock:
+            self._roots[root] = path
+            self._lru[(root, i)] = entry
+            self._lru.move_to_end((root, i))
+            while len(self._lru) > MAPPED:
+                self._lru.popitem(last=False)
+
+    def drop_cleared(self) -> None:
+        """Close the mappings of every cache directory that is gone or made anew."""
+        with self._lock:
+            gone = {r for r, path in self._roots.items() if identity(path) != r}
+            if not gone:
+                return
+            for key in [k for k in self._lru if k[0] in gone]:
+                del self._lru[key]
+            for r in gone:
+                del self._roots[r]
+
+
+PROCESS = Mappings()
