@@ -55,9 +55,9 @@ class DiskStore:
     ``mapped``: raw entries stay memory-mapped in this process once read and checked, or
     written (`raypipe.preprocess.cache.mapped`: the newest `MAPPED` of all its stores), so a
     later epoch's hit neither reads nor checks its file again (the node's processes share
-    those pages). For the memory cache only, whose files no
-    one but its own processes write, and only by renaming a whole new file into place: a
-    file cut short under a mapping would fault.
+    those pages). For the memory cache only, whose files no one but its own processes
+    write, and only by renaming a whole new file into place: a file cut short under a
+    mapping would fault.
     """
 
     def __init__(self, directory: str, budget: int, *, mapped: bool = False):
