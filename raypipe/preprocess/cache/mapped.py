@@ -9,8 +9,8 @@ opened, mapped and checked again (`benchmarks/cache_parts.py`'s ``first_read``).
 
 A memory cache removed (its run released it) or made anew in its place is another cache:
 `Mappings.drop_cleared` closes what this process maps of it, so that its pages go back to
-the node; a pooled worker calls it at each task (`raypipe.preprocess.tasks`), since it
-keeps a finished run's `Preprocessor` and would otherwise hold them.
+the node. A pooled worker outlives its runs, so it calls that at each task
+(`raypipe.preprocess.tasks`); an actor's table goes with its process.
 """
 
 from __future__ import annotations
