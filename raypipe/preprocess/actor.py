@@ -175,16 +175,13 @@ class Preprocessor:
         rng = sample_rng(self.config.seed, epoch, raw.key)
         if self.cache is not None:  # the capped image: cached, or decoded and kept
             rgb = self.cache.image(raw)
-            if isinstance(rgb, Stored):  # a JPEG: decoded here, only what the crop reads
-                if self.usermap is not None:
-                    return self.usermap(raw, epoch, image=self.cache.pixels_of(rgb)[0])
-                p = self._plan(rgb.width, rgb.height, rng)
-                return crop_chw(*self.cache.pixels_of(rgb, p), self.config.image_size)
             if self.usermap is not None:
-                return self.usermap(raw, epoch, image=rgb)
-            return crop_chw(
-                rgb, self._plan(rgb.shape[1], rgb.shape[0], rng), self.config.image_size
-            )
+                return self.usermap(raw, epoch, image=self.cache.whole(rgb))
+            if isinstance(rgb, Stored):  # a JPEG: decoded here, only what the crop reads
+                rgb, p = self.cache.region(rgb, self._plan(rgb.width, rgb.height, rng))
+            else:
+                p = self._plan(rgb.shape[1], rgb.shape[0], rng)
+            return crop_chw(rgb, p, self.config.image_size)
         if raw.reason is not None:
             raise BadSample(raw.reason, raw.error or raw.reason)
         if not raw.data and self.config.image_column is not None:  # else: fields, no image

@@ -435,15 +435,15 @@ def test_a_jpeg_hit_counts_its_decode_against_what_it_saved(tmp_path):
     cache = SampleCache(PipelineConfig(source=str(tmp_path), cache="memory"), None)
     fresh = encode_stored(ramp(240, 320))
     p = Plan(Box(10, 20, 100, 90), False)
-    cache.pixels_of(fresh, p)
-    cache.pixels_of(fresh)
+    cache.region(fresh, p)
+    cache.whole(fresh)
     assert cache.tally.saved_s == 0
     hit = Stored(*fresh[:3], hit=True)
-    rgb, q = cache.pixels_of(hit, p)
+    rgb, q = cache.region(hit, p)
     after_crop = cache.tally.saved_s
-    whole, none = cache.pixels_of(hit)
+    whole = cache.whole(hit)
     assert after_crop < 0 and cache.tally.saved_s < after_crop
-    assert rgb.shape[0] < 240 and q.box != p.box and whole.shape == (240, 320, 3) and none is None
+    assert rgb.shape[0] < 240 and q.box != p.box and whole.shape == (240, 320, 3)
 
 
 def test_decode_capped_keeps_the_short_side_at_most_the_cap():

@@ -151,12 +151,22 @@ class SampleCache:
             return Stored(entry.encoded, entry.shape[0], entry.shape[1], hit=True)
         return entry.pixels
 
-    def pixels_of(self, stored: Stored, p: Plan | None = None) -> tuple[np.ndarray, Plan | None]:
+    def region(self, stored: Stored, p: Plan) -> tuple[np.ndarray, Plan]:
         """What of a JPEG from `image` a crop with plan ``p`` reads, and ``p`` in it
-        (`region_of`), or, with no plan, the whole image (a user transform's). A hit's
-        decode counts against what it saved, as a raw entry's lookup does."""
+        (`region_of`). A hit's decode counts against what it saved, as a raw entry's
+        lookup does."""
+        return self._decode_timed(stored, region_of, stored, p)
+
+    def whole(self, image: np.ndarray | Stored) -> np.ndarray:
+        """The whole capped image from `image` (a user transform gets all of it): the pixels
+        themselves, or what a JPEG decodes to (a hit's decode counted as in `region`)."""
+        if not isinstance(image, Stored):
+            return image
+        return self._decode_timed(image, Stored.pixels, image)
+
+    def _decode_timed(self, stored: Stored, decode, *args):
         t0 = time.perf_counter()
-        out = region_of(stored, p) if p is not None else (stored.pixels(), None)
+        out = decode(*args)
         if stored.hit:
             self.tally.saved_s -= time.perf_counter() - t0
         return out
