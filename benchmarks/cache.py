@@ -41,6 +41,7 @@ from pathlib import Path
 import ingest
 import numpy as np
 
+from raypipe import rayapi
 from raypipe.config import PipelineConfig
 from raypipe.plan.shards import list_shards
 from raypipe.preprocess.cache import node
@@ -51,15 +52,23 @@ PILLOW = {"num_workers": 2, "persistent_workers": True, "prefetch_factor": 2}
 SIDES = (128, 160, 224, 256, 320, 512)
 
 
-def start_ray(store: int) -> None:
-    """ingest.py's local Ray, with an object store of ``store`` bytes."""
+def start_ray(store: int, *, warm_store: bool = True) -> None:
+    """ingest.py's local Ray, with an object store of ``store`` bytes, its pages taken
+    at start (``warm_store``) as a long run's are once its blocks have been through them.
+
+    A page of the store that no block has used yet is zeroed by the kernel when the first
+    block is copied into it. Left to the runs, the first ``store`` bytes of blocks pay
+    that, spread over as many epochs as it takes (14 of the small corpus, in a 4 GiB
+    store), and the runs of a round pay it unequally: the first pays all, the cached paths,
+    whose workers do least else, lose most. Warm, every run measures the steady state."""
     import os
 
     import ray.data
 
+    config = {**ingest.localray.LOCAL_SYSTEM_CONFIG, "preallocate_plasma_memory": warm_store}
     ingest.localray.start("local", num_cpus=os.cpu_count(), include_dashboard=False,
                           log_to_driver=False, object_store_memory=store,
-                          configure_logging=False)  # fmt: skip
+                          configure_logging=False, **rayapi.system_config(config))  # fmt: skip
     ray.data.DataContext.get_current().enable_progress_bars = False
 
 
@@ -197,6 +206,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--actors", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
     p.add_argument("--store-gib", type=int, default=4, help="the object store, GiB")
+    p.add_argument("--cold-store", action="store_true",
+                   help="leave the object store's pages to the runs (see start_ray)")  # fmt: skip
     p.add_argument(
         "--photo",
         help="WxH: a corpus of photos of this size instead of ingest.py's (e.g. 1600x1200)",
@@ -233,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
               "args": {k: str(v) for k, v in vars(args).items()},
               "capped": capped_sizes(files[:64], ingest.IMAGE)}  # fmt: skip
     print(json.dumps(result["capped"], indent=1), flush=True)
-    start_ray(args.store_gib << 30)
+    start_ray(args.store_gib << 30, warm_store=not args.cold_store)
     try:
         # one untimed epoch first: the pooled workers start and import raypipe here, not
         # in the first round's first run (whose epoch 0 it once slowed 2x, as its run's)
