@@ -92,6 +92,7 @@ class Preprocessor:
         self.skips = skips
         self.skipped = 0
         self.cache = SampleCache(config, self.reader.storage) if config.cache else None
+        self.reused = None  # a pooled worker's `Reused` arrays (compute="tasks"), or new ones
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         if self.tasks is None:  # shard rows of self.epoch
@@ -137,8 +138,9 @@ class Preprocessor:
     def _builder(self, epoch: int):
         rows = self.config.rows_per_block or self.config.batch_size
         if self.usermap is None:
-            blocks = EncodedBlocks if self.config.decode == "gpu" else ImageBlocks
-            return blocks(self.config.image_size, rows)
+            if self.config.decode == "gpu":
+                return EncodedBlocks(self.config.image_size, rows)
+            return ImageBlocks(self.config.image_size, rows, self.reused)
         return RowBuilder(rows, self.usermap, self.schema, self._bad, epoch)
 
     def _take(self, out, pending: list[SkipRecord], skips: SkipLog | None, epoch: int):

@@ -32,6 +32,7 @@ from raypipe.plan.rankplan import RankTasks, rank_pool
 from raypipe.preprocess.actor import Preprocessor
 from raypipe.preprocess.cache import mapped
 from raypipe.preprocess.cache import node as node_cache
+from raypipe.preprocess.imageblocks import Reused
 
 __all__ = ["TaskStream", "rank_tasks"]
 assert __all__ == sorted(__all__)
@@ -42,17 +43,26 @@ RUNS_PER_WORKER = 4  # runs whose Preprocessor a pooled worker keeps (ranks shar
 _PREPROCESSORS: collections.OrderedDict = collections.OrderedDict()  # run id → Preprocessor
 
 
+_REUSED = Reused()  # the image arrays of this worker's blocks, lent again each task
+
+
 def _preprocess(run: str, kwargs: list, task: int) -> list[Columns]:
     """One task of ``run`` on a pooled worker: its blocks, from this process's
-    `Preprocessor` of the run (built on the run's first task here)."""
+    `Preprocessor` of the run (built on the run's first task here).
+
+    The blocks' image arrays are lent again at the worker's next task (`Reused`): Ray has
+    copied them by then. A caller in the same process keeps the blocks of one call only
+    until its next."""
     pre = _PREPROCESSORS.get(run)
     if pre is None:
         import ray
 
         pre = _PREPROCESSORS[run] = Preprocessor(**ray.get(kwargs[0]))
+        pre.reused = _REUSED
         while len(_PREPROCESSORS) > RUNS_PER_WORKER:
             _PREPROCESSORS.popitem(last=False)
     _PREPROCESSORS.move_to_end(run)
+    _REUSED.next_task()
     mapped.PROCESS.drop_cleared()  # released memory caches: this worker lets go of them
     return [_numpy(b) for b in pre({"id": np.array([task], dtype=np.int64)}) if len(b["key"])]
 

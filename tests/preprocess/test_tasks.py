@@ -31,6 +31,36 @@ def test_tasks_give_the_actor_pools_keys_pixels_and_order(ray_session, datasets,
     assert len({k for k, _ in tasks[0]}) == len(tasks[0]) == 60  # 61 samples, batches of 5
 
 
+def test_a_workers_block_arrays_lent_again_at_its_next_task_keep_every_blocks_pixels(
+        ray_session, datasets):  # fmt: skip
+    # one worker runs every task, each of several blocks of 196 KB (the object store's,
+    # not inlined in the reply): the arrays each task lends again are its last task's
+    config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=64, batch_size=16,
+                            rows_per_block=16, files_per_task=40, actors=(1, 1), seed=5)  # fmt: skip
+    tasks = _epochs(config, epochs=2)
+    assert tasks == _epochs(config.replace(compute="actors"), epochs=2)
+    assert [len(e) for e in tasks] == [48, 48]
+
+
+def test_reused_arrays_are_the_last_tasks_each_lent_once_a_task():
+    from raypipe.preprocess.imageblocks import ImageBlocks, Reused
+
+    reused = Reused()
+    first = [reused.take((2, 3)) for _ in range(3)]
+    assert len({id(a) for a in first}) == 3  # three blocks of one task: three arrays
+    reused.next_task()
+    second = [reused.take((2, 3)), reused.take((2, 3)), reused.take((4, 3))]
+    assert {id(a) for a in second[:2]} < {id(a) for a in first}
+    assert second[2].shape == (4, 3)  # a shape the last task had none of: a new array
+    reused.next_task()  # the array of the first task that the second did not take is let go
+    third = [reused.take((2, 3)) for _ in range(3)]
+    assert {id(a) for a in third} & {id(a) for a in first} == {id(a) for a in second[:2]}
+    blocks = ImageBlocks(4, 2, reused)
+    assert blocks.image.shape == (2, 3, 4, 4) and blocks.image.dtype == np.uint8
+    reused.next_task()
+    assert reused.take((2, 3, 4, 4)) is blocks.image
+
+
 def test_a_window_of_one_slot_still_reads_every_epoch_in_order(ray_session, datasets):
     config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=8, batch_size=4,
                             files_per_task=2, actors=(1, 1))  # fmt: skip
