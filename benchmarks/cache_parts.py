@@ -44,6 +44,7 @@ from pathlib import Path
 import cache as cache_bench
 import ingest
 
+from raypipe.preprocess.cache import mapped
 from raypipe.preprocess.cache.capped import decode_capped
 from raypipe.preprocess.cache.disk import DiskStore
 from raypipe.preprocess.cache.store import Entry
@@ -88,7 +89,9 @@ def one_round(files: list[Path], shm: Path, disk: Path, cap: int) -> dict[str, f
         r["write"] = written(DiskStore(str(root), 1 << 40, mapped=True), ids, entries)
         plans = [ingest.chooser(k, 1)(rgb.shape[1], rgb.shape[0]) for k, rgb in enumerate(rgbs)]
         r["crop"], _ = timed(lambda k: crop_chw(rgbs[k], plans[k], ingest.IMAGE).shape, keys)
-        other = DiskStore(str(root), 1 << 40, mapped=True)  # another worker of the node
+        # another worker of the node: a process whose table maps none of them yet
+        mapped.PROCESS = mapped.Mappings()
+        other = DiskStore(str(root), 1 << 40, mapped=True)
         r["first_read"], _ = timed(lambda i: other.get_many([i], [IDENT]), ids)
         r["hit"], hits = timed(lambda i: other.get_many([i], [IDENT]), ids)
         assert all(h[0] is not None for h in hits)
