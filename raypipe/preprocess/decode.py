@@ -88,8 +88,9 @@ def crop_chw(rgb: np.ndarray, p: Plan, size: int) -> np.ndarray:
     return out.transpose(2, 0, 1)
 
 
-def crop_resize(rgb: np.ndarray, box: Box, size: int) -> np.ndarray:
-    """Resize the pixels inside ``box`` of an H×W×3 image to size×size×3.
+def crop_resize(rgb: np.ndarray, box: Box, size: int | tuple[int, int]) -> np.ndarray:
+    """Resize the pixels inside ``box`` of an H×W×3 image to size×size×3 (``size`` a
+    (width, height) pair: to height×width×3).
 
     Along an axis that shrinks, the crop is first low-passed (a Gaussian close to Pillow's
     triangle filter); then a whole-pixel box is cropped (a view) and resized bilinearly, and
@@ -100,7 +101,8 @@ def crop_resize(rgb: np.ndarray, box: Box, size: int) -> np.ndarray:
     """
     import cv2
 
-    sx, sy = box.width / size, box.height / size
+    out = (size, size) if isinstance(size, int) else tuple(size)
+    sx, sy = box.width / out[0], box.height / out[1]
     whole = all(abs(v - round(v)) < 1e-6 for v in box)
     h, w = rgb.shape[:2]
     if whole:
@@ -117,14 +119,12 @@ def crop_resize(rgb: np.ndarray, box: Box, size: int) -> np.ndarray:
             borderType=cv2.BORDER_REPLICATE,
         )  # fmt: skip
     if whole:
-        return cv2.resize(crop, (size, size), interpolation=cv2.INTER_LINEAR)
+        return cv2.resize(crop, out, interpolation=cv2.INTER_LINEAR)
     to_source = np.array(
         [[sx, 0.0, box.left - x0 + 0.5 * sx - 0.5], [0.0, sy, box.top - y0 + 0.5 * sy - 0.5]]
     )
     flags = cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP
-    return cv2.warpAffine(
-        crop, to_source, (size, size), flags=flags, borderMode=cv2.BORDER_REPLICATE
-    )
+    return cv2.warpAffine(crop, to_source, out, flags=flags, borderMode=cv2.BORDER_REPLICATE)
 
 
 def _taps(sigma: float) -> int:

@@ -456,6 +456,43 @@ def test_decode_capped_keeps_the_short_side_at_most_the_cap():
     assert decode_capped(tall, 45, None).shape == (100, 45, 3)
 
 
+@pytest.mark.parametrize("size", [(500, 375), (640, 480), (1600, 1200)])
+def test_the_cap_is_low_passed_and_resized_as_every_crop_is(size):
+    """Above the cap, the image is low-passed and resized bilinearly (`crop_resize`): close
+    to Pillow's resize of the same decode; where it shrinks by 1.5 or more, 1-pixel checks,
+    which a bilinear resize alone keeps as moiré, come out as grey as Pillow's."""
+    import simplejpeg
+    from PIL import Image
+
+    w, h = size
+    k = next((k for k in (8, 4, 2) if min(-(-w // k), -(-h // k)) >= 320), 1)
+    for name, data in (("noise", image_bytes(np.random.default_rng(1), "JPEG", size=size)),
+                       ("checks", checks_jpeg(size))):  # fmt: skip
+        capped = decode_capped(data, 320, None)
+        whole = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=-(-h // k),
+                                       min_width=-(-w // k))  # fmt: skip
+        assert capped.shape == (320, round(320 * w / h), 3) and capped.flags.c_contiguous
+        pillow = np.asarray(Image.fromarray(whole).resize(capped.shape[1::-1], Image.BILINEAR))
+        if name == "noise":
+            assert np.abs(capped.astype(int) - pillow.astype(int)).mean() < 3
+        elif min(whole.shape[:2]) >= 1.5 * 320:  # just above the cap the low-pass is slight
+            assert capped.std() < pillow.std() + 8, (capped.std(), pillow.std())
+
+
+def checks_jpeg(size: tuple[int, int]) -> bytes:
+    import io
+
+    from PIL import Image
+
+    y, x = np.mgrid[: size[1], : size[0]]
+    checks = np.where((x + y) % 2 == 0, 255, 0).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(np.repeat(checks[:, :, None], 3, axis=2)).save(
+        buf, format="JPEG", quality=100, subsampling=0
+    )
+    return buf.getvalue()
+
+
 def test_bad_cache_settings_fail_in_one_line(tmp_path):
     src = str(tmp_path)
     (tmp_path / "file").write_text("x")

@@ -5,7 +5,7 @@ With the cache on, every crop comes from the capped image, the first decode's to
 key gets the same pixels whether its image was just decoded or came from the cache. The
 capped image is the whole upright RGB image (EXIF rotation applied), uint8 H×W×3:
 libjpeg-turbo decodes at the 1/2, 1/4 or 1/8 DCT scale that keeps the short side at least
-``max_side``, then one area resize brings it down to exactly ``max_side``.
+``max_side``, then a low-pass and a bilinear resize bring it down to exactly ``max_side``.
 
 ``cache_encoding="jpeg"`` keeps the capped image re-encoded, and every crop comes from what
 that JPEG decodes to: it is served as `Stored`, just encoded or cached alike, and
@@ -20,8 +20,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from raypipe.preprocess.augment import Plan
-from raypipe.preprocess.decode import decode_around, decode_scaled, jpeg_size
+from raypipe.preprocess.augment import Box, Plan
+from raypipe.preprocess.decode import crop_resize, decode_around, decode_scaled, jpeg_size
 from raypipe.preprocess.pillow import open_image, to_rgb
 from raypipe.skips.records import BadSample
 
@@ -109,8 +109,9 @@ def _pillow(data: bytes, max_side: int, max_pixels: int | None) -> np.ndarray:
 
 
 def _cap(rgb: np.ndarray, max_side: int) -> np.ndarray:
-    import cv2
-
+    """``rgb`` with its short side brought down to ``max_side``: low-passed and resized
+    bilinearly as every crop is (`crop_resize`). OpenCV's area resize, which this once
+    was, cost 1.6-2.3 ms on a 500×375 photo, more than decoding it, against about 0.5."""
     height, width = rgb.shape[:2]
     short = min(height, width)
     if short <= max_side:
@@ -120,7 +121,7 @@ def _cap(rgb: np.ndarray, max_side: int) -> np.ndarray:
         size = (max_side, max(1, round(height * scale)))
     else:
         size = (max(1, round(width * scale)), max_side)
-    return cv2.resize(rgb, size, interpolation=cv2.INTER_AREA)
+    return crop_resize(rgb, Box(0, 0, width, height), size)
 
 
 def _check_pixels(width: int, height: int, limit: int | None) -> None:

@@ -41,7 +41,7 @@ __all__ = ["NodeCache", "budget", "cache_root", "digest", "ensure", "lookup", "r
 assert __all__ == sorted(__all__)
 
 DISK_BUDGET = 2 << 30  # bytes per node under cache_dir, by default
-CACHE_VERSION = 1  # changes when the capped pixels of the same bytes would change
+CACHE_VERSION = 2  # changes when the capped pixels of the same bytes would (2: no area resize)
 _HELD: dict[tuple[str, str], object] = {}  # (job id, actor name) -> handle: an actor
 _HELD_LOCK = threading.Lock()  # dies with its last handle; ranks in threads share this
 _BUDGETS: dict[tuple[str, str], int] = {}  # (job id, name prefix) -> its first ensure's budget
