@@ -33,8 +33,8 @@ def test_tasks_give_the_actor_pools_keys_pixels_and_order(ray_session, datasets,
 
 def test_a_workers_block_arrays_lent_again_at_its_next_task_keep_every_blocks_pixels(
         ray_session, datasets):  # fmt: skip
-    # one worker runs every task, each of several blocks of 196 KB (the object store's,
-    # not inlined in the reply): the arrays each task lends again are its last task's
+    # one task slot: each pooled worker runs several of the tasks, each task several blocks
+    # of 196 KB (in the object store, not inlined in the reply), in the last task's arrays
     config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=64, batch_size=16,
                             rows_per_block=16, files_per_task=40, actors=(1, 1), seed=5)  # fmt: skip
     tasks = _epochs(config, epochs=2)
