@@ -41,7 +41,6 @@ from pathlib import Path
 import ingest
 import numpy as np
 
-from raypipe import rayapi
 from raypipe.config import PipelineConfig
 from raypipe.plan.shards import list_shards
 from raypipe.preprocess.cache import node
@@ -65,10 +64,10 @@ def start_ray(store: int, *, warm_store: bool = True) -> None:
 
     import ray.data
 
-    config = {**ingest.localray.LOCAL_SYSTEM_CONFIG, "preallocate_plasma_memory": warm_store}
     ingest.localray.start("local", num_cpus=os.cpu_count(), include_dashboard=False,
                           log_to_driver=False, object_store_memory=store,
-                          configure_logging=False, **rayapi.system_config(config))  # fmt: skip
+                          configure_logging=False,
+                          system_config={"preallocate_plasma_memory": warm_store})  # fmt: skip
     ray.data.DataContext.get_current().enable_progress_bars = False
 
 

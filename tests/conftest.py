@@ -77,6 +77,18 @@ def ray_session():
     localray.shutdown()  # and any worker that outlives its raylet, by pid
 
 
+def checks_jpeg(size: tuple[int, int]) -> bytes:
+    """A width×height JPEG of 1-pixel black and white checks (quality 100, no chroma
+    subsampling): what a resize without a low-pass turns into moiré."""
+    y, x = np.mgrid[: size[1], : size[0]]
+    checks = np.where((x + y) % 2 == 0, 255, 0).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(np.repeat(checks[:, :, None], 3, axis=2)).save(
+        buf, format="JPEG", quality=100, subsampling=0
+    )
+    return buf.getvalue()
+
+
 def image_bytes(rng: np.random.Generator, fmt: str = "JPEG", size=(24, 20)) -> bytes:
     """A small random image: smooth enough that JPEG keeps it recognisable."""
     w, h = size

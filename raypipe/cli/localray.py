@@ -35,11 +35,13 @@ assert __all__ == sorted(__all__)
 LOCAL_SYSTEM_CONFIG = MappingProxyType({"event_stats": False})
 
 
-def start(address: str = "local", **kwargs) -> None:
+def start(address: str = "local", *, system_config: dict | None = None, **kwargs) -> None:
     """`raypipe.localnode.start` (a new local Ray listens on loopback only); a new local
-    Ray (``address="local"``) gets `LOCAL_SYSTEM_CONFIG`, which Ray refuses when joining."""
+    Ray (``address="local"``) gets `LOCAL_SYSTEM_CONFIG` and ``system_config`` over it,
+    which Ray refuses when joining (so both are left out then)."""
     if address == "local":  # a copy: ray.init adds its spilling settings to the dict
-        kwargs = {**rayapi.system_config(dict(LOCAL_SYSTEM_CONFIG)), **kwargs}
+        config = {**LOCAL_SYSTEM_CONFIG, **(system_config or {})}
+        kwargs = {**rayapi.system_config(config), **kwargs}
     localnode.start(address, **kwargs)
 
 

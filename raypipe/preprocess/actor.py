@@ -36,7 +36,7 @@ from raypipe.preprocess.cache.capped import Stored
 from raypipe.preprocess.cache.reuse import SampleCache
 from raypipe.preprocess.decode import crop_chw, decode_crop
 from raypipe.preprocess.encoded import Encoded, EncodedBlocks
-from raypipe.preprocess.imageblocks import ImageBlocks
+from raypipe.preprocess.imageblocks import ImageBlocks, Reused
 from raypipe.preprocess.samples.fields import sample_map
 from raypipe.preprocess.userrows import RowBuilder, Schema
 from raypipe.skips.budget import check_budget
@@ -78,7 +78,7 @@ class Preprocessor:
 
     def __init__(self, config: PipelineConfig, reader: Reader | str, epoch: int | None = None,
                  skips: SkipLog | None = None, samples: int | None = None,
-                 tasks: RankTasks | None = None):  # fmt: skip
+                 tasks: RankTasks | None = None, reused: Reused | None = None):  # fmt: skip
         if epoch is None and tasks is None:
             raise ValueError("epoch=None needs tasks= (each task names its epoch)")
         self.config = config
@@ -92,7 +92,7 @@ class Preprocessor:
         self.skips = skips
         self.skipped = 0
         self.cache = SampleCache(config, self.reader.storage) if config.cache else None
-        self.reused = None  # a pooled worker's `Reused` arrays (compute="tasks"), or new ones
+        self.reused = reused  # a pooled worker's block arrays (compute="tasks"), or new ones
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         if self.tasks is None:  # shard rows of self.epoch

@@ -57,8 +57,7 @@ def _preprocess(run: str, kwargs: list, task: int) -> list[Columns]:
     if pre is None:
         import ray
 
-        pre = _PREPROCESSORS[run] = Preprocessor(**ray.get(kwargs[0]))
-        pre.reused = _REUSED
+        pre = _PREPROCESSORS[run] = Preprocessor(**ray.get(kwargs[0]), reused=_REUSED)
         while len(_PREPROCESSORS) > RUNS_PER_WORKER:
             _PREPROCESSORS.popitem(last=False)
     _PREPROCESSORS.move_to_end(run)

@@ -19,7 +19,7 @@ from raypipe.preprocess.cache.capped import decode_capped
 from raypipe.preprocess.cache.disk import DiskStore
 from raypipe.preprocess.cache.entryfile import parts
 from raypipe.preprocess.cache.store import Entry
-from tests.conftest import image_bytes, make_imagefolder
+from tests.conftest import checks_jpeg, image_bytes, make_imagefolder
 from tests.preprocess.test_bad_data import FOLDER_SKIPS, mixed_source
 from tests.properties import check_exactly_once_and_equal
 from tests.ranks import run_ranks
@@ -477,20 +477,6 @@ def test_the_cap_is_low_passed_and_resized_as_every_crop_is(size):
             assert np.abs(capped.astype(int) - pillow.astype(int)).mean() < 3
         elif min(whole.shape[:2]) >= 1.5 * 320:  # just above the cap the low-pass is slight
             assert capped.std() < pillow.std() + 8, (capped.std(), pillow.std())
-
-
-def checks_jpeg(size: tuple[int, int]) -> bytes:
-    import io
-
-    from PIL import Image
-
-    y, x = np.mgrid[: size[1], : size[0]]
-    checks = np.where((x + y) % 2 == 0, 255, 0).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(np.repeat(checks[:, :, None], 3, axis=2)).save(
-        buf, format="JPEG", quality=100, subsampling=0
-    )
-    return buf.getvalue()
 
 
 def test_bad_cache_settings_fail_in_one_line(tmp_path):

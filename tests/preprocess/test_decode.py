@@ -7,7 +7,7 @@ from PIL import Image
 from raypipe.preprocess import decode
 from raypipe.preprocess.augment import Box, Plan, plan, sample_rng
 from raypipe.preprocess.pillow import pillow_decode_crop
-from tests.conftest import image_bytes
+from tests.conftest import checks_jpeg, image_bytes
 
 
 def chooser(key: int, *, train: bool = True, seed: int = 0, epoch: int = 0):
@@ -142,13 +142,7 @@ def test_an_axis_that_shrinks_is_low_passed_when_the_other_grows(box):
     """1-pixel checks across an axis that shrinks (300 → 224) while the other grows
     (120 → 224): Pillow's filter greys them out; bilinear sampling alone would keep most of
     their contrast as moiré bands (std 43 here)."""
-    x = np.arange(400)
-    checks = np.where((x[None, :] + x[:, None]) % 2 == 0, 255, 0).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(np.repeat(checks[:, :, None], 3, axis=2)).save(
-        buf, format="JPEG", quality=100, subsampling=0
-    )
-    data = buf.getvalue()
+    data = checks_jpeg((400, 400))
     fast = np.ascontiguousarray(decode.decode_crop(data, 224, lambda w, h: Plan(box, False)))
     standard = pillow_decode_crop(data, 224, lambda w, h: Plan(box, False))
     assert standard.std() < 25  # Pillow's output is close to uniform grey
