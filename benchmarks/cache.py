@@ -6,8 +6,9 @@ Each of ``--rounds`` interleaved rounds runs, in an order that rotates from roun
   (b) the warm `Pipeline` with ``cache="memory"`` (a fresh cache every round);
   (c) the warm `Pipeline` with ``cache="disk"`` (a fresh directory every round);
   (c') the warm `Pipeline` with ``cache="memory", cache_encoding="jpeg"`` (fresh too);
-  (d) a tuned Pillow DataLoader (2 workers, prefetch 2, persistent workers; ingest.py's
-      sweep winner on this machine), the same seeded crop;
+  (d) a tuned Pillow DataLoader (as many workers as the pool has, ``--actors``: 2 was
+      ingest.py's sweep winner on the 2-core machine; prefetch 2, persistent workers), the
+      same seeded crop;
 
 each for ``--epochs`` epochs of random-resized-crop 224 + flip, batches of 256, uint8 on the
 host. Reported: the later epochs' rate (median of epochs 1+ within a run, then the median
@@ -96,14 +97,17 @@ def disk_run(config: PipelineConfig, listing, epochs: int, root: Path) -> dict:
 RUNS = ("uncached", "cached", "jpeg", "pillow", "disk")
 
 
-def one_round(i: int, config, listing, shards, epochs: int, root: Path, only=RUNS) -> dict:
+def one_round(i: int, config, listing, shards, epochs: int, root: Path, only=RUNS,
+              pillow_workers: int = 2) -> dict:  # fmt: skip
     runs = {
         "uncached": lambda: ingest.warm_epochs(config, listing, epochs),
         "cached": lambda: cached_run(config.replace(cache="memory"), listing, epochs),
         "jpeg": lambda: cached_run(
             config.replace(cache="memory", cache_encoding="jpeg"), listing, epochs
         ),  # fmt: skip
-        "pillow": lambda: ingest.dataloader(shards, "pillow", epochs, [PILLOW])["best"],
+        "pillow": lambda: ingest.dataloader(
+            shards, "pillow", epochs, [PILLOW | {"num_workers": pillow_workers}]
+        )["best"],
         "disk": lambda: disk_run(config, listing, epochs, root),
     }
     names = [n for n in runs if n in only]
@@ -202,7 +206,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--size", choices=list(ingest.SIZES), default="small")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--actors", type=int, default=2)
+    p.add_argument("--actors", type=int, default=2,
+                   help="the pool's workers, and the Pillow DataLoader's")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
     p.add_argument("--store-gib", type=int, default=4, help="the object store, GiB")
     p.add_argument("--cold-store", action="store_true",
@@ -249,7 +254,8 @@ def main(argv: list[str] | None = None) -> dict:
         # in the first round's first run (whose epoch 0 it once slowed 2x, as its run's)
         ingest.warm_epochs(config, listing, 1)
         result["rounds"] = [one_round(i, config, listing, list(listing.shards), args.epochs,
-                                      args.out, only) for i in range(args.rounds)]  # fmt: skip
+                                      args.out, only, args.actors)
+                            for i in range(args.rounds)]  # fmt: skip
     finally:
         ingest.localray.shutdown()
     result["summary"] = summary(result["rounds"])
