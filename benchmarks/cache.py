@@ -28,7 +28,9 @@ large decode.
 
 Every path runs in one local Ray whose object store is ``--store-gib`` (4 GiB; the memory
 cache's files live beside it in /dev/shm, its default budget a quarter of the store, or
-``--budget-gib``). ``--runs uncached,cached`` runs only those of the five each round.
+``--budget-gib``). ``--runs uncached,cached`` runs only those of the five each round. ``--step-ms`` plays a
+trainer whose step takes that long: the consumer sleeps after each batch, so a path whose
+workers keep ahead of the step runs at the trainer's rate.
 """
 
 from __future__ import annotations
@@ -72,24 +74,27 @@ def start_ray(store: int, *, warm_store: bool = True) -> None:
     ray.data.DataContext.get_current().enable_progress_bars = False
 
 
-def cached_run(config: PipelineConfig, listing, epochs: int) -> dict:
+def cached_run(config: PipelineConfig, listing, epochs: int, pause_s: float = 0.0) -> dict:
     """One cached warm run with a cache of its own; its counters afterwards."""
     try:
-        r = ingest.warm_epochs(config, listing, epochs)
+        r = ingest.warm_epochs(config, listing, epochs, pause_s)
         r["cache"] = node.stats(config)
     finally:
         node.release(config)
     return r
 
 
-def disk_run(config: PipelineConfig, listing, epochs: int, root: Path) -> dict:
+def disk_run(
+    config: PipelineConfig, listing, epochs: int, root: Path, pause_s: float = 0.0
+) -> dict:
     """One run with ``cache="disk"`` in a fresh directory under ``root`` (removed after)."""
     import shutil
 
     directory = root / "disk-cache"
     shutil.rmtree(directory, ignore_errors=True)
     try:
-        return cached_run(config.replace(cache="disk", cache_dir=str(directory)), listing, epochs)
+        disk = config.replace(cache="disk", cache_dir=str(directory))
+        return cached_run(disk, listing, epochs, pause_s)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -98,17 +103,17 @@ RUNS = ("uncached", "cached", "jpeg", "pillow", "disk")
 
 
 def one_round(i: int, config, listing, shards, epochs: int, root: Path, only=RUNS,
-              pillow_workers: int = 2) -> dict:  # fmt: skip
+              pillow_workers: int = 2, pause_s: float = 0.0) -> dict:  # fmt: skip
     runs = {
-        "uncached": lambda: ingest.warm_epochs(config, listing, epochs),
-        "cached": lambda: cached_run(config.replace(cache="memory"), listing, epochs),
+        "uncached": lambda: ingest.warm_epochs(config, listing, epochs, pause_s),
+        "cached": lambda: cached_run(config.replace(cache="memory"), listing, epochs, pause_s),
         "jpeg": lambda: cached_run(
-            config.replace(cache="memory", cache_encoding="jpeg"), listing, epochs
+            config.replace(cache="memory", cache_encoding="jpeg"), listing, epochs, pause_s
         ),  # fmt: skip
         "pillow": lambda: ingest.dataloader(
             shards, "pillow", epochs, [PILLOW | {"num_workers": pillow_workers}]
         )["best"],
-        "disk": lambda: disk_run(config, listing, epochs, root),
+        "disk": lambda: disk_run(config, listing, epochs, root, pause_s),
     }
     names = [n for n in runs if n in only]
     order = names[i % len(names) :] + names[: i % len(names)]
@@ -225,10 +230,15 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--budget-gib", type=float, help="cache_budget per node, GiB (default: "
                    "a quarter of the store for memory, 2 GiB for disk)")  # fmt: skip
+    p.add_argument("--step-ms", type=float, default=0.0,
+                   help="a trainer's step: the consumer sleeps this long after each batch "
+                   "(raypipe's paths only; default 0, as fast as batches come)")  # fmt: skip
     args = p.parse_args(argv)
     only = tuple(args.runs.split(","))
     if not only or set(only) - set(RUNS):
         p.error(f"--runs: a comma-separated choice of {', '.join(RUNS)}, not {args.runs!r}")
+    if args.step_ms < 0 or (args.step_ms and "pillow" in only):
+        p.error("--step-ms: a duration >= 0, with --runs naming raypipe's paths only")
     args.out.mkdir(parents=True, exist_ok=True)
     # one OpenCV and torch thread here before anything decodes: a DataLoader worker forked
     # from a process whose thread pools started hangs in them
@@ -254,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
         # in the first round's first run (whose epoch 0 it once slowed 2x, as its run's)
         ingest.warm_epochs(config, listing, 1)
         result["rounds"] = [one_round(i, config, listing, list(listing.shards), args.epochs,
-                                      args.out, only, args.actors)
+                                      args.out, only, args.actors, args.step_ms / 1e3)
                             for i in range(args.rounds)]  # fmt: skip
     finally:
         ingest.localray.shutdown()
