@@ -28,9 +28,9 @@ large decode.
 
 Every path runs in one local Ray whose object store is ``--store-gib`` (4 GiB; the memory
 cache's files live beside it in /dev/shm, its default budget a quarter of the store, or
-``--budget-gib``). ``--runs uncached,cached`` runs only those of the five each round. ``--step-ms`` plays a
-trainer whose step takes that long: the consumer sleeps after each batch, so a path whose
-workers keep ahead of the step runs at the trainer's rate.
+``--budget-gib``). ``--runs uncached,cached`` runs only those of the five each round.
+``--step-ms`` plays a trainer whose step takes that long: the consumer sleeps after each
+batch, so a path whose workers keep ahead of the step runs at the trainer's rate.
 """
 
 from __future__ import annotations
