@@ -205,6 +205,34 @@ def test_a_mapped_store_checks_an_entry_once_then_serves_its_mapping(tmp_path, m
     assert writer.tally.corrupt == 0
 
 
+def test_reads_count_the_entries_a_process_read_from_their_files(tmp_path, monkeypatch):
+    """``reads``: a mapped store's process reads and checks an entry once (none that it
+    wrote itself); an unmapped store reads its file at every hit; a damaged entry is
+    ``corrupt``, not a read."""
+    from raypipe.preprocess.cache import mapped
+
+    monkeypatch.setattr(mapped, "PROCESS", mapped.Mappings())  # the writer's process
+    root = str(tmp_path / "m")
+    writer = DiskStore(root, budget=1 << 20, mapped=True)
+    put_all(writer, [(k, Entry.image(IDENT, f"{k}.jpg", 0.01, pixels(n))) for n, k in
+                     enumerate("abc")])  # fmt: skip
+    assert all(writer.get_many(["a", "b", "c"], [IDENT] * 3)) and writer.tally.reads == 0
+    damaged = bytearray(Path(writer.path("c")).read_bytes())
+    damaged[-1] ^= 0xFF
+    Path(writer.path("c") + ".new").write_bytes(bytes(damaged))
+    os.replace(writer.path("c") + ".new", writer.path("c"))
+    monkeypatch.setattr(mapped, "PROCESS", mapped.Mappings())  # another process of the node
+    other = DiskStore(root, budget=1 << 20, mapped=True)
+    for _ in range(3):
+        a, b, c = other.get_many(["a", "b", "c"], [IDENT] * 3)
+        assert a is not None and b is not None and c is None
+    assert (other.tally.reads, other.tally.corrupt) == (2, 3)
+    unmapped = DiskStore(root, budget=1 << 20)
+    for _ in range(3):
+        unmapped.get_many(["a", "b"], [IDENT] * 2)
+    assert unmapped.tally.reads == 6
+
+
 def test_a_process_keeps_the_newest_mappings_up_to_half_what_the_kernel_allows(tmp_path,
                                                                                monkeypatch):  # fmt: skip
     """Up to `MAPPED` entries stay mapped in a process (the newest met); one past it is read
@@ -564,6 +592,7 @@ def test_memory_cache_exactly_once_equal_and_bad_samples_remembered(ray_session,
     s = settled(config, 3 * total)
     assert s["hits"] + s["misses"] == 3 * total
     assert s["hits"] >= total  # epochs 1 and 2 from the cache, mostly
+    assert 0 <= s["reads"] <= s["hits"]  # hits on entries another process wrote, once each
     # remembered as bad: every bad sample but the unreadable one (a read error may pass)
     remembered = bad - FOLDER_SKIPS["unreadable"]
     assert s["bad_hits"] >= remembered

@@ -95,6 +95,7 @@ class DiskStore:
                 self.tally.corrupt += 1
                 entry = None
             else:
+                self.tally.reads += 1
                 self._remember(i, entry)
             out.append(entry)
         return out

@@ -235,6 +235,7 @@ class SampleCache:
         if self.store is not None:
             self.tally.corrupt += self.store.tally.corrupt
             self.tally.refused += self.store.tally.refused
+            self.tally.reads += self.store.tally.reads
             self.store.tally = Tally()
         if self.counter is not None and (self.tally.hits or self.tally.misses):
             try:

@@ -79,6 +79,8 @@ class Tally:
     hits: int = 0  # samples served from the cache (bad ones included)
     misses: int = 0  # samples read and decoded
     bad_hits: int = 0  # of the hits: samples remembered as bad, not decoded again
+    reads: int = 0  # of the hits: entries read from their file and checked (a memory
+    # cache's process does that once an entry, then keeps it mapped; a disk cache, every hit)
     corrupt: int = 0  # entries that failed their check and were decoded again
     saved_s: float = 0.0  # read + decode seconds the hits did not spend, less the lookups
     entries: int = 0
