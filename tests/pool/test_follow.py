@@ -269,6 +269,9 @@ def test_a_worker_node_goes_while_the_trainer_is_slow(tmp_path):
     finally:
         head.stop()
     assert not _pids_naming(head.temp_dir), "a process of the head outlived stop()"
+    # what the autoscaler said of the worker node, for a failure's message
+    monitor = [line for line in head.monitor_log().splitlines()
+               if "idle" in line.lower() or "terminat" in line.lower()][-12:]  # fmt: skip
     head.remove()
     exactly_once_and_equal(report, N_NODES, 8, 1)
     series = report["series"]
@@ -280,7 +283,8 @@ def test_a_worker_node_goes_while_the_trainer_is_slow(tmp_path):
     reading = max(t for t, a, _ in series if a > 0)
     changes = [x for i, x in enumerate(series) if i == 0 or x[1:] != series[i - 1][1:]]
     placed = report["placed"]
-    assert removed is not None and removed < reading, (removed, reading, changes, placed)
+    assert removed is not None and removed < reading, (removed, reading, changes, placed,
+                                                        monitor)  # fmt: skip
     heads = set(report["heads"])
     last = placed[-2][1]  # where the pool's actors were at the end of reading
     assert set(last) <= heads, placed  # the head's actor stayed, workers' went
