@@ -233,9 +233,7 @@ class SampleCache:
         `NodeCache`."""
         self._settle()
         if self.store is not None:
-            self.tally.corrupt += self.store.tally.corrupt
-            self.tally.refused += self.store.tally.refused
-            self.tally.reads += self.store.tally.reads
+            self.tally.add(self.store.tally)  # what the store counts: corrupt, refused, reads
             self.store.tally = Tally()
         if self.counter is not None and (self.tally.hits or self.tally.misses):
             try:
