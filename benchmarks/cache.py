@@ -31,6 +31,8 @@ cache's files live beside it in /dev/shm, its default budget a quarter of the st
 ``--budget-gib``). ``--runs uncached,cached`` runs only those of the five each round.
 ``--step-ms`` plays a trainer whose step takes that long: the consumer sleeps after each
 batch, so a path whose workers keep ahead of the step runs at the trainer's rate.
+``--compute actors`` runs raypipe's paths on a pool of ``--actors`` actors instead of
+plain tasks.
 """
 
 from __future__ import annotations
@@ -230,6 +232,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--budget-gib", type=float, help="cache_budget per node, GiB (default: "
                    "a quarter of the store for memory, 2 GiB for disk)")  # fmt: skip
+    p.add_argument("--compute", choices=("tasks", "actors"), default="tasks",
+                   help="raypipe's workers: plain Ray tasks (the default) or an actor "
+                   "pool of --actors")  # fmt: skip
     p.add_argument("--step-ms", type=float, default=0.0,
                    help="a trainer's step: the consumer sleeps this long after each batch "
                    "(raypipe's paths only; default 0, as fast as batches come)")  # fmt: skip
@@ -247,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
         corpus = sized_corpus(args.out, args.photo, args.images)
     else:
         corpus = ingest.make_corpus(args.out, ingest.SIZES[args.size][0])
-    config = ingest.pool_config(corpus, args.actors)
+    config = ingest.pool_config(corpus, args.actors).replace(compute=args.compute)
     if args.cap:
         config = config.replace(cache_max_side=args.cap)
     if args.budget_gib:
