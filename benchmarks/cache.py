@@ -46,7 +46,7 @@ from pathlib import Path
 import ingest
 import numpy as np
 
-from raypipe.config import PipelineConfig
+from raypipe.config import COMPUTE, PipelineConfig
 from raypipe.plan.shards import list_shards
 from raypipe.preprocess.cache import node
 from raypipe.preprocess.cache.capped import decode_capped, encode_stored
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--budget-gib", type=float, help="cache_budget per node, GiB (default: "
                    "a quarter of the store for memory, 2 GiB for disk)")  # fmt: skip
-    p.add_argument("--compute", choices=("tasks", "actors"), default="tasks",
+    p.add_argument("--compute", choices=COMPUTE, default="tasks",
                    help="raypipe's workers: plain Ray tasks (the default) or an actor "
                    "pool of --actors")  # fmt: skip
     p.add_argument("--step-ms", type=float, default=0.0,
