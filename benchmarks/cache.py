@@ -32,7 +32,8 @@ cache's files live beside it in /dev/shm, its default budget a quarter of the st
 ``--step-ms`` plays a trainer whose step takes that long: the consumer sleeps after each
 batch, so a path whose workers keep ahead of the step runs at the trainer's rate.
 ``--compute actors`` runs raypipe's paths on a pool of ``--actors`` actors instead of
-plain tasks.
+plain tasks. ``--path dataset`` times `build_dataset` + `iter_torch_batches`, a dataset
+per epoch, in place of the run-long `Pipeline`.
 """
 
 from __future__ import annotations
@@ -76,19 +77,22 @@ def start_ray(store: int, *, warm_store: bool = True) -> None:
     ray.data.DataContext.get_current().enable_progress_bars = False
 
 
-def cached_run(config: PipelineConfig, listing, epochs: int, pause_s: float = 0.0) -> dict:
-    """One cached warm run with a cache of its own; its counters afterwards."""
+PATHS = {"pipeline": ingest.warm_epochs, "dataset": ingest.per_epoch_datasets}
+
+
+def cached_run(config: PipelineConfig, listing, epochs: int, pause_s: float = 0.0,
+               path: str = "pipeline") -> dict:  # fmt: skip
+    """One cached run with a cache of its own; its counters afterwards."""
     try:
-        r = ingest.warm_epochs(config, listing, epochs, pause_s)
+        r = PATHS[path](config, listing, epochs, pause_s)
         r["cache"] = node.stats(config)
     finally:
         node.release(config)
     return r
 
 
-def disk_run(
-    config: PipelineConfig, listing, epochs: int, root: Path, pause_s: float = 0.0
-) -> dict:
+def disk_run(config: PipelineConfig, listing, epochs: int, root: Path, pause_s: float = 0.0,
+             path: str = "pipeline") -> dict:  # fmt: skip
     """One run with ``cache="disk"`` in a fresh directory under ``root`` (removed after)."""
     import shutil
 
@@ -96,7 +100,7 @@ def disk_run(
     shutil.rmtree(directory, ignore_errors=True)
     try:
         disk = config.replace(cache="disk", cache_dir=str(directory))
-        return cached_run(disk, listing, epochs, pause_s)
+        return cached_run(disk, listing, epochs, pause_s, path)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -105,17 +109,17 @@ RUNS = ("uncached", "cached", "jpeg", "pillow", "disk")
 
 
 def one_round(i: int, config, listing, shards, epochs: int, root: Path, only=RUNS,
-              pillow_workers: int = 2, pause_s: float = 0.0) -> dict:  # fmt: skip
+              pillow_workers: int = 2, pause_s: float = 0.0, path: str = "pipeline") -> dict:  # fmt: skip
+    memory = config.replace(cache="memory")
+    jpeg = memory.replace(cache_encoding="jpeg")
     runs = {
-        "uncached": lambda: ingest.warm_epochs(config, listing, epochs, pause_s),
-        "cached": lambda: cached_run(config.replace(cache="memory"), listing, epochs, pause_s),
-        "jpeg": lambda: cached_run(
-            config.replace(cache="memory", cache_encoding="jpeg"), listing, epochs, pause_s
-        ),  # fmt: skip
+        "uncached": lambda: PATHS[path](config, listing, epochs, pause_s),
+        "cached": lambda: cached_run(memory, listing, epochs, pause_s, path),
+        "jpeg": lambda: cached_run(jpeg, listing, epochs, pause_s, path),
         "pillow": lambda: ingest.dataloader(
             shards, "pillow", epochs, [PILLOW | {"num_workers": pillow_workers}]
         )["best"],
-        "disk": lambda: disk_run(config, listing, epochs, root, pause_s),
+        "disk": lambda: disk_run(config, listing, epochs, root, pause_s, path),
     }
     names = [n for n in runs if n in only]
     order = names[i % len(names) :] + names[: i % len(names)]
@@ -235,6 +239,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--compute", choices=COMPUTE, default="tasks",
                    help="raypipe's workers: plain Ray tasks (the default) or an actor "
                    "pool of --actors")  # fmt: skip
+    p.add_argument("--path", choices=list(PATHS), default="pipeline",
+                   help="raypipe's public path: a run-long `Pipeline` (the default), or "
+                   "`build_dataset` + `iter_torch_batches`, one dataset an epoch")  # fmt: skip
     p.add_argument("--step-ms", type=float, default=0.0,
                    help="a trainer's step: the consumer sleeps this long after each batch "
                    "(raypipe's paths only; default 0, as fast as batches come)")  # fmt: skip
@@ -269,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
         # in the first round's first run (whose epoch 0 it once slowed 2x, as its run's)
         ingest.warm_epochs(config, listing, 1)
         result["rounds"] = [one_round(i, config, listing, list(listing.shards), args.epochs,
-                                      args.out, only, args.actors, args.step_ms / 1e3)
+                                      args.out, only, args.actors, args.step_ms / 1e3, args.path)
                             for i in range(args.rounds)]  # fmt: skip
     finally:
         ingest.localray.shutdown()

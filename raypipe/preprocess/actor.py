@@ -31,7 +31,7 @@ from raypipe.config import PipelineConfig
 from raypipe.formats.sample import RawSample
 from raypipe.plan.rankplan import RankTasks
 from raypipe.plan.shards import Reader, unpack_done
-from raypipe.preprocess.augment import Plan, plan, sample_rng
+from raypipe.preprocess.augment import Plan, SampleRngs, plan
 from raypipe.preprocess.cache.capped import Stored
 from raypipe.preprocess.cache.reuse import SampleCache
 from raypipe.preprocess.decode import crop_chw, decode_crop
@@ -93,6 +93,7 @@ class Preprocessor:
         self.skipped = 0
         self.cache = SampleCache(config, self.reader.storage) if config.cache else None
         self.reused = reused  # a pooled worker's block arrays (compute="tasks"), or new ones
+        self.rngs = SampleRngs(config.seed)  # each sample's seeded generator
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         if self.tasks is None:  # shard rows of self.epoch
@@ -115,6 +116,8 @@ class Preprocessor:
                 for path, first, n, label, done in zip(
                     shards["path"], shards["first_key"], shards["num_samples"],
                     shards["label"], shards["done"], strict=True)]  # fmt: skip
+        self.rngs.expect(epoch, (k for _, first, n, _, done in rows for k in range(first, first + n)
+                                 if done is None or not done[k - first]))  # fmt: skip
         if self.cache is not None:
             raws = self.cache.raws(rows, self._samples)
         else:
@@ -174,11 +177,11 @@ class Preprocessor:
             yield RawSample(key, -1, None, f"{path}:key{key}", detail, "unreadable_shard")
 
     def _decode(self, raw: RawSample, epoch: int):
-        rng = sample_rng(self.config.seed, epoch, raw.key)
         if self.cache is not None:  # the capped image: cached, or decoded and kept
             rgb = self.cache.image(raw)
             if self.usermap is not None:
                 return self.usermap(raw, epoch, image=self.cache.whole(rgb))
+            rng = self.rngs.rng(epoch, raw.key)
             if isinstance(rgb, Stored):  # a JPEG: decoded here, only what the crop reads
                 rgb, p = self.cache.region(rgb, self._plan(rgb.width, rgb.height, rng))
             else:
@@ -190,7 +193,7 @@ class Preprocessor:
             raise BadSample("empty_file", "zero bytes")
         if self.usermap is not None:  # a row of the user's fields; per batch: later
             return None if self.usermap.per_batch else self.usermap(raw, epoch)
-        choose = lambda w, h: self._plan(w, h, rng)  # noqa: E731
+        choose = lambda w, h: self._plan(w, h, self.rngs.rng(epoch, raw.key))  # noqa: E731
         if self.config.decode == "gpu" and (encoded := Encoded.of(raw.data, choose)) is not None:
             return encoded  # the rank decodes it on its device, with this plan
         return decode_crop(raw.data, self.config.image_size, choose)

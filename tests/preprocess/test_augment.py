@@ -70,3 +70,36 @@ def test_jpeg_draft_decode_matches_full_decode():
     full = Image.open(io.BytesIO(data)).convert("RGB").resize((64, 64), Image.Resampling.BILINEAR)
     want = np.asarray(full).transpose(2, 0, 1).astype(int)
     assert np.abs(got - want).mean() < 4
+
+
+@pytest.mark.parametrize("seed, epoch", [(0, 0), (7, 3), (2**32 - 1, 2**32 - 1), (2**32, 1),
+                                         (123456789, 2**32)])  # fmt: skip
+def test_sample_rngs_draw_sample_rngs_streams(seed, epoch):
+    """A task's generators, seeded a window at a time, are `sample_rng`'s bit for bit: keys
+    met in order, some skipped (bad samples), one met again out of order, keys past 2**32,
+    and an epoch the object was not told of."""
+    from raypipe.preprocess.augment import SampleRngs
+
+    draw = np.random.default_rng(seed % 97 + epoch % 89)
+    keys = sorted(set(draw.integers(0, 2**32, 600).tolist()) | {0, 2**32 - 1})
+    keys += [2**32, 2**40 + 5]
+    met = [k for k in keys if draw.random() > 0.1]  # the rest: skipped before their plan
+    rngs = SampleRngs(seed)
+    rngs.expect(epoch, iter(keys))
+    asked = met + [met[10], 5]  # then one again, from a window gone by; one never expected
+    seeded = []  # the keys whose generator came from a window (one object, reused)
+    for key in asked:
+        got = rngs.rng(epoch, key)
+        if got is rngs.rng(epoch, key):
+            seeded.append(key)
+        want = sample_rng(seed, epoch, key)
+        assert got.bit_generator.state == want.bit_generator.state, key
+        assert np.array_equal(got.random(4), want.random(4))
+        p = plan(400, 300, train=True, rng=rngs.rng(epoch, key), scale=(0.08, 1.0),
+                 ratio=(3 / 4, 4 / 3), flip=True)  # fmt: skip
+        assert p == plan(400, 300, train=True, rng=sample_rng(seed, epoch, key),
+                         scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip=True)  # fmt: skip
+    fits = seed < 2**32 and epoch < 2**32
+    assert seeded == ([k for k in met if k < 2**32] if fits else [])
+    other = rngs.rng(epoch + 1, met[0])
+    assert np.array_equal(other.random(4), sample_rng(seed, epoch + 1, met[0]).random(4))
