@@ -23,7 +23,7 @@ import functools
 
 import numpy as np
 
-from raypipe.plan.shards import SHARD_ROW, Listing, Shard, shard_permutation, shard_row
+from raypipe.plan.shards import Listing, pack_done, shard_permutation
 
 __all__ = ["RankPlan", "RankTasks", "epoch_keys", "rank_pool", "task_table"]
 assert __all__ == sorted(__all__)
@@ -194,15 +194,20 @@ class RankTasks:
         plan = self.plan
         keys = plan.keys(epoch)[lo:hi]
         shard = plan.shard_of(keys)
-        cuts = np.flatnonzero(np.diff(shard)) + 1
-        rows = []
-        for piece, s in zip(np.split(keys, cuts), shard[np.r_[0, cuts]], strict=True):
-            s = int(s)
-            first, count = int(plan.first[s]), int(plan.counts[s])
-            done = np.ones(count, dtype=bool)  # (members,): True for those not this task's
-            done[piece - first] = False
-            rows.append(shard_row(Shard(self.paths[s], first, count, int(self.labels[s])), done))
-        return epoch, {k: [r[k] for r in rows] for k in SHARD_ROW}
+        starts = np.r_[0, np.flatnonzero(np.diff(shard)) + 1]  # one row per run of a shard
+        ids = shard[starts]
+        lengths = np.diff(np.r_[starts, len(keys)])
+        rows = {"path": [self.paths[s] for s in ids.tolist()], "first_key": plan.first[ids].tolist(),
+                "num_samples": plan.counts[ids].tolist(), "label": self.labels[ids].tolist(),
+                "done": [b""] * len(ids)}  # fmt: skip
+        # a shard this task reads only part of (shared with another task or rank, or
+        # resumed): the members not its own are marked done
+        for i in np.flatnonzero(lengths != plan.counts[ids]).tolist():
+            first, count = rows["first_key"][i], rows["num_samples"][i]
+            done = np.ones(count, dtype=bool)
+            done[keys[starts[i] : starts[i] + lengths[i]] - first] = False
+            rows["done"][i] = pack_done(done)
+        return epoch, rows
 
 
 @functools.lru_cache(maxsize=4)

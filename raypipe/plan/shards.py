@@ -149,11 +149,16 @@ def _list_imagefolder(paths: list[str], reader: Reader) -> Listing:
 
 
 def shard_row(shard: Shard, done: np.ndarray | None) -> dict:
-    """The row an actor reads ``shard`` from: ``done`` (bool per member, None: none) packed
-    into bits, ``b""`` when no member is done; `unpack_done` reads it back."""
-    bits = np.packbits(done).tobytes() if done is not None and done.any() else b""
+    """The row an actor reads ``shard`` from: ``done`` (bool per member, None: none) as
+    `pack_done` packs it; `unpack_done` reads it back."""
     return {"path": shard.path, "first_key": shard.first_key, "num_samples": shard.num_samples,
-            "label": shard.label, "done": bits}  # fmt: skip
+            "label": shard.label, "done": pack_done(done)}  # fmt: skip
+
+
+def pack_done(done: np.ndarray | None) -> bytes:
+    """A shard's done mask (bool per member, None: none) packed into bits, ``b""`` when no
+    member is done."""
+    return np.packbits(done).tobytes() if done is not None and done.any() else b""
 
 
 def unpack_done(done: bytes, num_samples: int) -> np.ndarray | None:

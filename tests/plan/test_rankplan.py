@@ -86,6 +86,33 @@ def test_tasks_cover_the_rank_keys_and_hold_per_task_shard_pieces(per_task):
             assert len(np.unique(plan.shard_of(keys[lo:hi]))) <= per_task
 
 
+@pytest.mark.parametrize("sizes", SIZES)
+@pytest.mark.parametrize("world, per_task", [(1, 1), (3, 1), (2, 4), (8, 32)])
+def test_task_rows_read_exactly_the_task_keys(sizes, world, per_task):
+    """The shard rows of a task (`RankTasks.rows`) name its keys and no other: members of a
+    shard that are another task's or rank's, or consumed before a resume, are done."""
+    from raypipe.plan.rankplan import RankTasks
+    from raypipe.plan.shards import SHARD_ROW, unpack_done
+
+    lst = listing(sizes)
+    consumed = np.random.default_rng(world).random(sum(sizes)) < 0.2
+    for kw in ({}, {"resume_epoch": 1, "consumed": consumed}):
+        for plan in plans(lst, world, per_task=per_task, **kw):
+            tasks = RankTasks.of(lst, plan, range(3))
+            for t in range(len(tasks)):
+                epoch, rows = tasks.rows(t)
+                assert list(rows) == list(SHARD_ROW)
+                lo, hi = plan.tasks(epoch)[t - sum(len(plan.tasks(e)) for e in range(epoch))]
+                read = []
+                for row in zip(*rows.values(), strict=True):
+                    path, first, n, label, done = row
+                    shard = lst.shards[int(plan.shard_of(np.array([first]))[0])]
+                    assert row[:4] == (shard.path, shard.first_key, shard.num_samples, shard.label)
+                    mask = np.zeros(n, bool) if done == b"" else unpack_done(done, n)
+                    read += (first + np.flatnonzero(~mask)).tolist()
+                assert sorted(read) == sorted(plan.keys(epoch)[lo:hi].tolist())
+
+
 def test_bad_rank_is_refused():
     with pytest.raises(ValueError, match="rank=2"):
         RankPlan.of(listing([3]), seed=0, shuffle=True, rank=2, world_size=2, per_task=1)
