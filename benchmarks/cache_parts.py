@@ -22,6 +22,13 @@ it), the steps a preprocessing worker runs per sample, each timed over all the p
     first read    another process's entry met for the first time: open, map, check
     hit           an entry already mapped in this process
     crop          as above
+  around every sample, cached or not:
+    rows          the task's shard rows (`RankTasks.rows`, one-image shards, the
+                  pipeline's tasks), per sample
+    seed          `sample_rng(seed, epoch, key)`: NumPy's SeedSequence for one key
+    seed_task     the same generators from `SampleRngs`, a task's keys seeded at once
+                  (what a worker runs)
+    plan          the crop plan drawn from a seeded generator
 
 Reported: the medians of the rounds in ms per image, and the ratios they imply for one
 worker (uncached ÷ cached epoch 0, uncached ÷ hit + crop), which leave out what the
@@ -44,6 +51,10 @@ from pathlib import Path
 import cache as cache_bench
 import ingest
 
+from raypipe.plan.blocksize import MAX_FILES_PER_TASK
+from raypipe.plan.rankplan import RankPlan, RankTasks
+from raypipe.plan.shards import list_shards
+from raypipe.preprocess.augment import SampleRngs, plan, sample_rng
 from raypipe.preprocess.cache import mapped
 from raypipe.preprocess.cache.capped import decode_capped
 from raypipe.preprocess.cache.disk import DiskStore
@@ -70,8 +81,26 @@ def written(store: DiskStore, ids: list[str], entries: list[Entry]) -> float:
     return (time.process_time() - t) / len(ids) * 1e3
 
 
-def one_round(files: list[Path], shm: Path, disk: Path, cap: int) -> dict[str, float]:
+def around(files: list[Path], tasks: RankTasks) -> dict[str, float]:
+    """ms of CPU per sample for what a worker does around each sample's decode or crop."""
     r: dict[str, float] = {}
+    t, n = time.process_time(), 0
+    for task in range(len(tasks)):
+        n += sum(tasks.rows(task)[1]["num_samples"])
+    r["rows"] = (time.process_time() - t) / n * 1e3
+    keys = list(range(len(files)))
+    r["seed"], _ = timed(lambda k: sample_rng(ingest.SEED, 1, k), keys)
+    rngs = SampleRngs(ingest.SEED)
+    rngs.expect(1, iter(keys))
+    r["seed_task"], _ = timed(lambda k: rngs.rng(1, k), keys)
+    r["plan"], _ = timed(lambda k: plan(400, 300, train=True, rng=rngs.rng(1, k), scale=(0.08, 1.0),
+                                        ratio=(3 / 4, 4 / 3), flip=True), keys)  # fmt: skip
+    r["plan"] -= r["seed_task"]
+    return r
+
+
+def one_round(files: list[Path], shm: Path, disk: Path, cap: int, tasks: RankTasks) -> dict:
+    r: dict[str, float] = around(files, tasks)
     keys = list(range(len(files)))
     r["uncached"], _ = timed(
         lambda k: decode_crop(files[k].read_bytes(), ingest.IMAGE, ingest.chooser(k, 1)).shape,
@@ -124,7 +153,13 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         corpus = ingest.make_corpus(args.out, args.corpus_images)
     files = sorted(corpus.rglob("*.jpg"))[: args.images]
-    rounds = [one_round(files, args.shm, args.disk, args.cap) for _ in range(args.rounds)]
+    # the corpus's tasks as a rank of one has them in cache.py (its store holds the most)
+    config = ingest.pool_config(corpus, 2).replace(files_per_task=MAX_FILES_PER_TASK)
+    listing = list_shards(config)
+    rank = RankPlan.of(listing, seed=ingest.SEED, shuffle=True, rank=0, world_size=1,
+                       per_task=listing.shards_per_task(config))  # fmt: skip
+    tasks = RankTasks.of(listing, rank, range(1))
+    rounds = [one_round(files, args.shm, args.disk, args.cap, tasks) for _ in range(args.rounds)]
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     epoch0 = med["read"] + med["decode"] + med["check"] + med["write"] + med["crop"]
     disk0 = epoch0 - med["write"] + med["write_disk"]
@@ -136,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
               "uncached_over_first_read": med["uncached"] / later_first,
               "uncached_over_hit": med["uncached"] / later}  # fmt: skip
     for k, v in med.items():
-        print(f"{k:>11}: {v:.3f} ms/image")
+        print(f"{k:>11}: {v:.4f} ms/image")
     print(f"cached epoch 0: {epoch0:.3f} ms/image = {result['uncached_over_epoch0']:.2f}× the "
           f"uncached rate; a first read + crop {result['uncached_over_first_read']:.2f}×; "
           f"a hit + crop {result['uncached_over_hit']:.2f}×; with cache=\"disk\" under "
