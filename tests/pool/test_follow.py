@@ -283,8 +283,10 @@ def test_a_worker_node_goes_while_the_trainer_is_slow(tmp_path):
     reading = max(t for t, a, _ in series if a > 0)
     changes = [x for i, x in enumerate(series) if i == 0 or x[1:] != series[i - 1][1:]]
     placed = report["placed"]
-    assert removed is not None and removed < reading, (removed, reading, changes, placed,
-                                                        monitor)  # fmt: skip
+    # a string, not a tuple: pytest would cut each item of a tuple short
+    why = "\n".join([f"removed at {removed}, reading until {reading}", f"series {changes}",
+                     f"placed {placed}", "the autoscaler's last idle/terminate lines:", *monitor])  # fmt: skip
+    assert removed is not None and removed < reading, why
     heads = set(report["heads"])
     last = placed[-2][1]  # where the pool's actors were at the end of reading
     assert set(last) <= heads, placed  # the head's actor stayed, workers' went
