@@ -234,6 +234,26 @@ class AutoscalingHead:
         logs = list(Path(self.temp_dir).glob("session_*/logs/monitor.*"))
         return "\n".join(p.read_text(errors="replace") for p in logs)
 
+    def status_changes(self) -> list[str]:
+        """The autoscaler's status, one line each time it changed: the time, the CPUs and
+        object store in use, and the standing `request_resources` demands (what keeps
+        nodes up besides work)."""
+        out, last, when, usage, asks = [], None, "", [], []
+        logs = Path(self.temp_dir).glob("session_*/logs/monitor.log")  # .out repeats it
+        for line in "\n".join(p.read_text(errors="replace") for p in logs).splitlines():
+            if "autoscaler.py" in line and " -- " in line:
+                when = line.split(",")[0][-8:]  # HH:MM:SS
+            elif line.endswith((" CPU", " object_store_memory")) and "/" in line:
+                usage.append(line.strip())
+            elif "from request_resources()" in line:
+                asks.append(line.strip())
+            elif line.startswith("Pending Demands:") and usage:
+                now = (tuple(usage), tuple(asks) or ("no request",))
+                if now != last:
+                    out.append(f"{when} {' '.join(now[0])}; {' '.join(now[1])}")
+                last, usage, asks = now, [], []
+        return out
+
 
 def _pids_naming(text: str) -> list[int]:
     """Processes of this user whose command line contains ``text``."""
