@@ -81,10 +81,10 @@ PATHS = {"pipeline": ingest.warm_epochs, "dataset": ingest.per_epoch_datasets}
 
 
 def cached_run(config: PipelineConfig, listing, epochs: int, pause_s: float = 0.0,
-               path: str = "pipeline") -> dict:  # fmt: skip
-    """One cached run with a cache of its own; its counters afterwards."""
+               run=ingest.warm_epochs) -> dict:  # fmt: skip
+    """One cached ``run`` (one of `PATHS`) with a cache of its own; its counters after."""
     try:
-        r = PATHS[path](config, listing, epochs, pause_s)
+        r = run(config, listing, epochs, pause_s)
         r["cache"] = node.stats(config)
     finally:
         node.release(config)
@@ -92,7 +92,7 @@ def cached_run(config: PipelineConfig, listing, epochs: int, pause_s: float = 0.
 
 
 def disk_run(config: PipelineConfig, listing, epochs: int, root: Path, pause_s: float = 0.0,
-             path: str = "pipeline") -> dict:  # fmt: skip
+             run=ingest.warm_epochs) -> dict:  # fmt: skip
     """One run with ``cache="disk"`` in a fresh directory under ``root`` (removed after)."""
     import shutil
 
@@ -100,7 +100,7 @@ def disk_run(config: PipelineConfig, listing, epochs: int, root: Path, pause_s: 
     shutil.rmtree(directory, ignore_errors=True)
     try:
         disk = config.replace(cache="disk", cache_dir=str(directory))
-        return cached_run(disk, listing, epochs, pause_s, path)
+        return cached_run(disk, listing, epochs, pause_s, run)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -109,17 +109,17 @@ RUNS = ("uncached", "cached", "jpeg", "pillow", "disk")
 
 
 def one_round(i: int, config, listing, shards, epochs: int, root: Path, only=RUNS,
-              pillow_workers: int = 2, pause_s: float = 0.0, path: str = "pipeline") -> dict:  # fmt: skip
+              pillow_workers: int = 2, pause_s: float = 0.0, run=ingest.warm_epochs) -> dict:  # fmt: skip
     memory = config.replace(cache="memory")
     jpeg = memory.replace(cache_encoding="jpeg")
     runs = {
-        "uncached": lambda: PATHS[path](config, listing, epochs, pause_s),
-        "cached": lambda: cached_run(memory, listing, epochs, pause_s, path),
-        "jpeg": lambda: cached_run(jpeg, listing, epochs, pause_s, path),
+        "uncached": lambda: run(config, listing, epochs, pause_s),
+        "cached": lambda: cached_run(memory, listing, epochs, pause_s, run),
+        "jpeg": lambda: cached_run(jpeg, listing, epochs, pause_s, run),
         "pillow": lambda: ingest.dataloader(
             shards, "pillow", epochs, [PILLOW | {"num_workers": pillow_workers}]
         )["best"],
-        "disk": lambda: disk_run(config, listing, epochs, root, pause_s, path),
+        "disk": lambda: disk_run(config, listing, epochs, root, pause_s, run),
     }
     names = [n for n in runs if n in only]
     order = names[i % len(names) :] + names[: i % len(names)]
@@ -276,7 +276,8 @@ def main(argv: list[str] | None = None) -> dict:
         # in the first round's first run (whose epoch 0 it once slowed 2x, as its run's)
         ingest.warm_epochs(config, listing, 1)
         result["rounds"] = [one_round(i, config, listing, list(listing.shards), args.epochs,
-                                      args.out, only, args.actors, args.step_ms / 1e3, args.path)
+                                      args.out, only, args.actors, args.step_ms / 1e3,
+                                      PATHS[args.path])
                             for i in range(args.rounds)]  # fmt: skip
     finally:
         ingest.localray.shutdown()

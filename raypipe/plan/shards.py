@@ -161,6 +161,13 @@ def pack_done(done: np.ndarray | None) -> bytes:
     return np.packbits(done).tobytes() if done is not None and done.any() else b""
 
 
+def pending_keys(first_key: int, num_samples: int, done: np.ndarray | None):
+    """The keys of a row that are not ``done`` (`unpack_done`'s mask), in order."""
+    if done is None:
+        return range(first_key, first_key + num_samples)
+    return (first_key + np.flatnonzero(~done)).tolist()
+
+
 def unpack_done(done: bytes, num_samples: int) -> np.ndarray | None:
     """The per-member done mask of a row made by `shard_row` (None: nothing done)."""
     if not done:

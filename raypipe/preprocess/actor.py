@@ -30,7 +30,7 @@ import numpy as np
 from raypipe.config import PipelineConfig
 from raypipe.formats.sample import RawSample
 from raypipe.plan.rankplan import RankTasks
-from raypipe.plan.shards import Reader, unpack_done
+from raypipe.plan.shards import Reader, pending_keys, unpack_done
 from raypipe.preprocess.augment import Plan, SampleRngs, plan
 from raypipe.preprocess.cache.capped import Stored
 from raypipe.preprocess.cache.reuse import SampleCache
@@ -116,8 +116,7 @@ class Preprocessor:
                 for path, first, n, label, done in zip(
                     shards["path"], shards["first_key"], shards["num_samples"],
                     shards["label"], shards["done"], strict=True)]  # fmt: skip
-        self.rngs.expect(epoch, (k for _, first, n, _, done in rows for k in range(first, first + n)
-                                 if done is None or not done[k - first]))  # fmt: skip
+        self.rngs.expect(epoch, (k for row in rows for k in pending_keys(row[1], row[2], row[4])))
         if self.cache is not None:
             raws = self.cache.raws(rows, self._samples)
         else:

@@ -230,8 +230,8 @@ class AutoscalingHead:
     def remove(self) -> None:
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
-    def monitor_log(self) -> str:
-        logs = list(Path(self.temp_dir).glob("session_*/logs/monitor.*"))
+    def monitor_log(self, name: str = "monitor.*") -> str:
+        logs = list(Path(self.temp_dir).glob(f"session_*/logs/{name}"))
         return "\n".join(p.read_text(errors="replace") for p in logs)
 
     def status_changes(self) -> list[str]:
@@ -239,8 +239,7 @@ class AutoscalingHead:
         object store in use, and the standing `request_resources` demands (what keeps
         nodes up besides work)."""
         out, last, when, usage, asks = [], None, "", [], []
-        logs = Path(self.temp_dir).glob("session_*/logs/monitor.log")  # .out repeats it
-        for line in "\n".join(p.read_text(errors="replace") for p in logs).splitlines():
+        for line in self.monitor_log("monitor.log").splitlines():  # .out repeats its status
             if "autoscaler.py" in line and " -- " in line:
                 when = line.split(",")[0][-8:]  # HH:MM:SS
             elif line.endswith((" CPU", " object_store_memory")) and "/" in line:

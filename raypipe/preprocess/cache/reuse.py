@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from raypipe.formats.sample import RawSample
+from raypipe.plan.shards import pending_keys
 from raypipe.preprocess.augment import Plan
 from raypipe.preprocess.cache import node
 from raypipe.preprocess.cache.capped import Stored, decode_capped, encode_stored, region_of
@@ -98,8 +99,7 @@ class SampleCache:
 
     def _chunk(self, rows: list[Row], read) -> Iterator[RawSample]:
         idents = [self._ident(r[0]) for r in rows]
-        todo = [[k for k in range(first, first + n) if done is None or not done[k - first]]
-                for _, first, n, _, done in rows]  # fmt: skip
+        todo = [pending_keys(first, n, done) for _, first, n, _, done in rows]
         found: dict[int, Entry] = {}
         asks = [(f"{r[0]}\0{k - r[1]}", ident, k)
                 for r, ident, keys in zip(rows, idents, todo, strict=True)
