@@ -66,6 +66,7 @@ def main(address: str, data: str, out: str, config_json: str, world: str, slow_s
         heads = [n["NodeID"] for n in ray.nodes()
                  if n["Alive"] and "node:__internal_head__" in n["Resources"]]  # fmt: skip
         placed: list = []  # (t, {node: actors}) whenever the pool's placement changed
+        stored: list = []  # (t, {node: MiB of its object store in use}) whenever it changed
         done = threading.Event()
 
         def where() -> None:
@@ -76,6 +77,9 @@ def main(address: str, data: str, out: str, config_json: str, world: str, slow_s
                     nodes[node] = nodes.get(node, 0) + 1
                 if not placed or placed[-1][1] != nodes:
                     placed.append((clock(), nodes))
+                used = store_in_use()
+                if not stored or stored[-1][1] != used:
+                    stored.append((clock(), used))
 
         sampler = threading.Thread(target=where, daemon=True)
         sampler.start()
@@ -92,10 +96,22 @@ def main(address: str, data: str, out: str, config_json: str, world: str, slow_s
             "series": [(s.t, s.actors, s.nodes) for s in watch.samples()],
             "pool": watch.summary(), "driver_cpu_s": time.process_time() - cpu0,
             "watch_t0": watch._t0,  # time.monotonic() at the watch's start
-            "heads": heads, "placed": placed,
+            "heads": heads, "placed": placed, "stored": stored,
         }  # fmt: skip
     localray.shutdown()
     Path(out).write_text(json.dumps(report))
+
+
+def store_in_use() -> dict[str, int]:
+    """MiB of each live node's object store in use (its total less what the GCS reports
+    available): what keeps a node from being idle besides its CPUs."""
+    from ray._private.state import available_resources_per_node
+
+    free = available_resources_per_node()
+    total = {n["NodeID"]: n["Resources"].get("object_store_memory", 0.0)
+             for n in ray.nodes() if n["Alive"]}  # fmt: skip
+    return {node: round((total[node] - free[node].get("object_store_memory", 0.0)) / 2**20)
+            for node in free if node in total}  # fmt: skip
 
 
 if __name__ == "__main__":
