@@ -17,7 +17,7 @@ a private name of Ray's).
                   _cluster_autoscaler (its _send_resource_request); on an actor pool
                   _config, _running_actors, _release_running_actor and the two heaps
                   select_actors reads; ActorPoolScalingRequest.downscale
- loader.blocks    Dataset._execute_to_iterator; the executor it returns is its thread (join)
+ loader.blocks    Dataset._create_executor, _build_bundle_iterator; the executor is its thread
  train.checkpoint ray.train.v2._internal.exceptions.CheckpointManagerInitializationError
  train.rendezvous ray.train.torch.config._TorchBackend, _set_torch_distributed_env_vars
 ```
@@ -61,7 +61,7 @@ INTERNALS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("submit", "ray._raylet", "AuthenticationTokenLoader", ("attr:instance",)),
     ("watch", "ray._private.state", "actors", ("param:actor_state_name",)),
     ("watch", "ray._private.state", "nodes", ("callable",)),
-    ("blocks", "ray.data.dataset", "Dataset", ("attr:_execute_to_iterator",)),
+    ("blocks", "ray.data.dataset", "Dataset", ("attr:_create_executor", "attr:_build_bundle_iterator")),
     ("blocks", _EXECUTOR, "StreamingExecutor", ("attr:join", "attr:shutdown")),
     ("checkpoint", "ray.train.v2._internal.exceptions", "CheckpointManagerInitializationError",
      ("class",)),
@@ -208,8 +208,9 @@ def node_table() -> list[dict]:
 
 
 def execute_to_iterator(ds):
-    """``(RefBundle iterator, stats, executor)`` of ``ds``'s streaming execution."""
-    return ds._execute_to_iterator()
+    """``(RefBundle iterator, executor)`` of ``ds``'s streaming execution, started here."""
+    executor = ds._create_executor()
+    return iter(ds._build_bundle_iterator(executor)), executor
 
 
 # -- train --------------------------------------------------------------------------------
@@ -249,8 +250,7 @@ def set_actor_autoscaler(executor, autoscaler) -> None:
 
 
 def cluster_autoscaler(executor):
-    """The executor's cluster autoscaler, None where it has none or one that sends no
-    resource requests (the placement-group one)."""
+    """The executor's cluster autoscaler; None where it has none or one sending no requests."""
     cluster = getattr(executor, "_cluster_autoscaler", None)
     return cluster if hasattr(cluster, "_send_resource_request") else None
 

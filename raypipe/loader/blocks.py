@@ -22,8 +22,14 @@ Columns = dict[str, np.ndarray]
 def execute(ds, follower=None):
     """Start ``ds``'s execution here: its blocks as numpy columns, and ``stop()``, which
     shuts the execution down (and with it its actor pools) from any thread. ``follower``:
-    a `raypipe.pool.follow.Follower` that sizes the execution's actor pools."""
-    bundles, _, executor = rayapi.execute_to_iterator(ds)
+    a `raypipe.pool.follow.Follower` that sizes the execution's actor pools.
+
+    Not through ``Dataset._execute_to_iterator``: Ray 2.60's returns
+    ``itertools.chain([first], rest)``, whose arguments hold the first bundle until the
+    iterator ends. A run-long execution kept that block in the object store of the node
+    that made it, which then never went idle: the autoscaler could not remove it while the
+    pool had shed its actors there (``tests/loader/test_blocks.py``)."""
+    bundles, executor = rayapi.execute_to_iterator(ds)
     if follower is not None:
         from raypipe.pool.autoscale import follow
 
