@@ -8,7 +8,8 @@ that head; MIB, when given, limits the object store Ray Data reads ahead into. C
 PAUSE_S after every batch until SLOW_S after its first batch, then none. Writes to OUT
 (JSON): the keys per rank, the stats, the times (seconds on the watch's clock) of each
 rank's first batch and fast phase, the trainers' progress ``(t, samples read)``, the
-watch's ``(t, actors, nodes)`` series and summary, and the CPU-seconds of the run.
+watch's ``(t, actors, nodes)`` series and summary, where the pool's actors were and each
+node's object store in use (MiB) as they changed, and the CPU-seconds of the run.
 """
 
 from __future__ import annotations

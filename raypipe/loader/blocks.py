@@ -34,8 +34,6 @@ def execute(ds, follower=None):
         from raypipe.pool.autoscale import follow
 
         follow(executor, follower)
-    if executor is None:
-        return block_columns(bundles), lambda: None
 
     def stop() -> None:
         executor.shutdown(force=True)
