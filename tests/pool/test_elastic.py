@@ -222,9 +222,7 @@ class AutoscalingHead:
 
     def stop(self) -> None:
         stop_group(self.proc, grace_s=60)
-        for pid in _pids_naming(self.temp_dir):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _kill_naming(self.temp_dir)
         self.log.close()
 
     def remove(self) -> None:
@@ -255,7 +253,9 @@ class AutoscalingHead:
 
 
 def _pids_naming(text: str) -> list[int]:
-    """Processes of this user whose command line contains ``text``."""
+    """Processes of this user whose command line contains ``text``, or that hold a file
+    under it open: a Ray worker renames its command line (``ray::MapWorker(...)``) but
+    keeps its logs in the head's temp dir open, and one has outlived its node's raylet."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -264,9 +264,33 @@ def _pids_naming(text: str) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if text in cmdline:
+        if text in cmdline or _holds_open(entry, text):
             pids.append(int(entry.name))
     return pids
+
+
+def _kill_naming(text: str, timeout_s: float = 10.0) -> None:
+    """SIGKILL `_pids_naming` ``text`` until none is left (a killed process lingers a moment
+    before its files close), for at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (pids := _pids_naming(text)) and time.monotonic() < deadline:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+
+
+def _holds_open(proc: Path, prefix: str) -> bool:
+    """Whether the process at ``proc`` (/proc/PID) has a file under ``prefix`` open."""
+    try:
+        fds = list((proc / "fd").iterdir())
+    except OSError:  # gone meanwhile, or another user's
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):  # closed meanwhile
+            if os.readlink(fd).startswith(prefix):
+                return True
+    return False
 
 
 N_AUTOSCALE = 200
@@ -333,9 +357,7 @@ def test_losing_worker_nodes_and_a_preprocessing_process_loses_no_sample(tmp_pat
             env=_env(RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3"),
         )  # fmt: skip
     finally:
-        for pid in _pids_naming(temp_dir):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _kill_naming(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
     report = json.loads(out.read_text())
     assert [e["kill_after"] for e in report["epochs"]] == list(KILL_AFTER)
