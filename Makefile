@@ -16,7 +16,7 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py raypipe/preprocess/_jpegregion.c
+$(STAMP): pyproject.toml setup.py raypipe/preprocess/_jpegregion.c raypipe/preprocess/_draws.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(TORCH_SPEC)

@@ -1,8 +1,10 @@
-"""The one compiled part: region decoding against the system's libjpeg-turbo.
+"""The two compiled parts: region decoding against the system's libjpeg-turbo, and a
+sample's crop plan drawn from its seeded stream in one call.
 
-Optional: where no compiler or no libjpeg headers are found, the build goes on without it
-and raypipe decodes whole images (`raypipe.preprocess.region.available()` says which).
-Metadata and everything else live in pyproject.toml.
+Both optional: where no compiler (or no libjpeg headers) is found, the build goes on
+without them; raypipe then decodes whole images (`raypipe.preprocess.region.available()`
+says which) and draws its plans through NumPy, the same plans more slowly. Metadata and
+everything else live in pyproject.toml.
 """
 
 from setuptools import Extension, setup
@@ -15,6 +17,12 @@ setup(
             libraries=["jpeg"],
             extra_compile_args=["-O2"],
             optional=True,
-        )
+        ),
+        Extension(
+            "raypipe.preprocess._draws",
+            ["raypipe/preprocess/_draws.c"],
+            extra_compile_args=["-O2"],
+            optional=True,
+        ),
     ]
 )

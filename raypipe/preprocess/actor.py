@@ -31,7 +31,7 @@ from raypipe.config import PipelineConfig
 from raypipe.formats.sample import RawSample
 from raypipe.plan.rankplan import RankTasks
 from raypipe.plan.shards import Reader, pending_keys, unpack_done
-from raypipe.preprocess.augment import Plan, SampleRngs, plan
+from raypipe.preprocess.augment import Plan, SampleRngs
 from raypipe.preprocess.cache.capped import Stored
 from raypipe.preprocess.cache.reuse import SampleCache
 from raypipe.preprocess.decode import crop_chw, decode_crop
@@ -180,11 +180,10 @@ class Preprocessor:
             rgb = self.cache.image(raw)
             if self.usermap is not None:
                 return self.usermap(raw, epoch, image=self.cache.whole(rgb))
-            rng = self.rngs.rng(epoch, raw.key)
             if isinstance(rgb, Stored):  # a JPEG: decoded here, only what the crop reads
-                rgb, p = self.cache.region(rgb, self._plan(rgb.width, rgb.height, rng))
+                rgb, p = self.cache.region(rgb, self._plan(rgb.width, rgb.height, epoch, raw.key))
             else:
-                p = self._plan(rgb.shape[1], rgb.shape[0], rng)
+                p = self._plan(rgb.shape[1], rgb.shape[0], epoch, raw.key)
             return crop_chw(rgb, p, self.config.image_size)
         if raw.reason is not None:
             raise BadSample(raw.reason, raw.error or raw.reason)
@@ -192,22 +191,22 @@ class Preprocessor:
             raise BadSample("empty_file", "zero bytes")
         if self.usermap is not None:  # a row of the user's fields; per batch: later
             return None if self.usermap.per_batch else self.usermap(raw, epoch)
-        choose = lambda w, h: self._plan(w, h, self.rngs.rng(epoch, raw.key))  # noqa: E731
+        choose = lambda w, h: self._plan(w, h, epoch, raw.key)  # noqa: E731
         if self.config.decode == "gpu" and (encoded := Encoded.of(raw.data, choose)) is not None:
             return encoded  # the rank decodes it on its device, with this plan
         return decode_crop(raw.data, self.config.image_size, choose)
 
-    def _plan(self, width: int, height: int, rng: np.random.Generator) -> Plan:
-        """The crop plan; refuses an image with too many pixels before it is decoded."""
+    def _plan(self, width: int, height: int, epoch: int, key: int) -> Plan:
+        """The crop plan of ``key``; refuses an image with too many pixels before it is
+        decoded."""
         c, limit = self.config, self.config.max_image_pixels
         if limit is not None and width * height > limit:
             raise BadSample(
                 "decompression_bomb",
                 f"{width}x{height} = {width * height} pixels > max_image_pixels={limit}",
             )
-        return plan(
-            width, height, train=c.train, rng=rng, scale=c.scale, ratio=c.ratio, flip=c.flip
-        )
+        return self.rngs.plan(epoch, key, width, height, train=c.train, scale=c.scale,
+                              ratio=c.ratio, flip=c.flip)  # fmt: skip
 
     def _bad(self, raw: RawSample, error: Exception) -> SkipRecord:
         reason = reason_of(error, raw.data)

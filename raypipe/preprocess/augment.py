@@ -2,7 +2,8 @@
 
 Every random choice comes from ``sample_rng(seed, epoch, key)``, so a sample gets the
 same augmentation whichever actor runs it, and a retried task repeats it exactly. A
-worker draws them through `SampleRngs`: the same streams, seeded a task's keys at once.
+worker draws them through `SampleRngs`: the same plans, each in one call of the compiled
+`_draws` where it was built, else from the same streams seeded a task's keys at once.
 
 train: random-resized-crop (torchvision's algorithm) + optional horizontal flip.
 eval:  resize the shorter side to ``size / 0.875`` and center-crop ``size``
@@ -17,6 +18,11 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 import numpy as np
+
+try:
+    from raypipe.preprocess import _draws
+except ImportError:  # built without a compiler: plans are drawn through NumPy
+    _draws = None
 
 EVAL_CROP_FRACTION = 0.875
 
@@ -39,7 +45,8 @@ def sample_rng(seed: int, epoch: int, key: int) -> np.random.Generator:
 
 
 class SampleRngs:
-    """`sample_rng`'s generators for the keys of one task, in the order it meets them.
+    """`sample_rng`'s generators for the keys of one task, in the order it meets them, and
+    the crop plans drawn from them (`plan`: compiled where it was built, no generator).
 
     ``PCG64([seed, epoch, key])`` runs NumPy's SeedSequence, about 10 µs a sample (as much
     as the crop plan itself); `expect` names the keys to come, and `rng` seeds them a
@@ -76,6 +83,22 @@ class SampleRngs:
         self._gen.bit_generator.state = {"bit_generator": "PCG64", "state": bits,
                                          "has_uint32": 0, "uinteger": 0}  # fmt: skip
         return self._gen
+
+    def plan(self, epoch: int, key: int, width: int, height: int, *, train: bool,
+             scale: tuple[float, float], ratio: tuple[float, float], flip: bool) -> Plan:  # fmt: skip
+        """`plan` drawn from this key's stream. A training plan is one call of `_draws`
+        (its seeding and draws are NumPy's, bit for bit: 0.3 µs where the generator and
+        the draws through it take about 10) where it was built and seed, epoch and key
+        are below 2**32; an evaluation plan draws nothing."""
+        if not train:
+            return plan(width, height, train=False, rng=None, scale=scale, ratio=ratio, flip=flip)
+        ids = (self.seed, epoch, key)
+        if _draws is not None and min(ids) >= 0 and max(ids) < 2**32:
+            left, top, w, h, flipped = _draws.rrc(self.seed, epoch, key, width, height, scale[0],
+                                                  scale[1], ratio[0], ratio[1], flip)  # fmt: skip
+            return Plan(Box(left, top, w, h), flipped)
+        rng = self.rng(epoch, key)
+        return plan(width, height, train=True, rng=rng, scale=scale, ratio=ratio, flip=flip)
 
     def _seed_from(self, key: int) -> tuple[int, int] | None:
         """Seed the window of expected keys that starts at ``key``; its state, or None when
@@ -185,7 +208,7 @@ def plan(
     height: int,
     *,
     train: bool,
-    rng: np.random.Generator,
+    rng: np.random.Generator | None,  # None for evaluation: it draws nothing
     scale: tuple[float, float],
     ratio: tuple[float, float],
     flip: bool,

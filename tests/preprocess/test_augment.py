@@ -103,3 +103,56 @@ def test_sample_rngs_draw_sample_rngs_streams(seed, epoch):
     assert seeded == ([k for k in met if k < 2**32] if fits else [])
     other = rngs.rng(epoch + 1, met[0])
     assert np.array_equal(other.random(4), sample_rng(seed, epoch + 1, met[0]).random(4))
+
+
+def test_compiled_plans_are_built_where_a_compiler_is():
+    """The package builds `_draws` wherever a C compiler is (as on CI); a build that left it
+    out would make the next test compare NumPy with itself."""
+    import shutil
+
+    from raypipe.preprocess import augment
+
+    assert augment._draws is not None or not (shutil.which("cc") or shutil.which("gcc"))
+
+
+# the default crop; a narrow one; ranges few boxes fit, so most plans are the centre
+# fallback (its sides at exact halves, rounded to even, then; an image too tall); scale 1
+# at ratio 1 (a square of a non-square image never fits)
+CROPS = [((0.08, 1.0), (3 / 4, 4 / 3)), ((0.9, 1.0), (0.5, 2.0)), ((0.99, 1.0), (2.0, 2.5)),
+         ((0.99, 1.0), (0.1, 0.2)), ((1.0, 1.0), (1.0, 1.0))]  # fmt: skip
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("scale, ratio", CROPS)
+def test_sample_rngs_plan_is_plan_from_sample_rng(monkeypatch, compiled, scale, ratio):
+    """`SampleRngs.plan` gives `plan(..., rng=sample_rng(seed, epoch, key))` bit for bit,
+    compiled (`_draws`: NumPy's seeding, doubles, bounded integers with their buffered 32
+    bits, Python's rounding) or not: over seeds, epochs and keys at 0 and up to 2**32 and
+    past it, images of 1 px to 2,000, with and without flips, and evaluation plans."""
+    from raypipe.preprocess import augment
+
+    if not compiled:
+        monkeypatch.setattr(augment, "_draws", None)
+    elif augment._draws is None:
+        pytest.skip("no C compiler here: _draws was not built")
+    draw = np.random.default_rng(int(scale[0] * 100 + ratio[1] * 10))
+    edges = [0, 1, 2**32 - 1, 2**32]
+    fallbacks = 0  # train plans of the fallback ranges that took the centre crop
+    for i in range(1500 if compiled else 300):
+        seed, epoch, key = (int(draw.choice(edges)) if draw.random() < 0.2
+                            else int(draw.integers(0, 2**32)) for _ in range(3))  # fmt: skip
+        width, height = (int(draw.choice([1, 2, 3, draw.integers(4, 64), draw.integers(64, 2000)]))
+                         for _ in range(2))  # fmt: skip
+        flip, train = bool(draw.random() < 0.8), bool(i % 10)
+        rngs = augment.SampleRngs(seed)
+        got = rngs.plan(epoch, key, width, height, train=train, scale=scale, ratio=ratio,
+                        flip=flip)  # fmt: skip
+        want = plan(width, height, train=train, rng=sample_rng(seed, epoch, key), scale=scale,
+                    ratio=ratio, flip=flip)  # fmt: skip
+        assert got == want, (seed, epoch, key, width, height, flip, train)
+        assert [type(v) for v in got.box] == [type(v) for v in want.box]
+        if train and scale[0] >= 0.99:  # ranges no attempt fits: the centre fallback's box
+            b = got.box
+            centred = (b.left, b.top) == ((width - b.width) // 2, (height - b.height) // 2)
+            fallbacks += centred and (b.width == width or b.height == height)
+    assert fallbacks > 0 or scale[0] < 0.99
