@@ -29,6 +29,9 @@ it), the steps a preprocessing worker runs per sample, each timed over all the p
     seed_task     the same generators from `SampleRngs`, a task's keys seeded at once
                   (what a worker runs)
     plan          the crop plan drawn from a seeded generator
+    plan_task     `SampleRngs.plan`: a key's seeding and plan in one call, compiled
+                  (`_draws`) where it was built: what a worker runs, and the plans of
+                  ``uncached`` and ``crop`` above (the same plans as ``seed`` + ``plan``)
 
 Reported: the medians of the rounds in ms per image, and the ratios they imply for one
 worker (uncached ÷ cached epoch 0, uncached ÷ hit + crop), which leave out what the
@@ -96,14 +99,21 @@ def around(files: list[Path], tasks: RankTasks) -> dict[str, float]:
     gens = [sample_rng(ingest.SEED, 1, k) for k in keys]
     r["plan"], _ = timed(lambda g: plan(400, 300, train=True, rng=g, scale=(0.08, 1.0),
                                         ratio=(3 / 4, 4 / 3), flip=True), gens)  # fmt: skip
+    r["plan_task"], _ = timed(lambda k: worker_plan(k)(400, 300), keys)
     return r
+
+
+def worker_plan(key: int, rngs=SampleRngs(ingest.SEED)):  # noqa: B008 (one, as a worker's)
+    """A worker's plan of ``key`` in epoch 1 (`ingest.chooser`'s, drawn as a worker does)."""
+    return lambda w, h: rngs.plan(1, key, w, h, train=True, scale=(0.08, 1.0),
+                                  ratio=(3 / 4, 4 / 3), flip=True)  # fmt: skip
 
 
 def one_round(files: list[Path], shm: Path, disk: Path, cap: int, tasks: RankTasks) -> dict:
     r: dict[str, float] = around(files, tasks)
     keys = list(range(len(files)))
     r["uncached"], _ = timed(
-        lambda k: decode_crop(files[k].read_bytes(), ingest.IMAGE, ingest.chooser(k, 1)).shape,
+        lambda k: decode_crop(files[k].read_bytes(), ingest.IMAGE, worker_plan(k)).shape,
         keys,
     )  # each crop dropped, as a worker copies it into its block and reuses the memory
     r["read"], datas = timed(lambda k: files[k].read_bytes(), keys)
@@ -116,7 +126,7 @@ def one_round(files: list[Path], shm: Path, disk: Path, cap: int, tasks: RankTas
     try:
         ids = [f"{f}\0{0}" for f in files]
         r["write"] = written(DiskStore(str(root), 1 << 40, mapped=True), ids, entries)
-        plans = [ingest.chooser(k, 1)(rgb.shape[1], rgb.shape[0]) for k, rgb in enumerate(rgbs)]
+        plans = [worker_plan(k)(rgb.shape[1], rgb.shape[0]) for k, rgb in enumerate(rgbs)]
         r["crop"], _ = timed(lambda k: crop_chw(rgbs[k], plans[k], ingest.IMAGE).shape, keys)
         # another worker of the node: a process whose table maps none of them yet
         mapped.PROCESS = mapped.Mappings()
