@@ -19,6 +19,7 @@ from raypipe.formats.pieces import split_piece
 from raypipe.plan.shards import Listing, list_shards
 from raypipe.preprocess import region
 from raypipe.preprocess.actor import Preprocessor
+from raypipe.preprocess.augment import plans_compiled
 from raypipe.skips.records import detail_of, reason_of
 
 __all__ = ["format_survey", "survey"]
@@ -62,6 +63,7 @@ def survey(config: PipelineConfig, *, samples: int = 32) -> dict[str, Any]:
         "skipped": skipped,
         "skipped_by_reason": dict(collections.Counter(s["reason"] for s in skipped)),
         "jpeg_decoding": "region" if region.available() else "whole",
+        "crop_plans": "compiled" if plans_compiled() else "numpy",
     }
 
 
@@ -82,6 +84,7 @@ def format_survey(report: dict[str, Any]) -> list[tuple[str, str]]:
             f"{report['looked_at'] - report['good']} would be skipped",
         ),  # fmt: skip
         ("jpeg decoding", _DECODING[report["jpeg_decoding"]]),
+        ("crop plans", _PLANS[report["crop_plans"]]),
     ]
     if report["sizes"]:
         sizes = ", ".join(f"{s} ({n})" for s, n in list(report["sizes"].items())[:5])
@@ -98,6 +101,11 @@ _DECODING = {
     "region": "the crop's region only (libjpeg-turbo, built with raypipe)",
     "whole": "whole images: region decoding was not built (no C compiler or libjpeg "
     "headers at install; see docs/throughput.md)",
+}
+_PLANS = {
+    "compiled": "one compiled call a sample (built with raypipe)",
+    "numpy": "drawn through NumPy: the compiled plans were not built (no C compiler at "
+    "install); the same plans, about 10 µs a sample slower",
 }
 
 

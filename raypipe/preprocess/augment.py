@@ -40,6 +40,11 @@ class Box(NamedTuple):
         return Box(self.left * sx, self.top * sy, self.width * sx, self.height * sy)
 
 
+def plans_compiled() -> bool:
+    """True when `_draws` was built: `SampleRngs.plan` draws a plan in one compiled call."""
+    return _draws is not None
+
+
 def sample_rng(seed: int, epoch: int, key: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64([seed, epoch, key]))
 

@@ -220,16 +220,20 @@ def test_no_budget_still_fails_when_every_sample_is_bad(ray_session, tmp_path):
 # --- raypipe inspect ------------------------------------------------------------------
 
 
-def test_inspect_says_how_jpegs_are_decoded(tmp_path, capsys, monkeypatch):
-    from raypipe.preprocess import region
+def test_inspect_says_how_jpegs_are_decoded_and_plans_drawn(tmp_path, capsys, monkeypatch):
+    from raypipe.preprocess import augment, region
 
     root = hf_parquet(tmp_path / "hf", labels_of(4, seed=8), shards=1)
     assert main(["inspect", str(root), "--json"]) == 0
-    built = json.loads(capsys.readouterr().out)["jpeg_decoding"]
-    assert built == ("region" if region.available() else "whole")
+    report = json.loads(capsys.readouterr().out)
+    assert report["jpeg_decoding"] == ("region" if region.available() else "whole")
+    assert report["crop_plans"] == ("compiled" if augment.plans_compiled() else "numpy")
     monkeypatch.setattr(region, "_jpegregion", None)
+    monkeypatch.setattr(augment, "_draws", None)
     assert main(["inspect", str(root)]) == 0
-    assert "whole images: region decoding was not built" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "whole images: region decoding was not built" in out
+    assert "drawn through NumPy: the compiled plans were not built" in out
 
 
 def test_inspect_reports_format_labels_and_skips(tmp_path, capsys):
