@@ -21,7 +21,9 @@ setup(
         Extension(
             "raypipe.preprocess._draws",
             ["raypipe/preprocess/_draws.c"],
-            extra_compile_args=["-O2"],
+            libraries=["m"],
+            # no fused multiply-adds: its arithmetic is Python's and NumPy's, op by op
+            extra_compile_args=["-O2", "-ffp-contract=off"],
             optional=True,
         ),
     ]
