@@ -2,7 +2,8 @@
  * it from sample_rng(seed, epoch, key) = Generator(PCG64([seed, epoch, key])), in one
  * call: NumPy's SeedSequence and PCG64 seeding, then the same draws (uniform, integers,
  * random) with NumPy's arithmetic, bit for bit. augment.SampleRngs.plan calls it for
- * seed, epoch and key below 2**32; without this module it draws through NumPy.
+ * seed, epoch and key below 2**32, once augment has checked at import that it gives
+ * NumPy's plans on this machine; else, and without this module, it draws through NumPy.
  *
  * Sources of the arithmetic: numpy/random/bit_generator.pyx (SeedSequence),
  * numpy/random/src/pcg64 (seeding, next64, the buffered next32),

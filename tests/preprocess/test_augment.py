@@ -156,3 +156,20 @@ def test_sample_rngs_plan_is_plan_from_sample_rng(monkeypatch, compiled, scale, 
             centred = (b.left, b.top) == ((width - b.width) // 2, (height - b.height) // 2)
             fallbacks += centred and (b.width == width or b.height == height)
     assert fallbacks > 0 or scale[0] < 0.99
+
+
+def test_compiled_plans_that_differ_from_numpys_are_not_used():
+    """At import the compiled plans are checked against NumPy's on a few keys (a compiler
+    that fused the arithmetic would change them): one box a pixel off is refused."""
+    from raypipe.preprocess import augment
+
+    class OnePixelOff:
+        @staticmethod
+        def rrc(seed, epoch, key, width, height, *crop):
+            left, top, w, h, flip = augment._draws.rrc(seed, epoch, key, width, height, *crop)
+            return (left + (key == 3 and width > 1), top, w, h, flip)
+
+    if not augment.plans_compiled():
+        pytest.skip("no C compiler here: _draws was not built")
+    assert augment._agrees(augment._draws)
+    assert not augment._agrees(OnePixelOff)
