@@ -26,10 +26,8 @@ it), the steps a preprocessing worker runs per sample, each timed over all the p
     rows          the task's shard rows (`RankTasks.rows`, one-image shards, the
                   pipeline's tasks), per sample
     seed          `sample_rng(seed, epoch, key)`: NumPy's SeedSequence for one key
-    seed_task     the same generators from `SampleRngs`, a task's keys seeded at once
-                  (what a worker runs)
     plan          the crop plan drawn from a seeded generator
-    plan_task     `SampleRngs.plan`: a key's seeding and plan in one call, compiled
+    plan_task     `sample_plan`: a key's seeding and plan in one call, compiled
                   (`_draws`) where it was built: what a worker runs, and the plans of
                   ``uncached`` and ``crop`` above (the same plans as ``seed`` + ``plan``)
 
@@ -57,7 +55,7 @@ import ingest
 from raypipe.plan.blocksize import MAX_FILES_PER_TASK
 from raypipe.plan.rankplan import RankPlan, RankTasks
 from raypipe.plan.shards import list_shards
-from raypipe.preprocess.augment import SampleRngs, plan, sample_rng
+from raypipe.preprocess.augment import plan, sample_plan, sample_rng
 from raypipe.preprocess.cache import mapped
 from raypipe.preprocess.cache.capped import decode_capped
 from raypipe.preprocess.cache.disk import DiskStore
@@ -93,9 +91,6 @@ def around(files: list[Path], tasks: RankTasks) -> dict[str, float]:
     r["rows"] = t / sum(sum(g["num_samples"]) for g in got) * 1e3
     keys = list(range(len(files)))
     r["seed"], _ = timed(lambda k: sample_rng(ingest.SEED, 1, k), keys)
-    rngs = SampleRngs(ingest.SEED)
-    rngs.expect(1, iter(keys))
-    r["seed_task"], _ = timed(lambda k: rngs.rng(1, k), keys)
     gens = [sample_rng(ingest.SEED, 1, k) for k in keys]
     r["plan"], _ = timed(lambda g: plan(400, 300, train=True, rng=g, scale=(0.08, 1.0),
                                         ratio=(3 / 4, 4 / 3), flip=True), gens)  # fmt: skip
@@ -103,10 +98,10 @@ def around(files: list[Path], tasks: RankTasks) -> dict[str, float]:
     return r
 
 
-def worker_plan(key: int, rngs=SampleRngs(ingest.SEED)):  # noqa: B008 (one, as a worker's)
+def worker_plan(key: int):
     """A worker's plan of ``key`` in epoch 1 (`ingest.chooser`'s, drawn as a worker does)."""
-    return lambda w, h: rngs.plan(1, key, w, h, train=True, scale=(0.08, 1.0),
-                                  ratio=(3 / 4, 4 / 3), flip=True)  # fmt: skip
+    return lambda w, h: sample_plan(ingest.SEED, 1, key, w, h, train=True, scale=(0.08, 1.0),
+                                    ratio=(3 / 4, 4 / 3), flip=True)  # fmt: skip
 
 
 def one_round(files: list[Path], shm: Path, disk: Path, cap: int, tasks: RankTasks) -> dict:

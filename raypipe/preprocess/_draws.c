@@ -1,7 +1,7 @@
 /* One sample's random-resized-crop plan, drawn as raypipe.preprocess.augment.plan draws
  * it from sample_rng(seed, epoch, key) = Generator(PCG64([seed, epoch, key])), in one
  * call: NumPy's SeedSequence and PCG64 seeding, then the same draws (uniform, integers,
- * random) with NumPy's arithmetic, bit for bit. augment.SampleRngs.plan calls it for
+ * random) with NumPy's arithmetic, bit for bit. augment.sample_plan calls it for
  * seed, epoch and key below 2**32, once augment has checked at import that it gives
  * NumPy's plans on this machine; else, and without this module, it draws through NumPy.
  *

@@ -30,8 +30,8 @@ import numpy as np
 from raypipe.config import PipelineConfig
 from raypipe.formats.sample import RawSample
 from raypipe.plan.rankplan import RankTasks
-from raypipe.plan.shards import Reader, pending_keys, unpack_done
-from raypipe.preprocess.augment import Plan, SampleRngs
+from raypipe.plan.shards import Reader, unpack_done
+from raypipe.preprocess.augment import Plan, sample_plan
 from raypipe.preprocess.cache.capped import Stored
 from raypipe.preprocess.cache.reuse import SampleCache
 from raypipe.preprocess.decode import crop_chw, decode_crop
@@ -93,7 +93,6 @@ class Preprocessor:
         self.skipped = 0
         self.cache = SampleCache(config, self.reader.storage) if config.cache else None
         self.reused = reused  # a pooled worker's block arrays (compute="tasks"), or new ones
-        self.rngs = SampleRngs(config.seed)  # each sample's seeded generator
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         if self.tasks is None:  # shard rows of self.epoch
@@ -116,7 +115,6 @@ class Preprocessor:
                 for path, first, n, label, done in zip(
                     shards["path"], shards["first_key"], shards["num_samples"],
                     shards["label"], shards["done"], strict=True)]  # fmt: skip
-        self.rngs.expect(epoch, (k for row in rows for k in pending_keys(row[1], row[2], row[4])))
         if self.cache is not None:
             raws = self.cache.raws(rows, self._samples)
         else:
@@ -205,8 +203,8 @@ class Preprocessor:
                 "decompression_bomb",
                 f"{width}x{height} = {width * height} pixels > max_image_pixels={limit}",
             )
-        return self.rngs.plan(epoch, key, width, height, train=c.train, scale=c.scale,
-                              ratio=c.ratio, flip=c.flip)  # fmt: skip
+        return sample_plan(c.seed, epoch, key, width, height, train=c.train, scale=c.scale,
+                           ratio=c.ratio, flip=c.flip)  # fmt: skip
 
     def _bad(self, raw: RawSample, error: Exception) -> SkipRecord:
         reason = reason_of(error, raw.data)
