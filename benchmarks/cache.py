@@ -12,8 +12,10 @@ Each of ``--rounds`` interleaved rounds runs, in an order that rotates from roun
 
 each for ``--epochs`` epochs of random-resized-crop 224 + flip, batches of 256, uint8 on the
 host. Reported: the later epochs' rate (median of epochs 1+ within a run, then the median
-over rounds, with the range), epoch 0's rate, the ratios taken within each round, and the
-cache's hits and misses. Then the bytes a cached image takes at several ``cache_max_side``
+over rounds, with the range), epoch 0's rate, the ratios taken within each round, each
+later epoch of the memory cache over its round's uncached later rate (the first epochs
+after the first pay a worker's first reads of the entries another one wrote), and the
+cache's hits and misses; the raw file also has each run's CPU per epoch by process. Then the bytes a cached image takes at several ``cache_max_side``
 values (decoded, capped, not timed), and what capping changes in the pixels: the mean
 absolute difference in grey levels between a crop from the capped image and the same crop
 from the full image; the same for ``cache_encoding="jpeg"`` (the re-encoded bytes, and the
@@ -106,6 +108,8 @@ def disk_run(config: PipelineConfig, listing, epochs: int, root: Path, pause_s: 
 
 
 RUNS = ("uncached", "cached", "jpeg", "pillow", "disk")
+KEPT = ("epoch_img_s", "steady_img_s", "first_epoch_img_s", "cpu_s_per_epoch", "img_per_cpu_s",
+        "cpu_s_by_process")  # of each run, in the raw file  # fmt: skip
 
 
 def one_round(i: int, config, listing, shards, epochs: int, root: Path, only=RUNS,
@@ -126,8 +130,7 @@ def one_round(i: int, config, listing, shards, epochs: int, root: Path, only=RUN
     out = {"order": order}
     for name in order:
         r = runs[name]()
-        out[name] = {k: r[k] for k in ("epoch_img_s", "steady_img_s", "first_epoch_img_s",
-                                       "cpu_s_per_epoch", "img_per_cpu_s")}  # fmt: skip
+        out[name] = {k: r[k] for k in KEPT}
         out[name]["cache"] = r.get("cache")
         print(f"  round {i} {name}: epoch 0 {r['first_epoch_img_s']:.0f} img/s, later "
               f"{r['steady_img_s']:.0f} img/s", flush=True)  # fmt: skip
@@ -209,6 +212,13 @@ def summary(rounds: list[dict]) -> dict:
         if a in names and b in names:
             key = "steady_img_s" if when == "later" else "first_epoch_img_s"
             out[f"{when}_{a}_vs_{b}"] = ratio(a, b, key)
+    if {"cached", "uncached"} <= set(names):  # each later epoch of the memory cache alone
+        epochs = len(rounds[0]["cached"]["epoch_img_s"])
+        out["by_epoch_cached_vs_uncached"] = [
+            statistics.median(r["cached"]["epoch_img_s"][e] / r["uncached"]["steady_img_s"]
+                              for r in rounds)
+            for e in range(1, epochs)
+        ]  # fmt: skip
     return out
 
 
