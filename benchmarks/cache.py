@@ -15,11 +15,12 @@ host. Reported: the later epochs' rate (median of epochs 1+ within a run, then t
 over rounds, with the range), epoch 0's rate, the ratios taken within each round, each
 later epoch of the memory cache over its round's uncached later rate (the first epochs
 after the first pay a worker's first reads of the entries another one wrote), and the
-cache's hits and misses; the raw file also has each run's CPU per epoch by process. Then the bytes a cached image takes at several ``cache_max_side``
-values (decoded, capped, not timed), and what capping changes in the pixels: the mean
-absolute difference in grey levels between a crop from the capped image and the same crop
-from the full image; the same for ``cache_encoding="jpeg"`` (the re-encoded bytes, and the
-crop from the pixels they decode to).
+cache's hits and misses; the raw file also has each run's CPU per epoch by process. Then
+the bytes a cached image takes at several ``cache_max_side`` values (decoded, capped, not
+timed), and what capping changes in the pixels: the mean absolute difference in grey levels
+between a crop from the capped image and the same crop from the full image; the same for
+``cache_encoding="jpeg"`` (the re-encoded bytes, and the crop from the pixels they decode
+to).
 
     python benchmarks/cache.py --size small --rounds 5 --epochs 4
 

@@ -115,16 +115,16 @@ def worker_plan(key: int):
 def written_floor(root: Path, entries: list[Entry]) -> float:
     """ms of CPU per entry to put each entry's file bytes into a new file under ``root``
     with nothing else: the kernel's share of `written`."""
+    files = [entryfile.parts(entry) for entry in entries]  # made before the timing
     t = time.process_time()
-    for n, entry in enumerate(entries):
-        head, body = entryfile.parts(entry)
+    for n, (head, body) in enumerate(files):
         fd = os.open(root / str(n), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
         try:
             os.write(fd, head)
             os.write(fd, body)
         finally:
             os.close(fd)
-    return (time.process_time() - t) / len(entries) * 1e3
+    return (time.process_time() - t) / len(files) * 1e3
 
 
 def one_round(files: list[Path], shm: Path, disk: Path, cap: int, tasks: RankTasks) -> dict:
