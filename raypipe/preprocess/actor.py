@@ -28,6 +28,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from raypipe.config import PipelineConfig
+from raypipe.formats import get_format
 from raypipe.formats.sample import RawSample
 from raypipe.plan.rankplan import RankTasks
 from raypipe.plan.shards import Reader, unpack_done
@@ -91,7 +92,10 @@ class Preprocessor:
         self.epoch, self.tasks = epoch, tasks
         self.skips = skips
         self.skipped = 0
-        self.cache = SampleCache(config, self.reader.storage) if config.cache else None
+        self.cache = None
+        if config.cache:
+            whole_rows = get_format(self.reader.format).one_per_file  # labelled by the listing
+            self.cache = SampleCache(config, self.reader.storage, whole_rows=whole_rows)
         self.reused = reused  # a pooled worker's block arrays (compute="tasks"), or new ones
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:

@@ -781,8 +781,9 @@ def test_a_transform_gets_the_capped_image_cached_or_not(ray_session, datasets):
 def test_a_resumed_epoch_is_exactly_once_with_the_same_pixels_from_the_cache(ray_session,
                                                                               datasets):  # fmt: skip
     """A run resumed in epoch 1 with 40 % of its keys consumed, its cache filled by an
-    earlier run (tar shards: rows read whole, in part, or not at all), against the same
-    resume with an empty cache: the keys left, once each, with the same pixels."""
+    earlier run (tar shards: read for their labels, their cached samples not decoded),
+    against the same resume with an empty cache: the keys left, once each, with the same
+    pixels."""
     from raypipe.plan.shards import list_shards
     from raypipe.train.state import PipelineState, fingerprint
 

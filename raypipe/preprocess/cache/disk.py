@@ -73,7 +73,7 @@ class DiskStore:
         self._dirs: set[str] = set()  # the <ab> directories known to exist
 
     def path(self, i: str) -> str:
-        h = hashlib.sha1(i.encode()).hexdigest()
+        h = hashlib.sha1(i.encode("utf-8", "surrogateescape")).hexdigest()  # any file name
         return os.path.join(self.root, h[:2], h)
 
     def get_many(self, ids: list[str], idents: list[tuple[int, int]]) -> list[Entry | None]:

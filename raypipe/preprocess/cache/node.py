@@ -13,11 +13,14 @@ Both modes keep entries as files that every process of the node reads and writes
 asking the actor (`raypipe.preprocess.cache.disk`):
 
 - ``cache="memory"``: in the node's shared memory (``/dev/shm``), one directory per node
-  and settings, for as long as the actor lives. The actor holds an ``flock`` on the
-  directory's ``lock`` file; the kernel lets it go however the actor ends, and every new
-  `NodeCache` (and `release`) removes the directories whose lock is free: a run killed
-  hard leaves its pixels in memory only until the next cached run on the node starts.
-  `release` (and, at exit, the process that called `ensure`) removes them at once.
+  and settings, for as long as an actor holds it. Each actor holds a shared ``flock`` on
+  the directory's ``lock`` file (`raypipe.preprocess.cache.shm`), so runs with the same
+  settings on one node share one directory (each of torchrun's ranks is a Ray job with an
+  actor of its own); the kernel lets the lock go however the actor ends, and every new
+  `NodeCache` (and `release`) removes the directories no one holds: a run killed hard
+  leaves its pixels in memory only until the next cached run on the node starts.
+  `release` (and, at exit, the process that called `ensure`) removes them at once, where
+  no other run holds them.
 - ``cache="disk"``: under ``cache_dir``, kept for later runs; the actor only counts.
 
 An actor dies with its node (what it held is decoded again where the samples go next) and
@@ -30,7 +33,6 @@ import atexit
 import contextlib
 import hashlib
 import os
-import shutil
 import threading
 
 from raypipe.preprocess.cache import shm
@@ -100,10 +102,10 @@ class NodeCache:
         return out
 
     def clear(self) -> None:
-        """``"memory"``: remove the node's entries (the directory) now."""
+        """``"memory"``: let the node's entries (the directory) go, removed now unless
+        another run's actor holds them too."""
         if self._lock is not None:
-            shutil.rmtree(self.root, ignore_errors=True)
-            os.close(self._lock)
+            shm.let_go(self.root, self._lock)
             self._lock = None
 
 

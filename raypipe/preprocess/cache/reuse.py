@@ -4,24 +4,28 @@
  shard rows of a task, in chunks of about ``CHUNK`` samples
    ▼ stat each source file: (size, mtime) is part of every entry's identity
    ▼ one lookup per chunk in this node's cache files (`DiskStore`: shared memory or disk)
-   ▼ rows whose samples are all cached: their samples, without reading the file
-     others: read as usual, cached samples among them not decoded
+   ▼ image folders: rows whose samples are all cached, without reading the file (the row
+     holds the label); other rows, and every row of a shard format (whose reader gives
+     each sample its label and fields): read as usual, cached samples not decoded
  image(raw) ── a hit: the cached pixels (or JPEG), or the remembered reason it is bad
            └─ a miss: read + decode to the capped size (`decode_capped`), kept (first-come
               within the budget) with what it cost; a bad sample is kept as bad
 ```
 
-A read error (``unreadable``, ``unreadable_shard``) may pass: it is never remembered.
+Only what decoding found is remembered as bad; what a reader reports (a read error, a
+missing label) is its to say again, and wins over what was kept of that sample.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
+from raypipe.formats.pieces import split_piece
 from raypipe.formats.sample import RawSample
 from raypipe.plan.shards import pending_keys
 from raypipe.preprocess.augment import Plan
@@ -36,17 +40,21 @@ assert __all__ == sorted(__all__)
 
 CHUNK = 32  # samples looked up at once
 WHERE_WAIT_S = 2.0  # how long a worker waits for its node's actor's answer
-TRANSIENT = ("unreadable", "unreadable_shard")  # read errors: never remembered as bad
 
 Row = tuple[str, int, int, int, "np.ndarray | None"]  # path, first_key, samples, label, done
 
 
 class SampleCache:
     """The cache as one preprocessing actor (or task) uses it; made once per actor, its
-    node's store found on first use."""
+    node's store found on first use.
 
-    def __init__(self, config, storage):
-        self.config, self.storage = config, storage
+    ``whole_rows``: a row whose samples are all cached is served without reading its file,
+    which is right only where the row holds everything else a sample has (image folders:
+    one sample a file, labelled by its directory); a shard format's reader gives each
+    sample its own label and fields, so its files are read."""
+
+    def __init__(self, config, storage, *, whole_rows: bool = False):
+        self.config, self.storage, self.whole_rows = config, storage, whole_rows
         self.store, self.counter, self._started = None, None, False
         self.tally = Tally()
         self._found: dict[int, Entry] = {}  # key -> its entry, for the raw yielded next
@@ -55,11 +63,12 @@ class SampleCache:
     def _start(self) -> None:
         """A disk cache: the node's files at once. A memory cache: the directory and budget
         of this node's `NodeCache` (up already: `node.ensure` waited for it); a node with
-        none keeps nothing."""
+        none keeps nothing. Called again on every task while the store is given up on."""
         self._started = True
         self._find()
         if self.config.cache == "disk":  # the same directory and budget on every node
-            self.store = DiskStore(node.cache_root(self.config), node.budget(self.config))
+            with contextlib.suppress(OSError):  # a directory this node cannot make: none
+                self.store = DiskStore(node.cache_root(self.config), node.budget(self.config))
 
     def _find(self) -> None:
         """This node's `NodeCache`, and for a memory cache its store (a node that joined
@@ -82,10 +91,8 @@ class SampleCache:
     def raws(self, rows: Iterable[Row], read: Callable[..., Iterator[RawSample]]):
         """The rows' samples in order, as ``read(path, first_key, samples, label, done)``
         yields them, with the cached ones found (whole rows of them not read)."""
-        if not self._started:
+        if not self._started or self.store is None:  # none yet, or given up on: look again
             self._start()
-        elif self.counter is None and self.config.cache == "memory":
-            self._find()
         chunk: list[Row] = []
         samples = 0
         for row in rows:
@@ -109,12 +116,12 @@ class SampleCache:
             try:
                 entries = self.store.get_many([a[0] for a in asks], [a[1] for a in asks])
             except Exception:  # its files are gone (a cleared cache): decode, and look
-                self.store, self.counter = None, None  # for the one `node.ensure` starts next
+                self._drop_store()  # again next task (for the one `node.ensure` starts)
                 entries = [None] * len(asks)
             self.tally.saved_s -= time.perf_counter() - t0
             found = {a[2]: e for a, e in zip(asks, entries, strict=True) if e is not None}
         for (path, first, n, label, done), ident, keys in zip(rows, idents, todo, strict=True):
-            if keys and all(k in found for k in keys):  # nothing to read
+            if self.whole_rows and keys and all(k in found for k in keys):  # nothing to read
                 for k in keys:
                     self._found[k] = found[k]
                     yield RawSample(k, label, None, found[k].where)
@@ -131,16 +138,16 @@ class SampleCache:
 
     def _ident(self, path: str) -> tuple[int, int] | None:
         try:
-            return self.storage.stat(path)
+            return self.storage.stat(split_piece(path)[0])  # a piece: its file's identity
         except (OSError, ValueError):
             return None  # read will say what is wrong; nothing is cached for it
 
     def image(self, raw: RawSample) -> np.ndarray | Stored:
         """The capped H×W×3 image of ``raw``, or its JPEG (``cache_encoding="jpeg"``:
         `Stored`, the crop decodes what it needs); raises `BadSample` for a bad one (cached
-        or not)."""
+        or not). What the reader reports about ``raw`` wins over what was kept of it."""
         entry = self._found.pop(raw.key, None)
-        if entry is None:
+        if entry is None or raw.reason is not None:
             return self._decoded(raw)
         self.tally.hits += 1
         self.tally.saved_s += entry.seconds
@@ -186,7 +193,7 @@ class SampleCache:
                                    self.config.max_image_pixels)  # fmt: skip
         except Exception as e:
             reason = reason_of(e, raw.data)
-            if i is not None and reason not in TRANSIENT and self._keeping():
+            if i is not None and raw.reason is None and self._keeping():  # decoding's verdict
                 seconds = read_s + time.perf_counter() - t0
                 self._keep(
                     i, Entry(ident, raw.where, seconds, None, reason, detail_of(e, raw.data))
@@ -218,23 +225,28 @@ class SampleCache:
         try:
             self.store.put(i, entry)
         except Exception:  # a full or failing disk, or a memory cache cleared: on
-            self._settle()  # without, once what it took of the budget is given back
-            self.store, self.counter = None, None  # (until `node.ensure` starts one)
+            self._drop_store()  # without it until the next task looks again (`raws`)
 
-    def _settle(self) -> None:
-        if self.store is not None:
-            try:
-                self.store.settle()
-            except Exception:  # as in _keep
-                self.store, self.counter = None, None
+    def _drop_store(self) -> None:
+        """Give the store up: what it took of the budget given back where it still can be,
+        its counts kept for `flush`."""
+        store, self.store = self.store, None
+        if store is not None:
+            with contextlib.suppress(Exception):
+                store.settle()
+            self.tally.add(store.tally)
 
     def flush(self) -> None:
         """Settle the store's use of the budget; send the counters to the node's
         `NodeCache`."""
-        self._settle()
         if self.store is not None:
-            self.tally.add(self.store.tally)  # what the store counts: corrupt, refused, reads
-            self.store.tally = Tally()
+            try:
+                self.store.settle()
+            except Exception:  # as in _keep
+                self._drop_store()
+            else:
+                self.tally.add(self.store.tally)  # what it counts: corrupt, refused, reads
+                self.store.tally = Tally()
         if self.counter is not None and (self.tally.hits or self.tally.misses):
             try:
                 self.counter.note.remote(self.tally)

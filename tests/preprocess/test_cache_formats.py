@@ -1,0 +1,136 @@
+"""The decoded cache on shard formats whose labels are read per sample (WebDataset, Parquet,
+TFRecord): a cached sample keeps the label its shard holds, every piece of a large record
+file is cached, and what a reader reports about a sample wins over what was kept of it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from raypipe import PipelineConfig
+from raypipe.formats import pieces
+from raypipe.formats.sample import RawSample
+from raypipe.formats.storage import Storage
+from raypipe.plan.shards import list_shards
+from raypipe.preprocess.cache import node, reuse
+from raypipe.preprocess.cache.disk import DiskStore
+from raypipe.preprocess.cache.reuse import SampleCache
+from raypipe.skips.records import BadSample
+from tests.conftest import image_bytes
+from tests.formats.test_formats import labels_of, png
+from tests.formats.test_tfrecord import tf_shards
+from tests.preprocess.test_cache import settled
+from tests.ranks import run_ranks
+
+
+def labels_by_epoch(config: PipelineConfig, epochs: int) -> list[dict[int, int]]:
+    """``{key: label}`` of each epoch of one rank."""
+    out, _ = run_ranks(config, 1, epochs, drop_last=False, normalize=False)
+    return [{int(k): int(label) for b in out[0][e]
+             for k, label in zip(b["key"], b["label"], strict=True)}
+            for e in range(epochs)]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["webdataset", "parquet"])
+def test_cached_samples_keep_the_labels_their_shards_hold(ray_session, datasets, fmt):
+    base = PipelineConfig(source=str(datasets[fmt]), image_size=8, batch_size=5,
+                          rows_per_block=5)  # fmt: skip
+    (want,) = labels_by_epoch(base, 1)
+    assert len(want) == 61 and len(set(want.values())) > 1
+    cached = base.replace(cache="memory", cache_max_side=12)
+    assert labels_by_epoch(cached, 3) == [want] * 3
+    s = settled(cached, 3 * 61)
+    assert s["misses"] == 61 and s["hits"] == 2 * 61  # epochs 1 and 2 from the cache
+
+
+def test_every_piece_of_a_large_record_file_is_cached(ray_session, tmp_path, monkeypatch):
+    monkeypatch.setattr(pieces, "PIECE_BYTES", 5 * len(png(0)))  # pieces of a few records
+    labels = labels_of(30, seed=5)
+    config = PipelineConfig(source=str(tf_shards(tmp_path / "tf", labels, per_shard=15)),
+                            image_size=8, batch_size=5, rows_per_block=5, cache="memory",
+                            cache_max_side=12)  # fmt: skip
+    assert sum("#" in s.path for s in list_shards(config).shards) >= 4
+    assert labels_by_epoch(config, 2) == [dict(enumerate(labels))] * 2
+    s = settled(config, 2 * 30)
+    assert s["entries"] == 30 and s["misses"] == 30 and s["hits"] == 30
+
+
+# -- one worker's side, without Ray (a node with no `NodeCache`: a disk cache alone) --------
+
+
+def disk_cache(tmp_path, monkeypatch, *, whole_rows: bool) -> SampleCache:
+    monkeypatch.setattr(node, "lookup", lambda config: None)
+    config = PipelineConfig(source=str(tmp_path), cache="disk", cache_dir=str(tmp_path / "c"),
+                            cache_max_side=16)  # fmt: skip
+    return SampleCache(config, Storage(), whole_rows=whole_rows)
+
+
+def task(cache: SampleCache, rows: list, read) -> list:
+    """One task's samples: each one's pixels, or the reason it is bad."""
+    out = []
+    for raw in cache.raws(rows, read):
+        try:
+            out.append(cache.image(raw))
+        except BadSample as e:
+            out.append(e.reason)
+    cache.flush()
+    return out
+
+
+def test_what_a_reader_reports_wins_over_what_the_cache_kept(tmp_path, monkeypatch):
+    """A label setting changed between runs: a sample the reader now finds unlabelled is
+    bad though its pixels are cached, and a reader's verdict is never kept as the
+    sample's: read again with its label, it is decoded."""
+    cache = disk_cache(tmp_path, monkeypatch, whole_rows=False)
+    path = tmp_path / "shard.bin"
+    path.write_bytes(image_bytes(np.random.default_rng(0)))
+    data, verdict = path.read_bytes(), {}
+
+    def read(p, first, n, label, done):
+        for k in range(first, first + n):
+            reason = verdict.get(k)
+            yield RawSample(k, 4, None if reason else data, f"{p}:{k}", reason, reason)
+
+    rows = [(str(path), 0, 2, -1, None)]
+    verdict[1] = "missing_label"
+    first = task(cache, rows, read)
+    assert first[1] == "missing_label" and first[0].shape[2] == 3
+    verdict.clear()
+    verdict[0] = "missing_label"
+    second = task(cache, rows, read)
+    assert isinstance(second[0], str) and second[0] == "missing_label"  # though cached
+    assert np.array_equal(second[1], first[0])  # decoded: the verdict was not kept
+
+
+def test_a_failed_write_gives_the_store_up_for_that_task_only(tmp_path, monkeypatch):
+    """A write that fails (a full disk for a moment) leaves the task to decode without the
+    cache; the next task writes again. A file name that is not UTF-8 is cached too."""
+    cache = disk_cache(tmp_path, monkeypatch, whole_rows=True)
+    rng = np.random.default_rng(1)
+    files = [tmp_path / name for name in ("a.jpg", "b.jpg", os.fsdecode(b"caf\xe9.jpg"))]
+    for f in files:
+        f.write_bytes(image_bytes(rng))
+    rows = [(str(f), k, 1, 0, None) for k, f in enumerate(files)]
+    read = lambda p, first, n, label, done: iter(  # noqa: E731
+        [RawSample(first, label, Path(p).read_bytes(), p)]
+    )
+    put, calls = DiskStore.put, []
+
+    def put_once_failing(store, i, entry):
+        calls.append(i)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return put(store, i, entry)
+
+    monkeypatch.setattr(DiskStore, "put", put_once_failing)
+    fresh = task(cache, rows[:2], read)
+    assert len(calls) == 1  # the second sample of that task was not offered
+    assert DiskStore(str(tmp_path / "c" / node.digest(cache.config)), 1 << 30).held()[1] == 0
+    task(cache, rows, read)
+    assert len(calls) == 4  # the next task writes all three
+    monkeypatch.setattr(reuse, "decode_capped", lambda *a: pytest.fail("decoded a hit"))
+    hits = task(cache, rows, read)
+    assert all(np.array_equal(h, f) for h, f in zip(hits[:2], fresh, strict=True))
