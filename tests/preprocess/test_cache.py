@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from raypipe import PipelineConfig
+from raypipe.preprocess.cache import disk as disk_cache
 from raypipe.preprocess.cache import node, shm
 from raypipe.preprocess.cache.capped import decode_capped
 from raypipe.preprocess.cache.disk import DiskStore
@@ -135,6 +136,30 @@ def test_a_write_that_fails_leaves_no_file_and_gives_its_budget_back(tmp_path, m
     files = [f for f in (tmp_path / "m").rglob("*") if f.is_file() and f.name != "usage"]
     assert [f.name for f in files] == [Path(store.path("a")).name]  # no .tmp left
     assert store.held() == (files[0].stat().st_size, 1)
+
+
+def test_a_disk_caches_next_run_removes_what_writers_killed_mid_write_left(tmp_path):
+    """A writer killed between taking an entry's bytes and placing its file leaves the
+    temporary file, its bytes counted; the next run's `NodeCache` removes it and gives the
+    bytes back. A temporary file young enough to be a live writer's stays."""
+    from raypipe.preprocess.cache.usage import Usage
+
+    root = tmp_path / "c"
+    store = DiskStore(str(root), budget=1 << 20)
+    put_all(store, [("a", Entry.image(IDENT, "a.jpg", 0.01, pixels(1)))])
+    kept = store.held()
+    body = Path(store.path("a")).read_bytes()
+    dead, live = Path(store.path("b") + ".4242.tmp"), Path(store.path("c") + ".4343.tmp")
+    for tmp in (dead, live):  # as `put` leaves them: the bytes taken, the file unplaced
+        tmp.parent.mkdir(exist_ok=True)
+        tmp.write_bytes(body)
+        with Usage(str(root)).counting() as usage:
+            usage[0] += len(body)
+    old = time.time() - 2 * disk_cache.LEFTOVER_S
+    os.utime(dead, (old, old))
+    node.NodeCache("disk", 1 << 20, str(root))
+    assert not dead.exists() and live.exists()
+    assert store.held() == (kept[0] + len(body), kept[1])
 
 
 def test_a_disk_store_counts_in_place_and_opens_its_usage_file_once_a_task(tmp_path,

@@ -23,7 +23,9 @@ A file written by another run with the same settings is a hit as long as its sou
 file's size and modification time are unchanged; otherwise it is a miss and is replaced.
 An entry that is truncated, unreadable or fails its CRC is decoded again, never served.
 Files are written to a temporary name and linked (or renamed) into place, so a reader never
-sees half of one, and two processes writing one entry at once count it once (`_place`).
+sees half of one, and two processes writing one entry at once count it once (`_place`). A
+writer killed before that leaves its temporary file, and its bytes counted: a disk cache's
+`NodeCache` removes such files when a run starts (`drop_leftovers`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import dataclasses
 import hashlib
 import mmap
 import os
+import time
 
 import numpy as np
 
@@ -46,6 +49,7 @@ assert __all__ == sorted(__all__)
 
 
 LEASE = 16 << 20  # budget a mapped store's process takes at once (one lock per lease)
+LEFTOVER_S = 600.0  # a temporary file this old is a writer's that died: no write takes this
 
 
 class DiskStore:
@@ -198,9 +202,35 @@ class DiskStore:
         self._written_n = 0
         return True
 
+    def drop_leftovers(self, older_than_s: float = LEFTOVER_S) -> int:
+        """Remove the temporary files of writers that died mid-write (older than
+        ``older_than_s``) and give their bytes back to the budget; how many there were."""
+        now, freed, removed = time.time(), 0, 0
+        for f in _files(self.root, ".tmp"):
+            with contextlib.suppress(OSError):
+                st = f.stat(follow_symlinks=False)
+                if now - st.st_mtime > older_than_s:
+                    os.unlink(f.path)
+                    freed, removed = freed + st.st_size, removed + 1
+        if freed:
+            with self._usage.counting() as usage:
+                usage[0] -= freed
+            self._usage.close()
+        return removed
+
     def held(self) -> tuple[int, int]:
         """Bytes and entries the directory holds (its usage file)."""
         return self._usage.held()
+
+
+def _files(root: str, suffix: str):
+    """The files in ``root``'s ``<ab>`` directories whose names end in ``suffix`` (none
+    where a directory cannot be read)."""
+    with contextlib.suppress(OSError), os.scandir(root) as subs:
+        for sub in subs:
+            if sub.is_dir(follow_symlinks=False):
+                with contextlib.suppress(OSError), os.scandir(sub.path) as files:
+                    yield from (f for f in files if f.name.endswith(suffix))
 
 
 def _place(tmp: str, path: str) -> int | None:

@@ -84,6 +84,8 @@ class NodeCache:
             atexit.register(self.clear)
         self.budget = limit
         self.store = DiskStore(root, limit)
+        if mode == "disk":  # kept across runs: what writers killed mid-write left behind
+            self.store.drop_leftovers()
         self.tally = Tally()  # what the preprocessing workers report
 
     def where(self) -> tuple[str, int]:
