@@ -5,6 +5,7 @@ by a later run and invalidated when its source changes, corrupt entries never se
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -92,10 +93,18 @@ def test_mapped_stores_lease_the_budget_and_give_back_what_they_did_not_use(tmp_
     assert all(np.array_equal(g.pixels, pixels(n)) for n, g in enumerate(got) if g is not None)
 
 
-def test_two_processes_writing_one_entry_at_once_count_it_once(tmp_path, monkeypatch):
+def no_links(src, dst):
+    raise OSError(errno.EPERM, "hard links not supported here")
+
+
+@pytest.mark.parametrize("links", [True, False])
+def test_two_processes_writing_one_entry_at_once_count_it_once(tmp_path, monkeypatch, links):
     """An epoch's task and the next epoch's read-ahead can decode one sample at once: both
     find no file, both write it. The usage file must count one entry of one file's bytes
-    (it counted two, and ``stats()["cache"]["entries"]`` with it)."""
+    (it counted two, and ``stats()["cache"]["entries"]`` with it), on a file system
+    without hard links too."""
+    if not links:
+        monkeypatch.setattr(os, "link", no_links)
     root = str(tmp_path / "m")
     first, second = (DiskStore(root, budget=1 << 20, mapped=True) for _ in range(2))
     later = second._written

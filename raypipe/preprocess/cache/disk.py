@@ -237,18 +237,24 @@ def _place(tmp: str, path: str) -> int | None:
     """Move the written ``tmp`` to ``path``: None when ``path`` was free, else the bytes of
     the file it replaced, which another process of the node wrote since this one looked
     (two tasks that decode one sample at once: an epoch and the next one's read-ahead).
-    A hard link claims ``path`` atomically; without hard links, a plain rename."""
+    A hard link claims ``path`` atomically; without hard links, a rename, which replaces
+    what it finds, so ``path`` is looked at just before."""
     try:
         os.link(tmp, path)
     except FileExistsError:
-        try:
-            raced = os.path.getsize(path)
-        except OSError:
-            raced = 0
-        os.replace(tmp, path)
-        return raced
+        raced = _size(path)
     except OSError:  # a file system without hard links
-        os.replace(tmp, path)
+        raced = _size(path)
+    else:
+        os.unlink(tmp)
         return None
-    os.unlink(tmp)
-    return None
+    os.replace(tmp, path)
+    return raced
+
+
+def _size(path: str) -> int | None:
+    """The bytes of the file at ``path``; None where there is none (gone meanwhile)."""
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return None
