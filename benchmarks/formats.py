@@ -16,9 +16,13 @@ is the later epochs' samples over their time (the first epoch starts the pool). 
 formats run in turn, ``--rounds`` times, interleaved; the table has each format's median
 over the rounds, its ratio to the image folder's in the same round (median), and the
 single-process rate of its reader alone (bytes out of the file, no decoding). Writes
-``formats.json`` under --out.
+``formats.json`` under --out (``formats-cache-<mode>.json`` with --cache).
 
-    python benchmarks/formats.py --images 2048 --epochs 3 --rounds 3
+``--cache memory`` (or ``disk``) runs every format with the decoded cache, a fresh one per
+run: later epochs crop from the cached pixels, an image folder without reading its files,
+the shard formats reading theirs for each sample's label.
+
+    python benchmarks/formats.py --images 2048 --epochs 3 --rounds 3 [--cache memory]
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import json
 import os
 import pickle
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -121,14 +126,22 @@ def read_only(root: Path, fmt: str) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def pipeline_rate(root: Path, fmt: str, epochs: int, actors: int) -> dict:
+def pipeline_rate(root: Path, fmt: str, epochs: int, actors: int, cache: str | None = None,
+                  cache_dir: Path | None = None) -> dict:  # fmt: skip
     from raypipe import Pipeline
+    from raypipe.preprocess.cache import node
 
     config = PipelineConfig(source=str(root), format=fmt.split("-")[0], batch_size=BATCH,
-                            image_size=IMAGE, seed=SEED, actors=(actors, actors))  # fmt: skip
-    with Pipeline(config, epochs=epochs, device="cpu", normalize=False) as pipe:
-        run = pipe.epochs()
-        return run_epochs(lambda epoch: iter(next(run)[1]), epochs)
+                            image_size=IMAGE, seed=SEED, actors=(actors, actors), cache=cache,
+                            cache_dir=str(cache_dir) if cache_dir else None)  # fmt: skip
+    try:
+        with Pipeline(config, epochs=epochs, device="cpu", normalize=False) as pipe:
+            run = pipe.epochs()
+            return run_epochs(lambda epoch: iter(next(run)[1]), epochs)
+    finally:
+        node.release(config)  # a fresh cache for the next run
+        if cache_dir is not None:
+            shutil.rmtree(cache_dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -138,6 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--actors", type=int, default=os.cpu_count())
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
+    p.add_argument("--cache", choices=("memory", "disk"),
+                   help="run every format with the decoded cache (a fresh one per run)")  # fmt: skip
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     roots = write_formats(make_corpus(args.out, args.images), args.out)
@@ -150,18 +165,22 @@ def main(argv: list[str] | None = None) -> dict:
         for r in range(args.rounds):
             rounds.append({})
             for fmt in FORMATS:
-                rounds[-1][fmt] = pipeline_rate(roots[fmt], fmt, args.epochs, args.actors)
+                disk = args.out / "disk-cache" if args.cache == "disk" else None
+                rounds[-1][fmt] = pipeline_rate(roots[fmt], fmt, args.epochs, args.actors,
+                                                args.cache, disk)  # fmt: skip
                 rate = rounds[-1][fmt]["steady_run_img_s"]
                 print(f"round {r + 1}: {fmt:<12} {rate:7.0f} samples/s", flush=True)
     finally:
         localray.shutdown()
     table = summary(rounds, reads)
     print_table(table, args)
-    result = {"images": args.images, "epochs": args.epochs, "rounds": rounds, "table": table,
+    result = {"images": args.images, "epochs": args.epochs, "cache": args.cache,
+              "rounds": rounds, "table": table,
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                           "python": sys.version.split()[0], "loadavg_at_end": os.getloadavg()}}  # fmt: skip
-    (args.out / "formats.json").write_text(json.dumps(result, indent=2, default=str))
-    print(f"wrote {args.out / 'formats.json'}")
+    name = f"formats-cache-{args.cache}.json" if args.cache else "formats.json"
+    (args.out / name).write_text(json.dumps(result, indent=2, default=str))
+    print(f"wrote {args.out / name}")
     return result
 
 
@@ -176,8 +195,9 @@ def summary(rounds: list[dict[str, dict]], reads: dict[str, float]) -> list[dict
 
 
 def print_table(table: list[dict], args) -> None:
+    cache = f", cache={args.cache}" if args.cache else ""
     print(f"\n{args.images} images, {args.actors} actors, {args.epochs} epochs x "
-          f"{args.rounds} rounds (samples/s, read + decode + crop(224) + flip)")  # fmt: skip
+          f"{args.rounds} rounds{cache} (samples/s, read + decode + crop(224) + flip)")  # fmt: skip
     print("| format | median samples/s | rounds | vs image folder | reader alone, 1 process |")
     print("|---|---:|---|---:|---:|")
     for row in table:
