@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["BadSample", "REASONS", "SampleError", "SkipRecord", "detail_of", "reason_of"]
+__all__ = ["BadSample", "DECODE_REASONS", "REASONS", "SampleError", "SkipRecord", "detail_of",
+           "reason_of"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 # Why a sample was dropped: the keys of ``counts()``.
@@ -29,6 +30,10 @@ REASONS = (
     "unreadable_shard",  # a shard that could not be opened or read to its end
     "wrong_type",  # a column, feature or dataset of the wrong type
 )
+
+# what decoding a sample's bytes can find wrong (`reason_of`); the others are a reader's
+DECODE_REASONS = ("decode_error", "decompression_bomb", "empty_file", "not_an_image",
+                  "truncated_image")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -150,7 +150,9 @@ def test_a_write_that_fails_leaves_no_file_and_gives_its_budget_back(tmp_path, m
 def test_a_disk_caches_next_run_removes_what_writers_killed_mid_write_left(tmp_path):
     """A writer killed between taking an entry's bytes and placing its file leaves the
     temporary file, its bytes counted; the next run's `NodeCache` removes it and gives the
-    bytes back. A temporary file young enough to be a live writer's stays."""
+    bytes back. One killed after placing it (the file linked into place) leaves a second
+    name of a counted entry: removed, nothing given back. A temporary file young enough to
+    be a live writer's stays."""
     from raypipe.preprocess.cache.usage import Usage
 
     root = tmp_path / "c"
@@ -164,11 +166,18 @@ def test_a_disk_caches_next_run_removes_what_writers_killed_mid_write_left(tmp_p
         tmp.write_bytes(body)
         with Usage(str(root)).counting() as usage:
             usage[0] += len(body)
+    linked = Path(store.path("a") + ".4444.tmp")
+    os.link(store.path("a"), linked)
     old = time.time() - 2 * disk_cache.LEFTOVER_S
-    os.utime(dead, (old, old))
-    node.NodeCache("disk", 1 << 20, str(root))
-    assert not dead.exists() and live.exists()
-    assert store.held() == (kept[0] + len(body), kept[1])
+    for tmp in (dead, linked):
+        os.utime(tmp, (old, old))
+    node.NodeCache("disk", 1 << 20, str(root))  # looks for them beside the run
+    deadline = time.monotonic() + 10
+    while (dead.exists() or linked.exists()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # its count, after the files
+    assert not dead.exists() and not linked.exists() and live.exists()
+    assert store.held() == (kept[0] + len(body), kept[1]) and Path(store.path("a")).exists()
 
 
 def test_a_disk_store_counts_in_place_and_opens_its_usage_file_once_a_task(tmp_path,

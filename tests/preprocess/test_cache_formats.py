@@ -18,6 +18,7 @@ from raypipe.plan.shards import list_shards
 from raypipe.preprocess.cache import node, reuse
 from raypipe.preprocess.cache.disk import DiskStore
 from raypipe.preprocess.cache.reuse import SampleCache
+from raypipe.preprocess.cache.store import Entry
 from raypipe.skips.records import BadSample
 from tests.conftest import image_bytes
 from tests.formats.test_formats import labels_of, png
@@ -110,6 +111,25 @@ def test_what_a_reader_reports_wins_over_what_the_cache_kept(tmp_path, monkeypat
     second = task(cache, rows, read)
     assert isinstance(second[0], str) and second[0] == "missing_label"  # though cached
     assert np.array_equal(second[1], first[0])  # decoded: the verdict was not kept
+
+
+def test_an_entry_kept_with_a_readers_reason_is_a_miss_and_replaced(tmp_path, monkeypatch):
+    """Versions before kept what a reader reported (``missing_column``) as the sample's in a
+    disk cache, which a later run with fixed settings would still serve: such an entry is
+    a miss now, decoded again and replaced."""
+    cache = disk_cache(tmp_path, monkeypatch, whole_rows=True)
+    path = tmp_path / "a.jpg"
+    path.write_bytes(image_bytes(np.random.default_rng(2)))
+    ident = Storage().stat(str(path))
+    store = DiskStore(str(tmp_path / "c" / node.digest(cache.config)), 1 << 30)
+    i = f"{path}\0{0}"
+    store.put(i, Entry(ident, str(path), 0.01, None, "missing_column", "no column 'label'"))
+    store.settle()
+    read = lambda p, first, n, label, done: iter([RawSample(first, label, path.read_bytes(), p)])  # noqa: E731
+    (got,) = task(cache, [(str(path), 0, 1, 0, None)], read)
+    assert not isinstance(got, str) and got.shape[2] == 3
+    (entry,) = store.get_many([i], [ident])
+    assert entry.shape is not None and entry.reason is None
 
 
 def test_a_failed_write_gives_the_store_up_for_that_task_only(tmp_path, monkeypatch):

@@ -42,7 +42,7 @@ def test_a_second_job_shares_the_memory_cache_of_the_first(ray_session, tmp_path
         second = subprocess.run(
             [sys.executable, "-c", SECOND_JOB, ray.get_runtime_context().gcs_address,
              json.dumps(settings)],
-            cwd=ROOT, capture_output=True, text=True, timeout=50,
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
         )  # fmt: skip
         assert second.returncode == 0, second.stderr[-3000:]

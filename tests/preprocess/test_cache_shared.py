@@ -45,6 +45,22 @@ def test_two_runs_with_the_same_settings_share_the_cache_and_the_last_removes_it
     assert not os.path.exists(root)
 
 
+def test_a_second_holder_counts_what_the_cache_holds_as_room(tmp_path, monkeypatch):
+    """The room a memory cache may take is what the node's shared memory has free beside
+    its object store; for a run joining a cache another run holds, what that cache keeps
+    there is room too, so an explicit budget the first run got is not refused the second."""
+    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(shm, "room", lambda store_bytes: 1000)  # free beside the store
+    root = node.cache_root(PipelineConfig(source=str(tmp_path), cache="memory"), "n1")
+    first = started(root)
+    put_all(DiskStore(root, 1 << 20), [("a", Entry.image(IDENT, "a.jpg", 0.01, pixels()))])
+    held = first.stats().bytes
+    second = started(root)
+    assert first.info()["room"] == 1000 and second.info()["room"] == 1000 + held
+    first.clear()
+    second.clear()
+
+
 def test_a_hold_whose_lock_file_is_swept_before_it_locks_makes_it_again(tmp_path, monkeypatch):
     """A sweep may remove a directory between a new holder's open and its lock: the holder
     then holds a file no path names, and makes the directory again."""

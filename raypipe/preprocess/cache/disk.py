@@ -211,7 +211,9 @@ class DiskStore:
                 st = f.stat(follow_symlinks=False)
                 if now - st.st_mtime > older_than_s:
                     os.unlink(f.path)
-                    freed, removed = freed + st.st_size, removed + 1
+                    removed += 1
+                    if st.st_nlink == 1:  # else linked into place already: counted there
+                        freed += st.st_size
         if freed:
             with self._usage.counting() as usage:
                 usage[0] -= freed

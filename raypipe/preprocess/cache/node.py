@@ -38,6 +38,7 @@ import threading
 from raypipe.preprocess.cache import shm
 from raypipe.preprocess.cache.disk import DiskStore
 from raypipe.preprocess.cache.store import Tally
+from raypipe.preprocess.cache.usage import Usage
 
 __all__ = ["NodeCache", "budget", "cache_root", "digest", "ensure", "lookup", "release", "stats"]
 assert __all__ == sorted(__all__)
@@ -78,14 +79,16 @@ class NodeCache:
         self.asked, self.room = limit, None
         if mode == "memory":
             shm.sweep()
-            self.room = shm.room(store_bytes)
-            limit = min(limit, self.room)
             self._lock = shm.hold(root)
             atexit.register(self.clear)
+            # what another run holding the directory keeps there is room this one shares
+            self.room = shm.room(store_bytes) + Usage(root).held()[0]
+            limit = min(limit, self.room)
         self.budget = limit
         self.store = DiskStore(root, limit)
-        if mode == "disk":  # kept across runs: what writers killed mid-write left behind
-            self.store.drop_leftovers()
+        if mode == "disk":  # kept across runs: what writers killed mid-write left behind,
+            # looked for beside the run (a large cache on a network disk lists slowly)
+            threading.Thread(target=self.store.drop_leftovers, daemon=True).start()
         self.tally = Tally()  # what the preprocessing workers report
 
     def where(self) -> tuple[str, int]:

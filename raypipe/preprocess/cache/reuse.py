@@ -12,8 +12,9 @@
               within the budget) with what it cost; a bad sample is kept as bad
 ```
 
-Only what decoding found is remembered as bad; what a reader reports (a read error, a
-missing label) is its to say again, and wins over what was kept of that sample.
+Only what decoding found is remembered as bad (`DECODE_REASONS`; an entry an older version
+kept with a reader's reason is a miss, and is replaced); what a reader reports (a read
+error, a missing label) is its to say again, and wins over what was kept of that sample.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from raypipe.preprocess.cache import node
 from raypipe.preprocess.cache.capped import Stored, decode_capped, encode_stored, region_of
 from raypipe.preprocess.cache.disk import DiskStore
 from raypipe.preprocess.cache.store import Entry, Tally
-from raypipe.skips.records import BadSample, detail_of, reason_of
+from raypipe.skips.records import DECODE_REASONS, BadSample, detail_of, reason_of
 
 __all__ = ["SampleCache"]
 assert __all__ == sorted(__all__)
@@ -119,7 +120,8 @@ class SampleCache:
                 self._drop_store()  # again next task (for the one `node.ensure` starts)
                 entries = [None] * len(asks)
             self.tally.saved_s -= time.perf_counter() - t0
-            found = {a[2]: e for a, e in zip(asks, entries, strict=True) if e is not None}
+            found = {a[2]: e for a, e in zip(asks, entries, strict=True)
+                     if e is not None and (e.shape is not None or e.reason in DECODE_REASONS)}  # fmt: skip
         for (path, first, n, label, done), ident, keys in zip(rows, idents, todo, strict=True):
             if self.whole_rows and keys and all(k in found for k in keys):  # nothing to read
                 for k in keys:
@@ -193,7 +195,8 @@ class SampleCache:
                                    self.config.max_image_pixels)  # fmt: skip
         except Exception as e:
             reason = reason_of(e, raw.data)
-            if i is not None and raw.reason is None and self._keeping():  # decoding's verdict
+            decoding = raw.reason is None and reason in DECODE_REASONS  # its verdict, kept
+            if i is not None and decoding and self._keeping():
                 seconds = read_s + time.perf_counter() - t0
                 self._keep(
                     i, Entry(ident, raw.where, seconds, None, reason, detail_of(e, raw.data))

@@ -41,7 +41,10 @@ def hold(root: str) -> int:
     lock = os.path.join(root, "lock")
     while True:
         os.makedirs(root, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        except FileNotFoundError:  # removed by a sweep since it was made: again
+            continue
         fcntl.flock(fd, fcntl.LOCK_SH)
         with contextlib.suppress(FileNotFoundError):
             if os.path.samestat(os.fstat(fd), os.stat(lock)):
