@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -27,6 +30,7 @@ from tests.properties import check_exactly_once_and_equal
 from tests.ranks import run_ranks
 
 IDENT = (100, 7)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def put_all(store: DiskStore, items: list[tuple[str, Entry]]) -> None:
@@ -145,6 +149,32 @@ def test_a_write_that_fails_leaves_no_file_and_gives_its_budget_back(tmp_path, m
     files = [f for f in (tmp_path / "m").rglob("*") if f.is_file() and f.name != "usage"]
     assert [f.name for f in files] == [Path(store.path("a")).name]  # no .tmp left
     assert store.held() == (files[0].stat().st_size, 1)
+
+
+KILLED_WRITER = """
+import os, signal, sys
+import numpy as np
+from raypipe.preprocess.cache import disk
+from raypipe.preprocess.cache.store import Entry
+disk._place = lambda tmp, path: os.kill(os.getpid(), signal.SIGKILL)  # killed right there
+pixels = np.full((12, 14, 3), 7, np.uint8)
+disk.DiskStore(sys.argv[1], budget=1 << 20).put("a", Entry.image((1, 2), "a.jpg", 0.01, pixels))
+"""
+
+
+def test_a_writer_killed_while_replacing_an_entry_leaves_nothing_counted(tmp_path):
+    """An entry whose source changed is replaced: the old file goes first. A writer killed
+    before the new one is placed leaves the old one given back, and the new one's
+    temporary file, which the next run's look for leftovers gives back too."""
+    root = str(tmp_path / "c")
+    put_all(DiskStore(root, budget=1 << 20), [("a", Entry.image(IDENT, "a.jpg", 0.01, pixels(1)))])
+    killed = subprocess.run([sys.executable, "-c", KILLED_WRITER, root], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL
+    (tmp,) = [f for f in Path(root).rglob("*") if f.is_file() and f.name != "usage"]
+    assert tmp.name.endswith(".tmp") and DiskStore(root, budget=1 << 20).held()[1] == 0
+    assert DiskStore(root, budget=1 << 20).drop_leftovers(older_than_s=0) == 1
+    assert DiskStore(root, budget=1 << 20).held() == (0, 0)
 
 
 def test_a_disk_caches_next_run_removes_what_writers_killed_mid_write_left(tmp_path):

@@ -135,11 +135,12 @@ class DiskStore:
         path = self.path(i)
         head, body = entryfile.parts(entry)  # the body is a view, not a copy
         size = len(head) + len(body)
-        with contextlib.suppress(OSError):  # replaced: its bytes come back to the lease
-            old = os.path.getsize(path)
-            os.unlink(path)
-            self._lease += old
-            self._written_n -= 1
+        with contextlib.suppress(OSError):  # replaced (its source changed, or it was bad):
+            old = os.path.getsize(path)  # its bytes and entry given back at once, so a
+            os.unlink(path)  # process killed before its next count leaves none counted
+            with self._usage.counting() as usage:
+                usage[0] -= old
+                usage[1] -= 1
         if self._lease < size and not self._take(size):
             self.tally.refused += 1
             self.full = True
