@@ -244,9 +244,7 @@ def _place(tmp: str, path: str) -> int | None:
     what it finds, so ``path`` is looked at just before."""
     try:
         os.link(tmp, path)
-    except FileExistsError:
-        raced = _size(path)
-    except OSError:  # a file system without hard links
+    except OSError:  # taken meanwhile (FileExistsError), or a file system without hard links
         raced = _size(path)
     else:
         os.unlink(tmp)

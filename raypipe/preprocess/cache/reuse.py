@@ -56,7 +56,7 @@ class SampleCache:
 
     def __init__(self, config, storage, *, whole_rows: bool = False):
         self.config, self.storage, self.whole_rows = config, storage, whole_rows
-        self.store, self.counter, self._started = None, None, False
+        self.store, self.counter = None, None
         self.tally = Tally()
         self._found: dict[int, Entry] = {}  # key -> its entry, for the raw yielded next
         self._missed: dict[int, tuple[str, tuple[int, int] | None, float]] = {}
@@ -64,8 +64,8 @@ class SampleCache:
     def _start(self) -> None:
         """A disk cache: the node's files at once. A memory cache: the directory and budget
         of this node's `NodeCache` (up already: `node.ensure` waited for it); a node with
-        none keeps nothing. Called again on every task while the store is given up on."""
-        self._started = True
+        none keeps nothing. Called on every task while there is no store (none yet, or given
+        up on)."""
         self._find()
         if self.config.cache == "disk":  # the same directory and budget on every node
             with contextlib.suppress(OSError):  # a directory this node cannot make: none
@@ -92,7 +92,7 @@ class SampleCache:
     def raws(self, rows: Iterable[Row], read: Callable[..., Iterator[RawSample]]):
         """The rows' samples in order, as ``read(path, first_key, samples, label, done)``
         yields them, with the cached ones found (whole rows of them not read)."""
-        if not self._started or self.store is None:  # none yet, or given up on: look again
+        if self.store is None:
             self._start()
         chunk: list[Row] = []
         samples = 0
@@ -195,8 +195,8 @@ class SampleCache:
                                    self.config.max_image_pixels)  # fmt: skip
         except Exception as e:
             reason = reason_of(e, raw.data)
-            decoding = raw.reason is None and reason in DECODE_REASONS  # its verdict, kept
-            if i is not None and decoding and self._keeping():
+            # only decoding's verdict is kept: a reader's reasons are others, and it says them again
+            if i is not None and reason in DECODE_REASONS and self._keeping():
                 seconds = read_s + time.perf_counter() - t0
                 self._keep(
                     i, Entry(ident, raw.where, seconds, None, reason, detail_of(e, raw.data))
@@ -242,14 +242,14 @@ class SampleCache:
     def flush(self) -> None:
         """Settle the store's use of the budget; send the counters to the node's
         `NodeCache`."""
-        if self.store is not None:
+        store = self.store
+        if store is not None:
             try:
-                self.store.settle()
-            except Exception:  # as in _keep
-                self._drop_store()
-            else:
-                self.tally.add(self.store.tally)  # what it counts: corrupt, refused, reads
-                self.store.tally = Tally()
+                store.settle()
+            except Exception:  # as in _keep: given up on until the next task
+                self.store = None
+            self.tally.add(store.tally)  # what it counts: corrupt, refused, reads
+            store.tally = Tally()
         if self.counter is not None and (self.tally.hits or self.tally.misses):
             try:
                 self.counter.note.remote(self.tally)
