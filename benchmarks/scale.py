@@ -8,6 +8,10 @@ way it was done before so that a change shows as a pair of numbers.
           memory, for N ranks: today's (`RankPlan.keys`: the shards the rank's slice
           touches) and before (every key of the epoch, then the rank's slice). "before"
           runs at --before-samples (it needs 16 bytes per sample of the epoch).
+  table   the task table a rank builds at the start of a run of --epochs epochs
+          (every epoch's tasks), for an image folder of ImageNet's 1,281,167 files and
+          at 1 and 8 ranks, and for the --samples in --shards at 8 and 64; before: each epoch's tasks
+          from the rank's keys, timed over --table-before-epochs and scaled to the run.
   state   the resume state of N ranks each about 40 % into their slice of an epoch:
           bytes on disk and seconds to save and load; before: the raw bits (N/8 bytes).
   ledger  the equal-batches ledger (`raypipe.loader.ledger`, a real actor on a local
@@ -54,7 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
-from raypipe.plan.rankplan import RankPlan
+from raypipe.plan.rankplan import RankPlan, task_table
 from raypipe.train.state import PipelineState
 
 STEP_S = 0.1  # a train step of the simulated ranks
@@ -83,7 +87,8 @@ def plan_point(first, counts, world: int, before: bool) -> dict:
     """One rank's plan of epoch 1 (the middle rank), now or as it was built before."""
     plan = RankPlan(first, counts, 7, True, world // 2, world, 1)
 
-    def now():
+    def now():  # a worker's keys of the epoch, then its tasks
+        plan.keys(1)
         plan.tasks(1)
 
     def old():
@@ -98,6 +103,26 @@ def plan_point(first, counts, world: int, before: bool) -> dict:
         "seconds": seconds,
         "peak_mib": peak / 2**20,
     }
+
+
+def table_point(first, counts, world: int, epochs: int, before: bool) -> dict:
+    """The task table a rank builds at the start of a run (`task_table`: every epoch's
+    tasks), for the middle rank; before: each epoch's tasks from its keys, as they were
+    planned until the table came from the shards, epochs timed up to ``epochs``."""
+    plan = RankPlan(first, counts, 7, True, world // 2, world, 1 if counts.max() > 1 else 256)
+
+    def old():
+        rows = []
+        for e in range(epochs):
+            shard = plan.shard_of(plan.keys(e))
+            starts = np.concatenate(([0], np.flatnonzero(np.diff(shard)) + 1))[:: plan.per_task]
+            bounds = [*starts.tolist(), len(shard)]
+            rows += [(e, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+        return np.array(rows, dtype=np.int64).reshape(-1, 3)
+
+    seconds, peak = traced(old if before else lambda: task_table(plan, range(epochs)))
+    return {"ranks": world, "samples": int(counts.sum()), "shards": len(counts),
+            "epochs": epochs, "seconds": seconds, "peak_mib": peak / 2**20}  # fmt: skip
 
 
 def state_point(first, counts, world: int, out: Path) -> dict:
@@ -329,6 +354,40 @@ def _ledger_series(rows: list[dict]) -> dict[str, list[dict]]:
     return series
 
 
+def run_plan(args, first, counts) -> dict:
+    """The ``plan`` part: one rank's plan of an epoch, now and before; prints the table."""
+    small = shards(int(args.before_samples), int(args.shards))
+    now = [plan_point(first, counts, w, before=False) for w in args.ranks]
+    before = [plan_point(*small, w, before=True) for w in args.ranks]
+    print(f"\none rank's plan of an epoch ({args.shards:g} shards)")
+    print(f"{'ranks':>6s} {'samples':>9s} {'now s':>8s} {'now MiB':>9s} "
+          f"{'samples':>9s} {'before s':>9s} {'before MiB':>11s}")  # fmt: skip
+    for a, b in zip(now, before, strict=True):
+        print(f"{a['ranks']:6d} {a['samples']:9.0e} {a['seconds']:8.3f} {a['peak_mib']:9.1f} "
+              f"{b['samples']:9.0e} {b['seconds']:9.3f} {b['peak_mib']:11.1f}")  # fmt: skip
+    return {"plan": now, "plan_before": before}
+
+
+def run_table(args, first, counts) -> list[dict]:
+    """The ``table`` part: now and before for an ImageNet-sized image folder and for
+    ``first``, ``counts``; prints the table, returns its rows."""
+    rows = []
+    imagenet = np.arange(1_281_167, dtype=np.int64), np.ones(1_281_167, np.int64)
+    for data, worlds in ((imagenet, (1, 8)), ((first, counts), (8, 64))):
+        for w in worlds:
+            rows.append({**table_point(*data, w, args.epochs, before=False), "before": False})
+            old = table_point(*data, w, args.table_before_epochs, before=True)
+            rows.append({**old, "before": True, "per_epoch_s": old["seconds"] / old["epochs"]})
+    print(f"\na rank's task table at the start of a run of {args.epochs} epochs")
+    print(f"{'samples':>9s} {'shards':>9s} {'ranks':>6s} {'now s':>8s} {'now MiB':>9s} "
+          f"{'before s/epoch':>15s} {'before s, whole run':>20s}")  # fmt: skip
+    for now, old in zip(rows[::2], rows[1::2], strict=True):
+        print(f"{now['samples']:9.2e} {now['shards']:9.2e} {now['ranks']:6d} "
+              f"{now['seconds']:8.3f} {now['peak_mib']:9.1f} {old['per_epoch_s']:15.3f} "
+              f"{old['per_epoch_s'] * args.epochs:20.1f}")  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 256, 1024])
@@ -370,9 +429,18 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--pipeline-lead", type=int, default=None,
                    help="besides 0 (default: the default lead, sized from the store)")  # fmt: skip
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=90,
+        help="epochs of the run whose task table is built (default: %(default)s)",
+    )
+    p.add_argument("--table-before-epochs", type=int, default=5,
+                   help="epochs the 'before' task table is timed over, per epoch (default: "
+                   "%(default)s)")  # fmt: skip
     p.add_argument("--parts", nargs="+",
-                   choices=("plan", "state", "ledger", "pipeline", "listing"),
-                   default=["plan", "state", "ledger", "pipeline", "listing"])  # fmt: skip
+                   choices=("plan", "table", "state", "ledger", "pipeline", "listing"),
+                   default=["plan", "table", "state", "ledger", "pipeline", "listing"])  # fmt: skip
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
     args = p.parse_args(argv)
     if min(args.ranks) < 1 or args.samples < max(args.ranks) or args.shards < 1:
@@ -383,15 +451,9 @@ def main(argv: list[str] | None = None) -> dict:
                                 "python": sys.version.split()[0]},
                     "samples": int(args.samples), "shards": int(args.shards)}  # fmt: skip
     if "plan" in args.parts:
-        small = shards(int(args.before_samples), int(args.shards))
-        result["plan"] = [plan_point(first, counts, w, before=False) for w in args.ranks]
-        result["plan_before"] = [plan_point(*small, w, before=True) for w in args.ranks]
-        print(f"\none rank's plan of an epoch ({args.shards:g} shards)")
-        print(f"{'ranks':>6s} {'samples':>9s} {'now s':>8s} {'now MiB':>9s} "
-              f"{'samples':>9s} {'before s':>9s} {'before MiB':>11s}")  # fmt: skip
-        for a, b in zip(result["plan"], result["plan_before"], strict=True):
-            print(f"{a['ranks']:6d} {a['samples']:9.0e} {a['seconds']:8.3f} {a['peak_mib']:9.1f} "
-                  f"{b['samples']:9.0e} {b['seconds']:9.3f} {b['peak_mib']:11.1f}")  # fmt: skip
+        result.update(run_plan(args, first, counts))
+    if "table" in args.parts:
+        result["table"] = run_table(args, first, counts)
     if "state" in args.parts:
         with tempfile.TemporaryDirectory() as tmp:
             result["state"] = [state_point(first, counts, max(args.ranks), Path(tmp))]

@@ -133,13 +133,33 @@ class RankPlan:
 
     def tasks(self, epoch: int) -> list[tuple[int, int]]:
         """``(lo, hi)`` positions into `keys`: each task reads ``per_task`` shard pieces."""
-        keys = self.keys(epoch)
-        if len(keys) == 0:
-            return []
-        shard = self.shard_of(keys)
-        starts = np.concatenate(([0], np.flatnonzero(np.diff(shard)) + 1))[:: self.per_task]
-        bounds = [*starts.tolist(), len(keys)]
-        return list(zip(bounds[:-1], bounds[1:], strict=True))
+        return [(lo, hi) for lo, hi in self.task_bounds(epoch).tolist()]
+
+    def task_bounds(self, epoch: int) -> np.ndarray:
+        """`tasks` as a ``(tasks, 2)`` array, from the shards the rank's slice touches
+        and not its keys (but with ``weights``): a run's task table (`task_table`, every
+        epoch at its start) costs O(shards) an epoch, not O(keys). Where every shard holds
+        one sample (an image folder's files) each key is a run of its own, so the rank's
+        key count alone gives the bounds."""
+        if self.weights is None and self.one_per_shard:
+            count = self.sizes(epoch)[self.rank]
+            starts = np.arange(0, count, self.per_task, dtype=np.int64)
+        elif self.weights is None:  # each touched shard's run of keys, from the shards
+            runs = _rank_runs(self, epoch)[2]
+            count = int(runs.sum())
+            starts = _starts(runs)[runs > 0][:: self.per_task]
+        else:
+            keys = self.keys(epoch)
+            count = len(keys)
+            shard = self.shard_of(keys)
+            starts = np.flatnonzero(np.diff(shard, prepend=-1))[:: self.per_task]
+        ends = np.append(starts[1:], count) if count else starts
+        return np.stack([starts, ends], axis=1).astype(np.int64, copy=False)
+
+    @functools.cached_property
+    def one_per_shard(self) -> bool:
+        """Every shard holds exactly one sample."""
+        return bool(np.all(self.counts == 1))
 
 
 def rank_pool(actors: tuple[int, int], world_size: int) -> tuple[int, int]:
@@ -151,8 +171,8 @@ def rank_pool(actors: tuple[int, int], world_size: int) -> tuple[int, int]:
 
 def task_table(plan: RankPlan, epochs: range) -> np.ndarray:
     """``(epoch, lo, hi)`` of every task of the rank, epochs in order."""
-    rows = [(e, lo, hi) for e in epochs for lo, hi in plan.tasks(e)]
-    return np.array(rows, dtype=np.int64).reshape(-1, 3)
+    tables = [np.insert(plan.task_bounds(e), 0, e, axis=1) for e in epochs]
+    return np.concatenate(tables) if tables else np.zeros((0, 3), dtype=np.int64)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -217,6 +237,25 @@ def _rank_keys(plan: RankPlan, epoch: int) -> np.ndarray:
     With weights (packing), the weighted `RankPlan.split`'s slice."""
     if plan.weights is not None:
         return _frozen(plan.split(epoch)[plan.rank].copy())
+    first, counts, runs, skip = _rank_runs(plan, epoch)
+    if len(runs) == 0:
+        return _frozen(np.zeros(0, dtype=np.int64))
+    if epoch == plan.resume_epoch and plan.consumed is not None:
+        pieces = [np.flatnonzero(~plan.consumed[f : f + c]) + f
+                  for f, c in zip(first.tolist(), counts.tolist(), strict=True)]  # fmt: skip
+        keys = np.concatenate(pieces).astype(np.int64, copy=False)
+    else:  # as `epoch_keys`, over the touched shards
+        keys = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(
+            first - _starts(counts), counts
+        )
+    return _frozen(keys[skip : skip + int(runs.sum())].copy())
+
+
+def _rank_runs(plan: RankPlan, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """The shards the rank's slice of ``epoch`` touches, in reading order (their first
+    keys and sample counts), the run of keys it reads from each (the samples left in each
+    after a resume, less what falls before or after the slice; 0 for a shard a resume
+    emptied) and where its first run starts in its shard's keys: O(shards), no key."""
     first, counts = plan.first, plan.counts
     resumed = epoch == plan.resume_epoch and plan.consumed is not None
     left = counts - _consumed_per_shard(plan.consumed, counts) if resumed else counts
@@ -229,19 +268,19 @@ def _rank_keys(plan: RankPlan, epoch: int) -> np.ndarray:
     lo = plan.rank * q + min(plan.rank, r)  # the rank's positions [lo, hi) in that order
     hi = lo + q + (plan.rank < r)
     if hi == lo:
-        return _frozen(np.zeros(0, dtype=np.int64))
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty, 0
     a = int(np.searchsorted(ends, lo, side="right"))  # the shards holding lo .. hi-1
     b = int(np.searchsorted(ends, hi - 1, side="right")) + 1
-    first, counts, left = first[a:b], counts[a:b], left[a:b]
-    if resumed:
-        pieces = [np.flatnonzero(~plan.consumed[f : f + c]) + f
-                  for f, c in zip(first.tolist(), counts.tolist(), strict=True)]  # fmt: skip
-        keys = np.concatenate(pieces).astype(np.int64, copy=False)
-    else:  # as `epoch_keys`, over the touched shards
-        offsets = np.cumsum(left) - left
-        keys = np.arange(int(left.sum()), dtype=np.int64) + np.repeat(first - offsets, left)
-    skip = lo - int(ends[a] - left[0])  # positions before lo in the first touched shard
-    return _frozen(keys[skip : skip + hi - lo].copy())
+    skip = lo - int(ends[a] - left[a])  # positions before lo in the first touched shard
+    runs = left[a:b].copy()
+    runs[0] -= skip
+    runs[-1] -= int(ends[b - 1]) - hi
+    return first[a:b], counts[a:b], runs, skip
+
+
+def _starts(lengths: np.ndarray) -> np.ndarray:
+    return np.cumsum(lengths) - lengths
 
 
 def _frozen(keys: np.ndarray) -> np.ndarray:

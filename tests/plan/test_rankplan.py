@@ -86,6 +86,36 @@ def test_tasks_cover_the_rank_keys_and_hold_per_task_shard_pieces(per_task):
             assert len(np.unique(plan.shard_of(keys[lo:hi]))) <= per_task
 
 
+@pytest.mark.parametrize("sizes", [*SIZES, [1] * 7, [1, 1, 2, 1], [3, 0, 4, 0, 2]])
+@pytest.mark.parametrize("world, per_task", [(1, 1), (3, 1), (2, 4), (8, 32), (4, 64)])
+def test_tasks_are_the_runs_of_shards_in_the_rank_keys(sizes, world, per_task):
+    """Tasks are planned from the shards (from the rank's key count alone where each
+    holds one sample), not from the keys: the same bounds as the runs of shards in the
+    rank's keys give, fresh and resumed."""
+    lst = listing(sizes)
+    consumed = np.random.default_rng(world).random(sum(sizes)) < 0.3
+    for kw in ({}, {"resume_epoch": 1, "consumed": consumed}, {"shuffle": False}):
+        for plan in plans(lst, world, per_task=per_task, **kw):
+            assert plan.one_per_shard == (set(sizes) == {1})
+            for epoch in range(3):
+                keys = plan.keys(epoch)
+                runs = np.flatnonzero(np.diff(plan.shard_of(keys), prepend=-1))[::per_task]
+                ends = [*runs[1:].tolist(), len(keys)] if len(keys) else []
+                expect = list(zip(runs.tolist(), ends, strict=True))
+                assert plan.tasks(epoch) == expect
+
+
+def test_the_task_table_lists_every_epochs_tasks_in_order():
+    from raypipe.plan.rankplan import task_table
+
+    for sizes in ([1] * 50, [5, 1, 9, 3]):
+        plan = plans(listing(sizes), 2, per_task=4)[1]
+        table = task_table(plan, range(2, 5))
+        expect = [(e, lo, hi) for e in range(2, 5) for lo, hi in plan.tasks(e)]
+        assert table.dtype == np.int64 and table.tolist() == [list(r) for r in expect]
+    assert task_table(plan, range(0)).shape == (0, 3)
+
+
 @pytest.mark.parametrize("sizes", SIZES)
 @pytest.mark.parametrize("world, per_task", [(1, 1), (3, 1), (2, 4), (8, 32)])
 def test_task_rows_read_exactly_the_task_keys(sizes, world, per_task):
