@@ -130,8 +130,15 @@ class Feeder:
         demand.epoch, demand.epoch_rows = epoch, 0
         while True:
             t0 = time.perf_counter()
-            kind, at, item = self._queue.get()
-            demand.waited_s += time.perf_counter() - t0
+            try:
+                kind, at, item = self._queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                if self._closed.is_set():  # closed while its consumer waited: the end
+                    self._open = None
+                    return
+                continue
+            finally:
+                demand.waited_s += time.perf_counter() - t0
             if kind == _FAIL:
                 self._open = None
                 raise item

@@ -151,7 +151,7 @@ class Pipeline:
         self._iterated = True
         feeder = self.start()._feeder
         epochs = range(self.first_epoch, self.num_epochs)
-        h2d = None  # one ring and copy stream for the run: no new allocations after epoch 0
+        h2d = batches = None  # one ring and copy stream for the run: none new after epoch 0
         try:
             for e in epochs:
                 if e > self.first_epoch:  # nodes that joined since: a decoded cache each
@@ -167,7 +167,9 @@ class Pipeline:
                 batches.close()
                 feeder.finish(e)
         finally:
-            self.close()
+            self.close()  # the feeder first: a copy thread waiting on it then ends
+            if batches is not None:
+                batches.close()
 
     def start(self) -> Pipeline:
         """Start the run's preprocessing now (once; `epochs` and ``with`` do it too), so

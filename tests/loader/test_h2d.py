@@ -303,3 +303,33 @@ def test_cuda_checksums_under_stress_and_no_allocations_after_warm_up():
     assert h2d.ring.allocations == ring_allocs
     assert allocation_counts(device) == before
     assert h2d.ops.pinned and no_h2d_threads()
+
+
+def test_a_pass_over_a_feeder_that_is_closed_ends():
+    """A copy thread waiting on the rank's feeder (a data-bound run) ends when the feeder
+    is closed (a train loop that returned mid-epoch), and the pass closes: nothing hangs."""
+    from raypipe.loader.feeder import Feeder
+    from raypipe.loader.ledger import Gate
+    from raypipe.plan.rankplan import RankPlan
+    from raypipe.plan.shards import Listing, Shard
+
+    stopped = threading.Event()
+
+    def start():  # the rank's execution: one block, then no more while it runs
+        def blocks():
+            yield {"key": np.arange(4), "epoch": np.zeros(4, np.int64),
+                   "image": np.zeros((4, 3, 2, 2), np.uint8)}  # fmt: skip
+            stopped.wait()
+
+        return blocks(), stopped.set
+
+    listing = Listing("imagefolder", tuple(Shard(f"/d/{i}.jpg", i, 1) for i in range(64)))
+    plan = RankPlan.of(listing, seed=0, shuffle=False, rank=0, world_size=1, per_task=4)
+    feeder = Feeder(start, plan, Gate(None, "run", 0, 2), range(1), batch_size=2, prefetch=2)
+    batches = HostToDevice("cpu", prefetch=2)(feeder.epoch(0))
+    assert int(next(batches)["key"][0]) == 0
+    closer = threading.Thread(target=lambda: (feeder.close(), batches.close()), daemon=True)
+    closer.start()
+    closer.join(timeout=5)
+    assert not closer.is_alive(), "closing the feeder left the copy thread waiting on it"
+    assert no_h2d_threads()
