@@ -237,6 +237,18 @@ class Pipeline:
             collect_failed(error)  # what the error's way out released: the pool's actors
 
 
+def rank_batches(config: PipelineConfig, listing: Listing, plan, epoch: int,
+                 drop_last: bool) -> int:  # fmt: skip
+    """The batches ``plan``'s rank yields in ``epoch`` if no sample is skipped: with
+    ``drop_last`` every rank's (packing: full rows of ``seq_len`` tokens, so more batches
+    than documents when they are long), else this rank's."""
+    form = batch_form(config, listing, drop_last)
+    if isinstance(form, Packing):
+        return form.batches(plan, epoch)
+    sizes, B = plan.sizes(epoch), config.batch_size
+    return min(sizes) // B if drop_last else -(-sizes[plan.rank] // B)
+
+
 def batch_form(config: PipelineConfig, listing: Listing, drop_last: bool):
     """Step 3 of the feeder for ``config``: packing, bucketing, or None (re-batching)."""
     if config.pack is not None:

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from raypipe.config import PipelineConfig
-from raypipe.loader.pipeline import Pipeline
+from raypipe.loader.pipeline import Pipeline, rank_batches
+from raypipe.plan.rankplan import RankPlan
 from raypipe.plan.shards import Listing, list_shards
 from raypipe.train.checkpoint import any_rank
 from raypipe.train.ranks import join_ranks, leave, resolve_world, run_settings
@@ -120,7 +121,7 @@ class Loader:
             self._build()
         epoch, batches = next(self._epochs)
         assert epoch == self._next, (epoch, self._next)
-        most = min(self._pipeline.plan.sizes(epoch)) // self.config.batch_size
+        most = rank_batches(self.config, self.listing, self._pipeline.plan, epoch, True)
         run = _Epoch(epoch, batches, self._base, most if self._drop_last else None)
         self._next, self._base, self._running = epoch + 1, None, run
         return run
@@ -147,11 +148,17 @@ class Loader:
     def __len__(self) -> int:
         """This rank's batches in a whole epoch: the same on every rank (with ``drop_last``;
         fewer when samples are skipped). A resumed epoch gives what is left of it."""
-        rank, world = self._rank_world()
-        q, r = divmod(self.listing.num_samples, world)
-        if self._drop_last:
-            return q // self.config.batch_size
-        return -(-(q + (rank < r)) // self.config.batch_size)
+        epoch = min(self.epoch, self.num_epochs - 1)
+        plan = self._pipeline.plan if self._pipeline is not None else None
+        if plan is None:  # not built yet (or restarted): the plan the next one will have
+            rank, world = self._rank_world()
+            resumed = self._base is not None and epoch == self._next
+            plan = RankPlan.of(self.listing, seed=self.config.seed, shuffle=self.config.shuffle_files,
+                               rank=rank, world_size=world, per_task=1,
+                               resume_epoch=epoch if resumed else -1,
+                               consumed=self._base if resumed else None,
+                               weights=self.listing.lengths if self.config.pack else None)  # fmt: skip
+        return rank_batches(self.config, self.listing, plan, epoch, self._drop_last)
 
     def set_epoch(self, epoch: int) -> None:
         """The next ``iter()`` gives ``epoch``; the next epoch anyway: nothing changes."""
@@ -174,7 +181,8 @@ class Loader:
         checkpoints (the keys handed out so far), as the bytes of its file in a tensor.
 
         With torch.distributed initialized this is a collective: every rank calls it
-        together (Lightning does, on every rank, when it checkpoints)."""
+        together (Lightning does, on every rank, when it checkpoints). Without it, a rank
+        of several holds only its own keys: OR the ranks' ``consumed`` before resuming."""
         import torch
 
         run = self._running

@@ -160,3 +160,18 @@ def test_a_resumed_epoch_packs_the_documents_it_had_left_once(ray_session, token
     assert (
         sorted(k for r in ranks for b in r for k in b["key"]) == np.flatnonzero(~consumed).tolist()
     )
+
+
+def test_a_loader_over_packed_rows_counts_their_batches(ray_session, tokens):
+    """`raypipe.Loader` with packing: ``len()`` is the batches it yields, and its state names
+    the epoch until the last of them: rows of seq_len tokens outnumber the documents here,
+    so counting documents ended the epoch early and a resume skipped the rest."""
+    from raypipe import Loader
+
+    root, docs = tokens
+    with Loader(packed(root), epochs=1, device="cpu") as loader:
+        n, epochs = len(loader), []
+        for _ in loader:
+            epochs.append(loader.state_dict()["epoch"])
+    assert len(epochs) == n > len(docs) // BATCH
+    assert epochs == [0] * (n - 1) + [1]
