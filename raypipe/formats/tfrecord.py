@@ -76,15 +76,20 @@ def scan(storage: Storage, path: str, listed: frozenset[str] = frozenset()):
     with _open(storage, path) as f:
         offset = 0
         while True:
-            head = f.read(HEADER)
-            if not head:
-                return offsets, sizes, None
-            length, why = _length(head, offset)
-            end = offset + HEADER + (length or 0) + 4
-            if why is None and size is not None and end > size:
-                why = ("truncated_shard", f"the file ends inside the record at byte {offset}")
-            if why is None and gz and len(f.read(length + 4)) < length + 4:
-                why = ("truncated_shard", f"the file ends inside the record at byte {offset}")
+            try:
+                head = f.read(HEADER)
+                if not head:
+                    return offsets, sizes, None
+                length, why = _length(head, offset)
+                end = offset + HEADER + (length or 0) + 4
+                if why is None and size is not None and end > size:
+                    why = ("truncated_shard", f"the file ends inside the record at byte {offset}")
+                if why is None and gz and len(f.read(length + 4)) < length + 4:
+                    why = ("truncated_shard", f"the file ends inside the record at byte {offset}")
+            except READ_ERRORS as e:  # a GZIP stream cut or damaged after its first records
+                if not offsets:
+                    raise
+                why = ("truncated_shard", f"the stream breaks in the record at byte {offset}: {e}")
             if why is not None:
                 return offsets, sizes, why
             offsets.append(offset)

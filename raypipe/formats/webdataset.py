@@ -61,6 +61,10 @@ def _tar_index(storage: Storage, path: str, need_image: bool = True):
             cut = None
             if f.seek(0, io.SEEK_END) - tar.offset < 2 * tarfile.BLOCKSIZE:  # no request
                 cut = "no end-of-archive marker"
+            else:  # Python's tar ends its listing quietly at a header it cannot read
+                f.seek(tar.offset)
+                if any(f.read(tarfile.BLOCKSIZE)):  # not the zero block ending an archive
+                    cut = f"a member header it cannot read at byte {tar.offset}"
         except tarfile.ReadError as e:
             cut = str(e)
     if cut is not None:

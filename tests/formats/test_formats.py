@@ -167,6 +167,27 @@ def test_webdataset_label_settings_and_reasons(tmp_path):
     assert {r.reason for r in raws} == {"missing_label"} and ".cls" in raws[0].error
 
 
+def test_a_bad_header_in_the_middle_of_a_tar_is_reported_not_dropped(tmp_path):
+    """A member header whose checksum is wrong ends Python's tar listing quietly: the
+    samples before it are read, and the rest of the shard is one reported skip, counted
+    in the listing as the reader yields it."""
+    import tarfile
+
+    labels = labels_of(10, seed=3)
+    root = wds_shards(tmp_path / "wds", labels, "cls", per_shard=10)
+    (shard,) = sorted(root.glob("*.tar"))
+    with tarfile.open(shard) as tar:
+        at = [m.offset for m in tar.getmembers()][10]  # the sixth sample's first member
+    data = bytearray(shard.read_bytes())
+    data[at + 148 : at + 156] = b"0000000\0"  # its header's checksum field
+    shard.write_bytes(bytes(data))
+    listing = list_shards(PipelineConfig(source=str(root)))
+    raws = list(listing.reader.read(str(shard), 0, -1))
+    assert listing.num_samples == len(raws) == 6
+    assert [r.reason for r in raws] == [None] * 5 + ["truncated_shard"]
+    assert f"byte {at}" in raws[-1].error
+
+
 # --- the skip budget ------------------------------------------------------------------
 
 

@@ -119,6 +119,25 @@ def test_a_flipped_byte_skips_exactly_that_record_with_its_offset(ray_session, t
         run_epoch(config.replace(max_skipped=0.01))
 
 
+def test_a_truncated_gzip_shard_is_listed_as_its_records_and_a_reported_rest(tmp_path):
+    """A ``.tfrecord.gz`` cut short: the records before the cut are listed and read, and
+    the rest is one ``truncated_shard`` skip, not a shard of one sample whose reader's
+    other records the plan then dropped."""
+    import gzip
+
+    labels = labels_of(40, seed=15)
+    root = tf_shards(tmp_path / "tf", labels, per_shard=40)
+    (plain,) = root.iterdir()
+    packed = gzip.compress(plain.read_bytes())
+    plain.unlink()
+    (root / "train.tfrecord.gz").write_bytes(packed[: len(packed) * 3 // 4])
+    got = records(PipelineConfig(source=str(root)))
+    listing = list_shards(PipelineConfig(source=str(root)))
+    assert listing.num_samples == len(got) and len(got) > 2
+    assert [r.label for r in got[:-1]] == labels[: len(got) - 1]
+    assert got[-1].reason == "truncated_shard"
+
+
 def test_truncation_other_files_and_unknown_names(tmp_path):
     labels = labels_of(10, seed=14)
     root = tf_shards(tmp_path / "tf", labels)
