@@ -30,6 +30,10 @@ def test_defaults_and_list_coercion(tmp_path):
         ("std", (0.2, 0.0, 0.2)),
         ("mean", (0.5, 0.5)),
         ("actor_cpus", 0),
+        ("actor_cpus", float("inf")),
+        ("std", (float("nan"), 1.0, 1.0)),
+        ("mean", (float("inf"), 0.0, 0.0)),
+        ("ratio", (0.5, float("inf"))),
         ("shuffle_buffer", -3),
         ("lead_batches", -1),
         ("source", ""),
@@ -125,3 +129,8 @@ def test_no_image_is_refused_for_formats_without_fields(tmp_path, fmt):
     config = PipelineConfig(source=str(tmp_path), format=fmt, image_column=None)
     with pytest.raises(ValueError, match=rf"image_column=None: .* the source is {fmt}"):
         list_shards(config)
+
+
+def test_a_bad_loader_value_is_named_before_the_cache_uses_it():
+    with pytest.raises(ValueError, match=r"PipelineConfig.batch_size='256'"):
+        PipelineConfig(source="d", cache="memory", cache_budget=10**9, batch_size="256")

@@ -15,7 +15,7 @@ from pathlib import Path
 from raypipe.cli import jobspec, localray, quiet
 from raypipe.cli.parser import build_parser
 
-BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "ingest.py"
+BENCH_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "ingest.py"
 
 
 def _demo_data(args: argparse.Namespace) -> int:
@@ -30,16 +30,12 @@ def _demo_data(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from raypipe.cli.classify import RunConfig, run
-    from raypipe.plan.shards import list_shards
+    from raypipe.cli.classify import RunConfig, check_classes, run
 
     _expect_kind(args.config, "train")
     with tempfile.TemporaryDirectory(prefix="raypipe-") as tmp:
         config = jobspec.write_resolved(args.config, args.data_root, tmp)
-        cfg = RunConfig.from_yaml(config)  # fail on bad data paths before starting Ray
-        for section in (cfg.data, cfg.eval):
-            if section is not None:
-                list_shards(section)
+        check_classes(RunConfig.from_yaml(config), args.config)  # bad data: before Ray
         verbose = quiet.is_verbose(args.verbose)
         with _ray_session(args.address, verbose=verbose):
             t0 = time.perf_counter()  # the run's time, not Ray's start-up
@@ -208,6 +204,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError, SubmitError) as e:
         print(f"raypipe {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except ImportError as e:  # a format's library not installed: its message names the extra
+        print(f"raypipe {args.command}: error: {e}", file=sys.stderr)
         return 2
     except ConnectionError as e:
         print(f"raypipe {args.command}: error: cannot reach Ray: {e}", file=sys.stderr)

@@ -168,17 +168,28 @@ def _epoch_printer():
     return EpochPrinter()
 
 
+def check_classes(run_cfg: RunConfig, config_path) -> tuple[str, ...]:
+    """The training set's classes (sources listed: a bad one fails here, before Ray), the
+    same as the held-out set's: labels are class indexes, so other folders mean others."""
+    classes = list_shards(run_cfg.data).classes
+    if not classes:
+        raise ValueError(
+            f"{config_path}: the classifier job needs an image folder (class sub-folders)"
+        )
+    held_out = list_shards(run_cfg.eval).classes if run_cfg.eval is not None else classes
+    if held_out != classes:
+        raise ValueError(f"{config_path}: the eval set's classes {_few(held_out)} are not the "
+                         f"training set's {_few(classes)}: give both the same class folders")  # fmt: skip
+    return classes
+
+
 def run(config_path: str | Path, *, epochs: int | None = None, storage_path: str | None = None,
         ray_log_level: str = "INFO"):  # fmt: skip
     """Train from a run config on the Ray this process is connected to (or a local one);
     ``ray_log_level`` is Ray Train's own (`raypipe.train_ddp`)."""
     run_cfg = RunConfig.from_yaml(config_path)
     t = run_cfg.trainer
-    classes = list_shards(run_cfg.data).classes
-    if not classes:
-        raise ValueError(
-            f"{config_path}: the classifier job needs an image folder (class sub-folders)"
-        )
+    classes = check_classes(run_cfg, config_path)
     result = train_ddp(
         run_cfg.data,
         classify_loop,
@@ -196,3 +207,8 @@ def run(config_path: str | Path, *, epochs: int | None = None, storage_path: str
     if result.error:
         raise result.error
     return result
+
+
+def _few(classes: tuple[str, ...]) -> str:
+    shown = ", ".join(classes[:6]) + (", ..." if len(classes) > 6 else "")
+    return f"({len(classes)}: {shown})"

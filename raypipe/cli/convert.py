@@ -26,6 +26,7 @@ from typing import Any, TextIO
 
 from raypipe.cli.jobspec import convert_section
 from raypipe.config import PipelineConfig, check_keys, load_yaml
+from raypipe.formats.storage import is_remote
 from raypipe.formats.writer import EXTENSIONS, Sample, Written, count_samples, write_shard
 from raypipe.plan.shards import list_shards
 
@@ -61,6 +62,8 @@ class ShardsConfig:
         for name in ("source", "out", "prefix"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise bad(name, "must be a non-empty string")
+        if remote := [name for name in ("source", "out") if is_remote(getattr(self, name))]:
+            raise bad(remote[0], "must be a local folder (convert reads and writes local files)")
         if self.format not in EXTENSIONS:
             raise bad("format", f"must be one of {sorted(EXTENSIONS)}")
         if self.shards is not None and (not _is_int(self.shards) or self.shards < 1):
@@ -69,9 +72,8 @@ class ShardsConfig:
             raise bad("samples_per_shard", "must be an integer >= 1")
         if "/" in self.prefix or self.prefix.startswith("."):
             raise bad("prefix", "must be a plain file name prefix")
-        if isinstance(self.cpus_per_task, bool) or not isinstance(self.cpus_per_task, (int, float)):
-            raise bad("cpus_per_task", "must be a number > 0")
-        if self.cpus_per_task <= 0:
+        cpus = self.cpus_per_task
+        if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not cpus > 0:
             raise bad("cpus_per_task", "must be a number > 0")
 
     @classmethod

@@ -224,5 +224,5 @@ def _gist(message: str) -> str:
 
 def _repo_root() -> Path:
     """The source checkout raypipe runs from (it holds jobs/ and configs), else the cwd."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     return root if (root / "pyproject.toml").is_file() else Path.cwd()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import math
 import pickle
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -48,7 +49,8 @@ def is_int(v: Any) -> bool:
 
 
 def is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite int or float (not a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def is_pair(v: Any) -> bool:

@@ -27,10 +27,11 @@ CACHE = ("memory", "disk")  # or None: no decoded cache
 def validate(c: PipelineConfig) -> None:
     """Every field's check, in groups; the first bad value raises ValueError naming it."""
     for check in (_check_source, _check_choices, _check_counts, _check_flags, _check_pool,
-                  _check_follow, _check_augment, _check_user_code, _check_cache,
-                  check_samples):  # fmt: skip
+                  _check_follow, _check_augment, _check_user_code):  # fmt: skip
         check(c, _Bad(c))
-    check_loader(c, "PipelineConfig")
+    check_loader(c, "PipelineConfig")  # before the cache's budget, which uses batch_size
+    for check in (_check_cache, check_samples):
+        check(c, _Bad(c))
 
 
 class _Bad:

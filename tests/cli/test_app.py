@@ -131,6 +131,22 @@ def test_bad_values_and_paths(capsys, tmp_path, folder):
     assert "unknown key(s) 'nothing'" in _error_line(capsys, ["run", str(cfg)])
 
 
+def test_an_eval_set_with_other_classes_is_refused_before_ray(capsys, tmp_path):
+    train = make_imagefolder(tmp_path / "train", {"cat": 2, "dog": 2, "fox": 2})
+    val = make_imagefolder(tmp_path / "val", {"cat": 1, "fox": 1})  # fox would be label 1
+    cfg = _write(tmp_path / "r.yaml", f"data:\n  source: {train}\neval:\n  source: {val}\n")
+    line = _error_line(capsys, ["run", str(cfg)])
+    assert "eval set's classes (2: cat, fox)" in line and "(3: cat, dog, fox)" in line
+
+
+def test_bench_and_submit_find_the_checkout_from_anywhere(monkeypatch, tmp_path):
+    from raypipe.cli.submit import _repo_root
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.BENCH_SCRIPT == ROOT / "benchmarks" / "ingest.py" and cli.BENCH_SCRIPT.is_file()
+    assert _repo_root() == ROOT
+
+
 def test_wrong_kind_of_config(capsys, tmp_path, folder, run_config):
     pre = _write(tmp_path / "p.yaml", f"preprocess:\n  source: {folder}\n  out: o\n")
     assert "use raypipe convert" in _error_line(capsys, ["run", str(pre)])

@@ -107,11 +107,13 @@ def test_unreadable_and_odd_formats(ray_session, tmp_path):
         ({"samples_per_shard": -1}, "samples_per_shard"),
         ({"prefix": "a/b"}, "prefix"),
         ({"cpus_per_task": 0}, "cpus_per_task"),
+        ({"source": "s3://bucket/imgs"}, "source"),
+        ({"out": "memory://shards"}, "out"),
     ],
 )
 def test_config_names_the_bad_value(changes, field):
     with pytest.raises(ValueError, match=f"convert.{field}="):
-        ShardsConfig(source="x", out="y", **changes)
+        ShardsConfig(**{"source": "x", "out": "y", **changes})
 
 
 def test_config_unknown_key_suggests(tmp_path):

@@ -174,7 +174,7 @@ def test_hdf5_from_object_storage_reads_as_its_local_copy(tmp_path):
     [("tfrecord", ["crc32c", "google_crc32c"], "tfrecord"), ("lmdb", ["lmdb"], "lmdb"),
      ("hdf5", ["h5py"], "hdf5")],
 )  # fmt: skip
-def test_a_missing_library_names_its_extra(tmp_path, monkeypatch, fmt, modules, extra):
+def test_a_missing_library_names_its_extra(tmp_path, monkeypatch, capsys, fmt, modules, extra):
     from raypipe.formats import tfexample
     from tests.formats.test_tfrecord import tf_shards
 
@@ -190,6 +190,11 @@ def test_a_missing_library_names_its_extra(tmp_path, monkeypatch, fmt, modules, 
         monkeypatch.setitem(sys.modules, name, None)  # `import name` raises ImportError
     with pytest.raises(ImportError, match=rf"pip install 'raypipe\[{extra}\]'"):
         list_shards(PipelineConfig(source=str(tmp_path / fmt)))
+    from raypipe.cli import main
+
+    assert main(["inspect", str(tmp_path / fmt)]) == 2  # one line, no traceback
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"pip install 'raypipe[{extra}]'" in err
 
 
 @pytest.mark.parametrize(
