@@ -34,7 +34,7 @@ from ray.train.torch import TorchConfig
 from raypipe import rayapi
 from raypipe.rayapi import RAY_VERSION  # the Ray whose torch backend it replaces a step of
 
-__all__ = ["BoundStoreTorchConfig", "RAY_VERSION", "check_ray"]
+__all__ = ["BoundStoreTorchConfig", "RAY_VERSION", "check_ray", "loopback_sockets"]
 assert __all__ == sorted(__all__)
 
 _listening: list[socket.socket] = []  # rank 0's store socket, from _listen to _join
@@ -104,14 +104,12 @@ def _join(*, backend: str, world_rank: int, world_size: int, addr: str, port: in
     import torch.distributed as dist
     from torch.distributed import TCPStore
 
-    from raypipe.localnode import is_loopback
-
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
     if backend == "nccl" and not {"TORCH_NCCL_ASYNC_ERROR_HANDLING",
                                   "TORCH_NCCL_BLOCKING_WAIT"} & set(os.environ):  # fmt: skip
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"  # as TorchConfig: fail on timeouts
-    if is_loopback(addr) and (lo := _loopback_interface()) is not None:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+    for name, value in loopback_sockets(addr).items():
+        os.environ.setdefault(name, value)
     timeout = timedelta(seconds=timeout_s)
     if world_rank == 0:
         fd = _listening.pop().detach()  # the store owns it from here
@@ -121,6 +119,15 @@ def _join(*, backend: str, world_rank: int, world_size: int, addr: str, port: in
         store = TCPStore(addr, port, world_size, False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=world_rank, world_size=world_size,
                             timeout=timeout)  # fmt: skip
+
+
+def loopback_sockets(addr: str) -> dict[str, str]:
+    """The variables that keep gloo's and NCCL's sockets on the loopback interface when
+    the rendezvous is on a loopback address (else each picks a non-loopback one)."""
+    from raypipe.localnode import is_loopback
+
+    lo = _loopback_interface() if is_loopback(addr) else None
+    return {} if lo is None else {"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo}
 
 
 def _loopback_interface() -> str | None:

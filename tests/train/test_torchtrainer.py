@@ -110,3 +110,11 @@ def test_own_torchtrainer_shares_a_ledger_checkpoints_and_resumes(ray_session, d
     assert len(set(epoch0.tolist())) == len(epoch0) and 61 - len(epoch0) < B
     check_exactly_once_and_equal(_lines(out, "b", 1), batch_size=B, good=range(61),
                                  left_over=B - 1)  # fmt: skip
+
+
+def test_gloo_and_nccl_keep_to_loopback_when_the_rendezvous_does():
+    """NCCL picks a non-loopback interface unless told: a run on 127.0.0.1 tells it."""
+    from raypipe.train.rendezvous import loopback_sockets
+
+    assert loopback_sockets("127.0.0.1") == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    assert loopback_sockets("10.0.0.5") == {}
