@@ -32,7 +32,7 @@ import numpy as np
 
 from raypipe.loader.demand import Demand
 from raypipe.loader.errors import collect_failed, unwrapped
-from raypipe.loader.ledger import Gate
+from raypipe.loader.ledger import Gate, GateClosed
 from raypipe.loader.rebatch import rebatch
 from raypipe.loader.shuffle import shuffled
 from raypipe.plan.rankplan import RankPlan
@@ -161,6 +161,7 @@ class Feeder:
     def close(self) -> None:
         """Stop the thread and the rank's execution (its actors go with it)."""
         self._closed.set()
+        self._gate.close()  # a wait on the peers ends: one that closed first sends nothing
         stop = self._stop
         if stop is not None:
             stop()
@@ -183,7 +184,7 @@ class Feeder:
             ahead = None
             for e in self._epochs:
                 ahead = self._epoch(e, blocks, ahead, startup if e == self._epochs.start else 0)
-        except _Closed:
+        except (_Closed, GateClosed):
             return
         except BaseException as e:  # reaches the consumer, unless it is gone, and the peers
             self._failed = e

@@ -48,6 +48,7 @@ from raypipe.loader.waiters import Waiters, concurrency, held
 __all__ = [
     "EpochLedger",
     "Gate",
+    "GateClosed",
     "RanksDisagree",
     "create_ledger",
 ]
@@ -55,6 +56,10 @@ assert __all__ == sorted(__all__)
 
 _INF = float("inf")
 NAMESPACE = "raypipe"  # named ledgers live here: drivers of ray.init(address=) get their own
+
+
+class GateClosed(Exception):
+    """The gate's rank closed while it waited on its peers (`Gate.close`)."""
 
 
 class RanksDisagree(ValueError):
@@ -159,6 +164,7 @@ class Gate:
 
     POLL_S = (0.001, 0.02)  # first and longest pause between two asks of `ranks` joining
     FLUSH_S = 1.0  # a feeder held this long by its trainer reports the rows it holds
+    CLOSE_S = 0.1  # how often a wait on the peers looks whether its rank closed
 
     def __init__(self, ledger, run: str, rank: int, batch_size: int, *, ahead: int = 4):
         if ahead < 1:
@@ -167,6 +173,7 @@ class Gate:
         self.waited_s = 0.0  # time spent waiting for other ranks
         self.reports = 0  # messages sent to the ledger
         self._low = ahead * batch_size  # report below this many rows settled
+        self._closed = False
         self.start(-1, 0)
 
     def start(self, epoch: int, planned_min: int) -> None:
@@ -217,6 +224,11 @@ class Gate:
         if self.ledger is not None and (self._rows > self._sent or self._done > self._sent_done):
             self._send(0)
 
+    def close(self) -> None:
+        """This rank is closing: a wait in `allows` (another thread's) ends in `GateClosed`
+        within ``CLOSE_S``, as a peer that closed first never reports its rows."""
+        self._closed = True
+
     def fail(self, error: BaseException) -> None:
         """This rank stopped with ``error``: ranks waiting on it raise it too."""
         if self.ledger is not None:
@@ -259,8 +271,9 @@ class Gate:
         freshest counts of each kind are kept."""
         import ray
 
-        if wait_for is not None:
-            ray.wait([wait_for])
+        while wait_for is not None and not ray.wait([wait_for], timeout=self.CLOSE_S)[0]:
+            if self._closed:
+                raise GateClosed(f"rank {self.rank} closed while waiting on its peers")
         if not self._pending:
             return
         refs = [ref for ref, _ in self._pending]

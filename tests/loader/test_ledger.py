@@ -95,6 +95,34 @@ def test_a_rank_waiting_on_a_peer_that_failed_raises_the_peers_error(ray_session
     assert isinstance(outcome[0], ValueError) and "key 3" in str(outcome[0])
 
 
+def test_a_rank_waiting_on_a_peer_ends_when_it_closes(ray_session):
+    """A peer that closed before it reported sends nothing: the waiting rank's own close
+    ends its wait (its feeder thread), where it waited for good."""
+    from raypipe.loader.ledger import GateClosed
+
+    ledger = create_ledger(2)
+    gates = [Gate(ledger, "closing", r, 4) for r in range(2)]
+    for gate in gates:
+        gate.start(0, 40)
+    gates[0].add(12)  # rank 1 sends nothing, ever
+    outcome = []
+
+    def wait() -> None:
+        try:
+            outcome.append(gates[0].allows(0))
+        except Exception as e:
+            outcome.append(e)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    time.sleep(0.3)
+    assert outcome == []
+    gates[0].close()
+    waiter.join(timeout=5)
+    assert not waiter.is_alive(), "the rank kept waiting after it closed"
+    assert isinstance(outcome[0], GateClosed)
+
+
 def test_join_names_the_first_disagreement_and_fails_the_run():
     ledger = EpochLedger(2)
     same = {"batch_size": "4", "seed": "0"}
