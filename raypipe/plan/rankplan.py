@@ -240,14 +240,10 @@ def _rank_keys(plan: RankPlan, epoch: int) -> np.ndarray:
     first, counts, runs, skip = _rank_runs(plan, epoch)
     if len(runs) == 0:
         return _frozen(np.zeros(0, dtype=np.int64))
+    # as `epoch_keys`, over the touched shards; in a resumed epoch, less what was consumed
+    keys = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(first - _starts(counts), counts)
     if epoch == plan.resume_epoch and plan.consumed is not None:
-        pieces = [np.flatnonzero(~plan.consumed[f : f + c]) + f
-                  for f, c in zip(first.tolist(), counts.tolist(), strict=True)]  # fmt: skip
-        keys = np.concatenate(pieces).astype(np.int64, copy=False)
-    else:  # as `epoch_keys`, over the touched shards
-        keys = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(
-            first - _starts(counts), counts
-        )
+        keys = keys[~plan.consumed[keys]]
     return _frozen(keys[skip : skip + int(runs.sum())].copy())
 
 
