@@ -189,3 +189,23 @@ def test_any_fsspec_uri(datasets):
         for r in remote.reader.read(s.path, s.first_key, -1)
     ]
     assert a == b and len(a) == 61
+
+
+@pytest.mark.parametrize("pattern", ["*.tar", "**/*.tar", "s-[0-1].tar", "?-1.tar", "*/*.tar"])
+def test_a_glob_on_object_storage_matches_what_it_matches_locally(tmp_path, pattern):
+    """``*`` stays within a folder, ``**`` crosses them: the same shards, so the same keys,
+    as in a local copy."""
+    import fsspec
+
+    from raypipe.formats.storage import Storage
+
+    mem = fsspec.filesystem("memory")
+    for name in ("s-0.tar", "s-1.tar", "s-2.tar", "old/s-1.tar", "old/deep/x.tar"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+        mem.pipe(f"/globs/{name}", b"x")
+    local = Storage.for_source(str(tmp_path)).expand(f"{tmp_path}/{pattern}")
+    remote = Storage.for_source("memory:///globs").expand(f"memory:///globs/{pattern}")
+    assert [p.removeprefix(f"{tmp_path}/") for p in local] == sorted(
+        p.removeprefix("memory:///globs/") for p in remote
+    )
