@@ -65,26 +65,50 @@ class SkipStore:
 
 
 class _Run:
-    """Skips of one dataset: exact counts, a bitmap of keys seen, the first records."""
+    """Skips of one dataset: exact counts, the keys seen, the first records.
+
+    The keys seen are a set while that is smaller than a bitmap up to the largest key (a
+    few skips at high keys: bytes per skip, where a bitmap took 25 MB for one skip at key
+    2·10⁸, in every epoch's run kept), then a bitmap (many skips: a bit per key)."""
+
+    SET_BYTES = 80  # about what a set holds per int key
 
     def __init__(self, max_records: int):
         self.max_records = max_records
         self.counts: collections.Counter[str] = collections.Counter()
         self.total = 0
         self.records: list[SkipRecord] = []
-        self._seen = bytearray()
+        self._seen: set[int] | bytearray = set()
+        self._top = 0  # the largest key seen
 
     def add(self, record: SkipRecord) -> None:
-        byte, bit = divmod(record.key, 8)
-        if byte >= len(self._seen):
-            self._seen.extend(bytes(byte + 1 - len(self._seen)))
-        if self._seen[byte] >> bit & 1:
+        if not self._first(record.key):
             return  # the same key again: a retried task
-        self._seen[byte] |= 1 << bit
         self.counts[record.reason] += 1
         self.total += 1
         if len(self.records) < self.max_records:
             self.records.append(record)
+
+    def _first(self, key: int) -> bool:
+        """Mark ``key`` seen; False if it was already."""
+        self._top = max(self._top, key)
+        seen = self._seen
+        if isinstance(seen, set):
+            if key in seen:
+                return False
+            seen.add(key)
+            if len(seen) * self.SET_BYTES > self._top // 8 + 1:  # a bitmap is smaller now
+                self._seen = bytearray(self._top // 8 + 1)
+                for k in seen:
+                    self._seen[k >> 3] |= 1 << (k & 7)
+            return True
+        byte, bit = divmod(key, 8)
+        if byte >= len(seen):
+            seen.extend(bytes(byte + 1 - len(seen)))
+        if seen[byte] >> bit & 1:
+            return False
+        seen[byte] |= 1 << bit
+        return True
 
 
 REPORT_FILE = "skipped_samples.json"

@@ -436,6 +436,24 @@ def test_skip_store_counts_exactly_dedupes_and_caps():
     assert store.counts("a") == {} and store.counts("c") == {REASONS[0]: 1}
 
 
+def test_skip_store_holds_few_high_keys_in_little_memory_and_many_in_a_bitmap():
+    """Each epoch's run keeps its keys seen: a few skips at high keys must not cost a
+    bitmap up to the highest (25 MB for one at 2·10⁸), and many skips still dedupe."""
+    import tracemalloc
+
+    store = SkipStore()
+    tracemalloc.start()
+    store.add("high", 5, [(k, "/d/x", REASONS[0], "") for k in (2 * 10**8, 3 * 10**8, 2 * 10**8)])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert store.report("high")["skipped"] == 2 and peak < 2**20
+    rng = np.random.default_rng(2)
+    keys = rng.integers(0, 5000, 20000).tolist()  # dense: the set becomes a bitmap midway
+    for part in np.array_split(np.array(keys), 7):
+        store.add("dense", 0, [(int(k), "/d/x", REASONS[1], "") for k in part])
+    assert store.report("dense")["skipped"] == len(set(keys))
+
+
 # --- config validation before any Ray work ---------------------------------------------
 
 INVALID = {
