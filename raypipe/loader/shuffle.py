@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from raypipe.loader.rebatch import concat_column
-
 __all__ = ["shuffled"]
 assert __all__ == sorted(__all__)
 
@@ -20,27 +18,54 @@ Columns = dict[str, np.ndarray]
 
 def shuffled(blocks, batch_size: int, buffer: int, rng: np.random.Generator, *,
              drop_last: bool = True):  # fmt: skip
-    """Step 3 with a local shuffle: batches of rows drawn at random from ``buffer`` +
-    ``batch_size`` held rows (seeded, so the same blocks give the same batches); the
-    last short batch too unless ``drop_last``."""
-    held: Columns | None = None
+    """Step 3 with a local shuffle: batches of rows drawn at random from a pool of
+    ``buffer`` + ``batch_size`` rows (seeded); the last short batch too unless
+    ``drop_last``.
+
+    A batch is drawn each time the pool is full, and the next rows fill the slots it
+    freed, so the batches depend on the rows and their order alone, not on how they come
+    cut into blocks (tasks of another size on another machine); a batch costs its own
+    rows, not the pool's."""
+    capacity = buffer + batch_size
+    pool: dict[str, np.ndarray] | None = None
+    free = np.arange(capacity)  # the slots the next rows fill, in order
     for block in blocks:
-        held = block if held is None else {k: concat_column([held[k], v]) for k, v in block.items()}
-        while _rows(held) >= buffer + batch_size:
-            yield from _draw(held, batch_size, rng, out := [])
-            held = out[0]
-    while held is not None and _rows(held) >= batch_size:
-        yield from _draw(held, batch_size, rng, out := [])
-        held = out[0]
-    if held is not None and _rows(held) and not drop_last:
-        yield from _draw(held, _rows(held), rng, [])
+        if pool is None:
+            pool = {k: np.empty((capacity, *v.shape[1:]), v.dtype) for k, v in block.items()}
+        n, at = _rows(block), 0
+        while at < n:
+            slots, free = free[: n - at], free[n - at :]
+            _put(pool, slots, block, at)
+            at += len(slots)
+            if not len(free):  # full: a batch out, and its slots are the next to fill
+                free = rng.choice(capacity, batch_size, replace=False)
+                yield {k: v[free] for k, v in pool.items()}
+    if pool is None:
+        return
+    held = np.setdiff1d(np.arange(capacity), free)  # the rows left, in slot order
+    held = held[rng.permutation(len(held))]
+    last = len(held) if not drop_last else len(held) - len(held) % batch_size
+    for lo in range(0, last, batch_size):
+        yield {k: v[held[lo : lo + batch_size]] for k, v in pool.items()}
 
 
-def _draw(held: Columns, n: int, rng: np.random.Generator, rest: list):
-    order = rng.permutation(_rows(held))
-    take, keep = order[:n], order[n:]
-    rest.append({k: v[keep] for k, v in held.items()})
-    yield {k: v[take] for k, v in held.items()}
+def _put(pool: dict[str, np.ndarray], slots: np.ndarray, block: Columns, at: int) -> None:
+    """Rows ``at`` onwards of ``block`` into ``slots``; a column whose rows differ in
+    shape or type from the pool's (a transform's ragged field) makes the pool's column
+    one of objects, a row each."""
+    for k, v in block.items():
+        rows = v[at : at + len(slots)]
+        column = pool[k]
+        if column.dtype != object and (rows.dtype == object or rows.shape[1:] != column.shape[1:]):
+            ragged = np.empty(len(column), dtype=object)
+            for i, row in enumerate(column):
+                ragged[i] = row
+            column = pool[k] = ragged
+        if column.dtype == object and rows.dtype != object:
+            for slot, row in zip(slots.tolist(), rows, strict=True):
+                column[slot] = row
+        else:
+            column[slots] = rows
 
 
 def _rows(columns: Columns) -> int:

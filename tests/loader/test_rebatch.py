@@ -42,3 +42,51 @@ def test_short_batches_mid_stream_are_merged():
     # Ray can yield [8, 8, 8, 6, 8, 2] for 40 rows (issue 66085); we must give 5 × 8.
     out = list(rebatch(blocks_of([8, 8, 8, 6, 8, 2]), 8, drop_last=True))
     assert [len(b["key"]) for b in out] == [8] * 5
+
+
+def _cut(rows: dict, sizes) -> list[dict]:
+    """``rows`` cut into blocks of ``sizes`` (cycled) rows."""
+    n, out, at, i = len(rows["key"]), [], 0, 0
+    while at < n:
+        size = sizes[i % len(sizes)]
+        out.append({k: v[at : at + size] for k, v in rows.items()})
+        at, i = at + size, i + 1
+    return out
+
+
+@pytest.mark.parametrize("buffer, batch", [(9, 6), (0, 4), (50, 7), (500, 8)])
+def test_shuffled_batches_depend_on_the_rows_not_their_blocks(buffer, batch):
+    """The same rows in the same order, cut into blocks of other sizes (tasks sized from
+    another machine's object store), give the same batches under the same seed; every
+    row once; batches of batch_size but the last without drop_last."""
+    from raypipe.loader.shuffle import shuffled
+
+    n = 203
+    rows = {"key": np.arange(n), "image": np.arange(n * 12, dtype=np.uint8).reshape(n, 2, 2, 3)}
+    for drop_last in (True, False):
+        runs = [
+            [b["key"].tolist() for b in shuffled(iter(_cut(rows, sizes)), batch, buffer,
+                                                   np.random.default_rng(3), drop_last=drop_last)]
+            for sizes in ([100], [64], [1, 7, 30], [n])
+        ]  # fmt: skip
+        assert all(r == runs[0] for r in runs[1:])
+        keys = [k for b in runs[0] for k in b]
+        assert len(keys) == len(set(keys)) == (n - n % batch if drop_last else n)
+        assert all(len(b) == batch for b in runs[0][: n // batch])
+        assert keys != sorted(keys)
+    out = list(shuffled(iter(_cut(rows, [10])), batch, buffer, np.random.default_rng(3)))
+    for b in out:  # each row's fields travel together
+        np.testing.assert_array_equal(b["image"], rows["image"][b["key"]])
+
+
+def test_shuffled_keeps_ragged_fields_row_by_row():
+    from raypipe.loader.shuffle import shuffled
+
+    ragged = np.empty(3, dtype=object)
+    ragged[:] = [np.arange(1), np.arange(2), np.arange(3)]
+    blocks = [{"key": np.arange(3), "t": np.zeros((3, 2))}, {"key": np.arange(3, 6), "t": ragged}]
+    out = list(shuffled(iter(blocks), 2, 2, np.random.default_rng(0), drop_last=False))
+    rows = {int(k): t for b in out for k, t in zip(b["key"], b["t"], strict=True)}
+    assert sorted(rows) == list(range(6))
+    assert [len(rows[k]) for k in range(3, 6)] == [1, 2, 3]
+    assert all(np.array_equal(rows[k], np.zeros(2)) for k in range(3))
