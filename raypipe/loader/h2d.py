@@ -22,6 +22,7 @@ and tests inject their own ops to check that path without CUDA.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from collections.abc import Iterable, Iterator
@@ -46,8 +47,13 @@ class PinnedRing:
     """Host slots per batch shape, allocated when the shape first appears, reused round-robin.
 
     ``load(batch)`` takes the shape's next slot, waits for the event of the copy that last
-    read it, fills it, starts the copies to the device and records the slot's event.
+    read it, fills it, starts the copies to the device and records the slot's event. The
+    rings of the ``SHAPES`` shapes used last are kept: batches of ever new shapes (padded
+    to their longest row) free the oldest ring, once its copies are done, instead of
+    holding pinned memory for every shape ever seen.
     """
+
+    SHAPES = 8
 
     def __init__(self, ops: Ops, *, slots: int, channels_last: bool = False):
         if not isinstance(slots, int) or slots < 1:
@@ -56,7 +62,7 @@ class PinnedRing:
         self.slots = slots
         self.channels_last = channels_last
         self.allocations = 0  # host buffers allocated so far; flat after warm-up
-        self._rings: dict[tuple, list[_Slot]] = {}
+        self._rings: collections.OrderedDict[tuple, list[_Slot]] = collections.OrderedDict()
         self._next: dict[tuple, int] = {}
 
     def load(self, batch: Batch, finish=None) -> tuple[Batch, Event]:
@@ -83,10 +89,16 @@ class PinnedRing:
     def _acquire(self, tensors: dict[str, Any]) -> _Slot:
         sig = tuple((k, tuple(v.shape), v.dtype) for k, v in tensors.items())
         if sig not in self._rings:  # a new shape: all its slots at once, then never again
+            while len(self._rings) >= self.SHAPES:
+                old, ring = self._rings.popitem(last=False)
+                self._next.pop(old, None)
+                for slot in ring:  # its last copies read the slot: done before it goes
+                    slot.event.synchronize()
             self._rings[sig] = [
                 _Slot({k: self._alloc(v) for k, v in tensors.items()}, self.ops.event())
                 for _ in range(self.slots)
             ]
+        self._rings.move_to_end(sig)
         i = self._next.get(sig, 0)
         self._next[sig] = (i + 1) % self.slots
         return self._rings[sig][i]

@@ -135,6 +135,38 @@ def test_slots_are_reused_round_robin_and_allocated_once():
     assert ops.allocs == 12 and ops.torn == 0
 
 
+def test_batches_of_ever_new_shapes_keep_the_rings_of_the_last_few():
+    """Padded batches (each as long as its longest row) come in many shapes: the ring keeps
+    host slots for the shapes used last, not for every shape seen, and a ring that goes
+    waits for its copies first."""
+    import gc
+    import weakref
+
+    from raypipe.loader.h2d import PinnedRing
+
+    class CountingOps(LazyOps):
+        def __init__(self):
+            super().__init__()
+            self.buffers: list = []
+
+        def alloc(self, shape, dtype):
+            buf = super().alloc(shape, dtype)
+            self.buffers.append(weakref.ref(buf))
+            return buf
+
+    ops = CountingOps()
+    h2d = HostToDevice("cpu", prefetch=2, slots=3, ops=ops)
+    got, want = [], []
+    for width in range(1, 31):  # 30 shapes
+        got += list(h2d(host_batches(2, seed=width, hw=(2, width))))
+        want += expected(2, seed=width, hw=(2, width))
+    assert_same(got, want)
+    assert ops.torn == 0
+    gc.collect()
+    alive = sum(ref() is not None for ref in ops.buffers)
+    assert ops.allocs == 30 * 3 * 2 and alive <= PinnedRing.SHAPES * 3 * 2
+
+
 def test_outputs_do_not_alias_slots_or_inputs():
     h2d = HostToDevice("cpu", slots=1)
     batches = list(host_batches(3))
