@@ -154,6 +154,21 @@ def test_the_pool_is_the_same_processes_in_epoch_0_and_epoch_2(ray_session, data
     assert not watch.alive(), "the pool should end with the run"
 
 
+def test_the_actor_pool_reads_every_epoch_once_from_blocks_of_several_task_ids(
+    ray_session, datasets, monkeypatch
+):
+    """A long run's task ids come several to a block (`MAX_ID_BLOCKS`): every epoch is
+    still read exactly once, in equal batches, on two ranks of the actor pool."""
+    from raypipe.preprocess import datasets as rank_datasets
+
+    monkeypatch.setattr(rank_datasets, "MAX_ID_BLOCKS", 3)
+    config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=8, batch_size=4,
+                            files_per_task=5, actors=(1, 1), compute="actors")  # fmt: skip
+    out, _ = run_ranks(config, 2, 2)
+    for epoch in range(2):
+        check_epoch(out, epoch, 4, set(range(61)))
+
+
 def test_the_pool_starts_on_with_before_epochs_is_asked_for(ray_session, datasets):
     """``with pipeline:`` (or ``start()``) starts the pool and its first tasks, so a trainer's
     set-up overlaps them; ``start()`` again changes nothing; ``epochs()`` then gives every
