@@ -97,6 +97,7 @@ class Loader:
         self._running: _Epoch | None = None
         self._latest: object | None = None  # the newest iter()'s token: older ones are stale
         self._closed = False
+        self._len_plan: RankPlan | None = None  # a fresh epoch's plan, for len()
 
     # -- the DataLoader shape --------------------------------------------------------
 
@@ -146,19 +147,18 @@ class Loader:
             run.over = True
 
     def __len__(self) -> int:
-        """This rank's batches in a whole epoch: the same on every rank (with ``drop_last``;
-        fewer when samples are skipped). A resumed epoch gives what is left of it."""
-        epoch = min(self.epoch, self.num_epochs - 1)
-        plan = self._pipeline.plan if self._pipeline is not None else None
-        if plan is None:  # not built yet (or restarted): the plan the next one will have
+        """This rank's batches in a whole epoch, a resumed one too (Lightning counts a
+        resumed epoch's steps on from its checkpoint's): the same on every rank (with
+        ``drop_last``; fewer when samples are skipped); with packing, its packed rows'."""
+        if self._len_plan is None:
             rank, world = self._rank_world()
-            resumed = self._base is not None and epoch == self._next
-            plan = RankPlan.of(self.listing, seed=self.config.seed, shuffle=self.config.shuffle_files,
-                               rank=rank, world_size=world, per_task=1,
-                               resume_epoch=epoch if resumed else -1,
-                               consumed=self._base if resumed else None,
-                               weights=self.listing.lengths if self.config.pack else None)  # fmt: skip
-        return rank_batches(self.config, self.listing, plan, epoch, self._drop_last)
+            self._len_plan = RankPlan.of(
+                self.listing, seed=self.config.seed, shuffle=self.config.shuffle_files,
+                rank=rank, world_size=world, per_task=1,
+                weights=self.listing.lengths if self.config.pack else None,
+            )  # fmt: skip
+        epoch = min(self.epoch, self.num_epochs - 1)
+        return rank_batches(self.config, self.listing, self._len_plan, epoch, self._drop_last)
 
     def set_epoch(self, epoch: int) -> None:
         """The next ``iter()`` gives ``epoch``; the next epoch anyway: nothing changes."""
