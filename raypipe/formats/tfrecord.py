@@ -175,8 +175,9 @@ def read(reader, path: str, first_key: int, label: int,
             key, where = first_key + i, f"{file}@{offset}" if offset else file
             try:
                 head = f.read(HEADER)
-            except READ_ERRORS as e:
-                yield RawSample(key, -1, None, where, os_error(e), "unreadable_shard")
+            except READ_ERRORS as e:  # after a record: a stream cut there (as `scan` says)
+                yield RawSample(key, -1, None, where, os_error(e),
+                                "truncated_shard" if i or offset else "unreadable_shard")  # fmt: skip
                 return
             if not head and n is None:
                 return
