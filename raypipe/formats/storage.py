@@ -16,14 +16,14 @@ fail the listing, before any Ray work starts, with one line naming the URI and t
 
 from __future__ import annotations
 
-import fnmatch
 import glob as globlib
 import io
 import itertools
 import os
-import re
 from collections.abc import Iterator, Mapping
 from typing import Any
+
+from raypipe.formats.globs import glob_regex
 
 __all__ = ["Storage", "StorageError", "is_remote"]
 assert __all__ == sorted(__all__)
@@ -39,29 +39,6 @@ S3_ATTEMPTS = 3
 
 class StorageError(ValueError):
     """A source that cannot be listed or read: the URI and the cause, on one line."""
-
-
-def _glob_regex(pattern: str) -> re.Pattern:
-    """``pattern`` as the local ``glob(recursive=True)`` reads it: ``*``, ``?`` and ``[...]``
-    within one folder name, ``**`` across folders (``**/``: zero or more of them)."""
-    out, i = [], 0
-    while i < len(pattern):
-        if pattern.startswith("**/", i):
-            out.append("(?:[^/]*/)*")
-            i += 3
-        elif pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-        elif pattern[i] in "*?":
-            out.append("[^/]*" if pattern[i] == "*" else "[^/]")
-            i += 1
-        elif pattern[i] == "[" and (end := pattern.find("]", i + 2)) > 0:
-            out.append("(?!/)" + fnmatch.translate(pattern[i : end + 1])[4:-3])  # the class
-            i = end + 1
-        else:
-            out.append(re.escape(pattern[i]))
-            i += 1
-    return re.compile("".join(out) + r"\Z")
 
 
 def is_remote(path: str) -> bool:
@@ -226,7 +203,7 @@ class Storage:
             return sorted(globlib.glob(pattern, recursive=True))
         head = pattern[: min(pattern.index(c) for c in "*?[" if c in pattern)]
         root = head.rsplit("/", 1)[0]
-        match = _glob_regex(pattern).match
+        match = glob_regex(pattern).match
         return [u for u in self.walk(root) if match(u)]
 
     def _call(self, uri: str, fn, *args):

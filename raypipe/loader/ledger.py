@@ -30,7 +30,9 @@ rows, a peer before it asks when it gets there, and a feeder held by its trainer
 `FLUSH_S` reports what it holds (`Gate.flush`).
 
 A rank whose data fails (``on_error="raise"``, a skip budget spent) tells the ledger
-(`Gate.fail`); a rank waiting on it then raises the same error instead of waiting forever.
+(`Gate.fail`); a rank waiting on it then raises the same error instead of waiting forever,
+and a rank that closes while it waits (`Gate.close`: a peer that closed first sends
+nothing) raises `GateClosed`.
 
 Ranks that build their pipelines themselves (`raypipe.Loader`: torchrun, a user's own
 trainer) first `join` the ledger with their rank, world size and settings, and wait there
@@ -45,13 +47,7 @@ import time
 
 from raypipe.loader.waiters import Waiters, concurrency, held
 
-__all__ = [
-    "EpochLedger",
-    "Gate",
-    "GateClosed",
-    "RanksDisagree",
-    "create_ledger",
-]
+__all__ = ["EpochLedger", "Gate", "GateClosed", "RanksDisagree", "create_ledger"]
 assert __all__ == sorted(__all__)
 
 _INF = float("inf")
@@ -59,7 +55,7 @@ NAMESPACE = "raypipe"  # named ledgers live here: drivers of ray.init(address=) 
 
 
 class GateClosed(Exception):
-    """The gate's rank closed while it waited on its peers (`Gate.close`)."""
+    """The rank closed while its gate waited on its peers."""
 
 
 class RanksDisagree(ValueError):
@@ -225,8 +221,7 @@ class Gate:
             self._send(0)
 
     def close(self) -> None:
-        """This rank is closing: a wait in `allows` (another thread's) ends in `GateClosed`
-        within ``CLOSE_S``, as a peer that closed first never reports its rows."""
+        """End a wait in `allows` (another thread's) in `GateClosed` within ``CLOSE_S``."""
         self._closed = True
 
     def fail(self, error: BaseException) -> None:
@@ -293,13 +288,8 @@ def create_ledger(world_size: int):
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node = ray.get_runtime_context().get_node_id()
-    return (
-        ray.remote(EpochLedger)
-        .options(
-            num_cpus=0,
-            max_restarts=0,
-            max_concurrency=concurrency(world_size),  # answers `settle` holds
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-        )  # fmt: skip
-        .remote(world_size)
-    )
+    return ray.remote(EpochLedger).options(
+        num_cpus=0, max_restarts=0,
+        max_concurrency=concurrency(world_size),  # answers `settle` holds
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+    ).remote(world_size)  # fmt: skip
