@@ -26,8 +26,9 @@ from typing import Any, TextIO
 
 from raypipe.cli.jobspec import convert_section
 from raypipe.config import PipelineConfig, check_keys, load_yaml
+from raypipe.formats import Reader
 from raypipe.formats.storage import is_remote
-from raypipe.formats.writer import EXTENSIONS, Sample, Written, count_samples, write_shard
+from raypipe.formats.writer import EXTENSIONS, Sample, Written, write_shard
 from raypipe.plan.shards import list_shards
 
 INDEX = "index.json"
@@ -222,12 +223,14 @@ def _entry(w: Written, *, done: bool) -> dict[str, Any]:
 
 
 def _finished(out: str, entry: dict[str, Any], fmt: str) -> bool:
-    """A shard is finished when the index says so and the file holds that many samples."""
+    """A shard is finished when the index says so, the file has the size it was written
+    with, and its headers count that many samples (it was read back whole when written:
+    a rerun reads no image)."""
     path = os.path.join(out, entry["name"])
-    if not entry["done"] or not os.path.isfile(path):
+    if not entry["done"] or not os.path.isfile(path) or os.path.getsize(path) != entry["bytes"]:
         return False
     try:
-        return count_samples(path, fmt) == entry["samples"]
+        return Reader(fmt).count(path) == entry["samples"]
     except Exception:  # a damaged file is rewritten
         return False
 

@@ -77,6 +77,9 @@ def test_rerun_skips_finished_shards(ray_session, folder, tmp_path, capsys):
     assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
     again = convert(config)
     assert (again.written, again.reused) == (0, 3)
+    with open(out / first, "ab") as f:  # not the file that was written: written again
+        f.write(b"\0" * 1024)
+    assert convert(config).written == 1
 
 
 def test_other_plan_in_the_same_folder_is_refused(ray_session, folder, tmp_path):
