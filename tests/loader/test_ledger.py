@@ -71,40 +71,15 @@ def test_one_rank_needs_no_ledger():
     assert not gate.allows(2)  # 12 > 10 planned rows
 
 
-def test_a_rank_waiting_on_a_peer_that_failed_raises_the_peers_error(ray_session):
+def _waiting_on_rank_1(run: str):
+    """Two ranks' gates of a new ledger; rank 0, holding 12 rows, waits in a thread for
+    batch 0, which waits on rank 1 (it has sent nothing). Returns the gates, the thread
+    and the list its outcome goes to (the answer, or the error raised)."""
     ledger = create_ledger(2)
-    gates = [Gate(ledger, "failing", r, 4) for r in range(2)]
+    gates = [Gate(ledger, run, r, 4) for r in range(2)]
     for gate in gates:
         gate.start(0, 40)
-    gates[0].add(12)  # rank 1 has sent nothing: batch 0 waits on it
-    outcome = []
-
-    def wait() -> None:
-        try:
-            outcome.append(gates[0].allows(0))
-        except Exception as e:
-            outcome.append(e)
-
-    waiter = threading.Thread(target=wait)
-    waiter.start()
-    time.sleep(0.3)
-    assert outcome == []  # still waiting for rank 1
-    gates[1].fail(ValueError("bad sample x (key 3): truncated_image"))
-    waiter.join(timeout=10)
-    assert not waiter.is_alive(), "the rank kept waiting on a peer that stopped"
-    assert isinstance(outcome[0], ValueError) and "key 3" in str(outcome[0])
-
-
-def test_a_rank_waiting_on_a_peer_ends_when_it_closes(ray_session):
-    """A peer that closed before it reported sends nothing: the waiting rank's own close
-    ends its wait (its feeder thread), where it waited for good."""
-    from raypipe.loader.ledger import GateClosed
-
-    ledger = create_ledger(2)
-    gates = [Gate(ledger, "closing", r, 4) for r in range(2)]
-    for gate in gates:
-        gate.start(0, 40)
-    gates[0].add(12)  # rank 1 sends nothing, ever
+    gates[0].add(12)
     outcome = []
 
     def wait() -> None:
@@ -116,7 +91,24 @@ def test_a_rank_waiting_on_a_peer_ends_when_it_closes(ray_session):
     waiter = threading.Thread(target=wait, daemon=True)
     waiter.start()
     time.sleep(0.3)
-    assert outcome == []
+    assert outcome == []  # still waiting for rank 1
+    return gates, waiter, outcome
+
+
+def test_a_rank_waiting_on_a_peer_that_failed_raises_the_peers_error(ray_session):
+    gates, waiter, outcome = _waiting_on_rank_1("failing")
+    gates[1].fail(ValueError("bad sample x (key 3): truncated_image"))
+    waiter.join(timeout=10)
+    assert not waiter.is_alive(), "the rank kept waiting on a peer that stopped"
+    assert isinstance(outcome[0], ValueError) and "key 3" in str(outcome[0])
+
+
+def test_a_rank_waiting_on_a_peer_ends_when_it_closes(ray_session):
+    """A peer that closed before it reported sends nothing: the waiting rank's own close
+    ends its wait (its feeder thread), where it waited for good."""
+    from raypipe.loader.ledger import GateClosed
+
+    gates, waiter, outcome = _waiting_on_rank_1("closing")
     gates[0].close()
     waiter.join(timeout=5)
     assert not waiter.is_alive(), "the rank kept waiting after it closed"
