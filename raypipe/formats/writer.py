@@ -66,11 +66,6 @@ def write_shard(samples: list[Sample], out: str, name: str, fmt: str) -> Written
     return Written(name, len(kept), first_key, os.path.getsize(final), tuple(skipped))
 
 
-def count_samples(path: str, fmt: str) -> int:
-    """Samples in a finished shard, read the way the pipeline reads it."""
-    return sum(1 for _ in Reader(fmt).read(path, 0, -1))
-
-
 def _load(samples: list[Sample]) -> Iterator[tuple[Sample, bytes | None, str]]:
     """Yield ``(sample, bytes, ext)``; JPEG and PNG stay as they are, others become PNG."""
     for s in samples:

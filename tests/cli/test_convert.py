@@ -10,7 +10,7 @@ import pytest
 
 from raypipe import PipelineConfig, build_dataset
 from raypipe.cli.convert import INDEX, ShardsConfig, convert, plan, preprocess, shard_name
-from raypipe.formats.writer import count_samples
+from raypipe.formats import Reader
 from tests.conftest import make_imagefolder
 
 COUNTS = {"ant": 11, "bee": 7, "cow": 9}  # 27 samples: no shard count divides it evenly
@@ -26,6 +26,11 @@ def _rows(source, fmt: str) -> dict[int, tuple[int, bytes]]:
             assert int(key) not in out
             out[int(key)] = (int(label), image.tobytes())
     return out
+
+
+def count_samples(path: str, fmt: str) -> int:
+    """Samples in a finished shard, read the way the pipeline reads it."""
+    return sum(1 for _ in Reader(fmt).read(path, 0, -1))
 
 
 @pytest.fixture(scope="module")
