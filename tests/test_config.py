@@ -34,6 +34,7 @@ def test_defaults_and_list_coercion(tmp_path):
         ("std", (float("nan"), 1.0, 1.0)),
         ("mean", (float("inf"), 0.0, 0.0)),
         ("ratio", (0.5, float("inf"))),
+        ("actor_cpus", -(10**400)),
         ("shuffle_buffer", -3),
         ("lead_batches", -1),
         ("source", ""),

@@ -50,7 +50,9 @@ def is_int(v: Any) -> bool:
 
 def is_num(v: Any) -> bool:
     """A finite int or float (not a bool)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return isinstance(v, int) or math.isfinite(v)  # an int is finite (and may overflow isfinite)
 
 
 def is_pair(v: Any) -> bool:

@@ -23,7 +23,7 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from raypipe.formats.globs import glob_regex
+from raypipe.formats.globs import globbed
 
 __all__ = ["Storage", "StorageError", "is_remote"]
 assert __all__ == sorted(__all__)
@@ -203,8 +203,7 @@ class Storage:
             return sorted(globlib.glob(pattern, recursive=True))
         head = pattern[: min(pattern.index(c) for c in "*?[" if c in pattern)]
         root = head.rsplit("/", 1)[0]
-        match = glob_regex(pattern).match
-        return [u for u in self.walk(root) if match(u)]
+        return globbed(self.walk(root), pattern)
 
     def _call(self, uri: str, fn, *args):
         try:

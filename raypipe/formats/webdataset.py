@@ -59,12 +59,13 @@ def _tar_index(storage: Storage, path: str, need_image: bool = True):
             while (member := tar.next()) is not None:
                 members.append(member)
             cut = None
-            if f.seek(0, io.SEEK_END) - tar.offset < 2 * tarfile.BLOCKSIZE:  # no request
+            f.seek(tar.offset)  # where the listing stopped: in the buffer the tar just read
+            end = f.read(2 * tarfile.BLOCKSIZE)
+            if len(end) < 2 * tarfile.BLOCKSIZE:
                 cut = "no end-of-archive marker"
-            else:  # Python's tar ends its listing quietly at a header it cannot read
-                f.seek(tar.offset)
-                if any(f.read(tarfile.BLOCKSIZE)):  # not the zero block ending an archive
-                    cut = f"a member header it cannot read at byte {tar.offset}"
+            elif any(end[: tarfile.BLOCKSIZE]):  # not the zero blocks that end an archive:
+                # Python's tar ends its listing quietly at a header it cannot read
+                cut = f"a member header it cannot read at byte {tar.offset}"
         except tarfile.ReadError as e:
             cut = str(e)
     if cut is not None:

@@ -216,6 +216,10 @@ class Feeder:
                     assert at > e, f"a block of epoch {at} after epoch {e}"
                     state["ahead"] = block
                     break
+                if block["epoch"][-1] != e:  # Ray Data merged outputs of two epochs' tasks
+                    cut = int(np.argmax(block["epoch"] != e))
+                    block, state["ahead"] = ({k: v[:cut] for k, v in block.items()},
+                                             {k: v[cut:] for k, v in block.items()})  # fmt: skip
                 got += len(block["key"])
                 self._gate.add(len(block["key"]), done=got >= planned)
                 yield {k: v for k, v in block.items() if k != "epoch"}

@@ -30,6 +30,8 @@ def shuffled(blocks, batch_size: int, buffer: int, rng: np.random.Generator, *,
     pool: dict[str, np.ndarray] | None = None
     free = np.arange(capacity)  # the slots the next rows fill, in order
     for block in blocks:
+        if not _rows(block):
+            continue
         if pool is None:
             pool = {k: np.empty((capacity, *v.shape[1:]), v.dtype) for k, v in block.items()}
         n, at = _rows(block), 0
@@ -50,17 +52,22 @@ def shuffled(blocks, batch_size: int, buffer: int, rng: np.random.Generator, *,
 
 
 def _put(pool: dict[str, np.ndarray], slots: np.ndarray, block: Columns, at: int) -> None:
-    """Rows ``at`` onwards of ``block`` into ``slots``; a column whose rows differ in
-    shape or type from the pool's (a transform's ragged field) makes the pool's column
-    one of objects, a row each."""
+    """Rows ``at`` onwards of ``block`` into ``slots``. A column whose rows need a wider
+    type than the pool's (longer strings, floats after ints) widens it, as concatenating
+    them would; one whose rows differ in shape (a transform's ragged field) becomes one of
+    objects, a row each."""
     for k, v in block.items():
         rows = v[at : at + len(slots)]
         column = pool[k]
-        if column.dtype != object and (rows.dtype == object or rows.shape[1:] != column.shape[1:]):
-            ragged = np.empty(len(column), dtype=object)
+        ragged = column.dtype == object or rows.dtype == object
+        if not ragged and rows.shape[1:] == column.shape[1:]:
+            if (wide := np.result_type(column.dtype, rows.dtype)) != column.dtype:
+                column = pool[k] = column.astype(wide)
+        elif column.dtype != object:
+            objects = np.empty(len(column), dtype=object)
             for i, row in enumerate(column):
-                ragged[i] = row
-            column = pool[k] = ragged
+                objects[i] = row
+            column = pool[k] = objects
         if column.dtype == object and rows.dtype != object:
             for slot, row in zip(slots.tolist(), rows, strict=True):
                 column[slot] = row

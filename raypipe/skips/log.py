@@ -11,8 +11,8 @@ recorded (`raypipe.skips.records`) in one small actor per driver.
 Skipped samples never become rows: they are dropped inside the actors, so a rank's rows
 are good ones only and the ledger (`raypipe.loader.ledger`) keeps the ranks' batch counts
 equal. The side channel is one small actor per driver (named, no CPUs), holding for each
-dataset ("run") exact counts per reason, a bitmap of skipped keys (a retried task cannot
-count a key twice) and at most ``max_records`` records.
+dataset ("run") exact counts per reason, the skipped keys (a set, or a bitmap when that is
+smaller: a retried task cannot count a key twice) and at most ``max_records`` records.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import dataclasses
 import threading
 import uuid
 from typing import Any
+
+import numpy as np
 
 from raypipe.skips.records import SkipRecord
 
@@ -69,7 +71,7 @@ class _Run:
 
     The keys seen are a set while that is smaller than a bitmap up to the largest key (a
     few skips at high keys: bytes per skip, where a bitmap took 25 MB for one skip at key
-    2·10⁸, in every epoch's run kept), then a bitmap (many skips: a bit per key)."""
+    2·10⁸, in every epoch's run kept), else a bitmap (many skips: a bit per key)."""
 
     SET_BYTES = 80  # about what a set holds per int key
 
@@ -104,6 +106,10 @@ class _Run:
             return True
         byte, bit = divmod(key, 8)
         if byte >= len(seen):
+            if byte + 1 > (self.total + 1) * self.SET_BYTES:  # far past the rest: a set again
+                bits = np.unpackbits(np.frombuffer(seen, np.uint8), bitorder="little")
+                self._seen = {*np.flatnonzero(bits).tolist(), key}
+                return True
             seen.extend(bytes(byte + 1 - len(seen)))
         if seen[byte] >> bit & 1:
             return False

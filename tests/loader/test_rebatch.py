@@ -90,3 +90,20 @@ def test_shuffled_keeps_ragged_fields_row_by_row():
     assert sorted(rows) == list(range(6))
     assert [len(rows[k]) for k in range(3, 6)] == [1, 2, 3]
     assert all(np.array_equal(rows[k], np.zeros(2)) for k in range(3))
+
+
+def test_shuffled_widens_a_column_as_concatenating_its_blocks_would():
+    from raypipe.loader.shuffle import shuffled
+
+    blocks = [{"key": np.arange(0)}, {"key": np.arange(3), "t": np.array(["a", "b", "c"])},
+              {"key": np.arange(3, 6), "t": np.array(["hello", "wide", "words"])}]  # fmt: skip
+    blocks[0]["t"] = np.zeros(0, dtype=object)  # an empty first block says nothing
+    out = list(shuffled(iter(blocks), 2, 2, np.random.default_rng(0), drop_last=False))
+    rows = {int(k): str(t) for b in out for k, t in zip(b["key"], b["t"], strict=True)}
+    assert rows == {0: "a", 1: "b", 2: "c", 3: "hello", 4: "wide", 5: "words"}
+    nums = [
+        {"key": np.arange(2), "x": np.arange(2)},
+        {"key": np.arange(2, 4), "x": np.array([0.5, 1.5])},
+    ]
+    out = list(shuffled(iter(nums), 2, 0, np.random.default_rng(0), drop_last=False))
+    assert sorted(float(x) for b in out for x in b["x"]) == [0.0, 0.5, 1.0, 1.5]

@@ -452,6 +452,15 @@ def test_skip_store_holds_few_high_keys_in_little_memory_and_many_in_a_bitmap():
     for part in np.array_split(np.array(keys), 7):
         store.add("dense", 0, [(int(k), "/d/x", REASONS[1], "") for k in part])
     assert store.report("dense")["skipped"] == len(set(keys))
+    tracemalloc.start()  # a few low keys, then one far past them: a set again
+    store.add("low-then-high", 0, [(k, "/d/x", REASONS[0], "") for k in (3, 5, 3, 2 * 10**8)])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert store.report("low-then-high")["skipped"] == 3 and peak < 2**20
+    store.add(
+        "low-then-high", 0, [(5, "/d/x", REASONS[0], ""), (2 * 10**8, "/d/x", REASONS[0], "")]
+    )
+    assert store.report("low-then-high")["skipped"] == 3
 
 
 # --- config validation before any Ray work ---------------------------------------------
