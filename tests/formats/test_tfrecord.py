@@ -130,13 +130,17 @@ def test_a_truncated_gzip_shard_is_listed_as_its_records_and_a_reported_rest(tmp
     (plain,) = root.iterdir()
     packed = gzip.compress(plain.read_bytes())
     plain.unlink()
-    for cut in range(40, 100, 3):  # the stream cut in a record or between two
+    read = set()  # how many records each cut left readable (protobuf's map order, and so
+    for cut in range(10, 100, 3):  # how far a cut reaches, differs from process to process)
         (root / "train.tfrecord.gz").write_bytes(packed[: len(packed) * cut // 100])
         got = records(PipelineConfig(source=str(root)))
-        listing = list_shards(PipelineConfig(source=str(root)))
-        assert listing.num_samples == len(got) and len(got) > 2
-        assert [r.label for r in got[:-1]] == labels[: len(got) - 1]
-        assert got[-1].reason == "truncated_shard", (cut, got[-1])
+        assert list_shards(PipelineConfig(source=str(root))).num_samples == len(got)
+        good = len(got) - 1
+        assert [r.label for r in got[:good]] == labels[:good] and got[good].data is None
+        reasons = {"truncated_shard"} if good else {"truncated_shard", "unreadable_shard"}
+        assert got[good].reason in reasons, (cut, got[good])
+        read.add(good)
+    assert max(read) > 2 and len(read) > 3
 
 
 def test_truncation_other_files_and_unknown_names(tmp_path):
