@@ -12,8 +12,9 @@ same `Preprocessor` (`raypipe.preprocess.actor`):
    ▼ preserve_order: blocks come out in task order, so epochs never interleave
    RankPreprocessor pool (this rank's share of config.actors), started once for the run:
    task id → (epoch, shard rows) (`raypipe.plan.rankplan.RankTasks`) → read + decode + crop
-   ▼ blocks {image, label, key, epoch}; one task's blocks never mix epochs
- the rank's Feeder cuts epochs where the ``epoch`` column changes
+   ▼ blocks {image, label, key, epoch}; one task's rows are one epoch's (a block Ray
+     Data merged from several tasks' outputs may hold two)
+ the rank's Feeder cuts epochs where the ``epoch`` column changes, within a block too
 ```
 
 Ray Data keeps an actor pool for exactly one execution (``StreamingExecutor.shutdown``
