@@ -11,8 +11,8 @@ recorded (`raypipe.skips.records`) in one small actor per driver.
 Skipped samples never become rows: they are dropped inside the actors, so a rank's rows
 are good ones only and the ledger (`raypipe.loader.ledger`) keeps the ranks' batch counts
 equal. The side channel is one small actor per driver (named, no CPUs), holding for each
-dataset ("run") exact counts per reason, the skipped keys (a set, or a bitmap when that is
-smaller: a retried task cannot count a key twice) and at most ``max_records`` records.
+dataset ("run") exact counts per reason, the skipped keys (a bitmap in pieces: a retried task
+cannot count a key twice) and at most ``max_records`` records.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ import dataclasses
 import threading
 import uuid
 from typing import Any
-
-import numpy as np
 
 from raypipe.skips.records import SkipRecord
 
@@ -69,52 +67,31 @@ class SkipStore:
 class _Run:
     """Skips of one dataset: exact counts, the keys seen, the first records.
 
-    The keys seen are a set while that is smaller than a bitmap up to the largest key (a
-    few skips at high keys: bytes per skip, where a bitmap took 25 MB for one skip at key
-    2·10⁸, in every epoch's run kept), else a bitmap (many skips: a bit per key)."""
+    The keys seen are a bitmap in pieces of ``PIECE`` keys, made as a skip first lands in
+    one: a few skips at high keys cost a piece each, where one bitmap up to the highest
+    took 25 MB for one skip at key 2·10⁸ (in every epoch's run kept); many cost a bit each."""
 
-    SET_BYTES = 80  # about what a set holds per int key
+    PIECE = 4096  # keys a piece of the bitmap holds (512 bytes)
 
     def __init__(self, max_records: int):
         self.max_records = max_records
         self.counts: collections.Counter[str] = collections.Counter()
         self.total = 0
         self.records: list[SkipRecord] = []
-        self._seen: set[int] | bytearray = set()
-        self._top = 0  # the largest key seen
+        self._seen: dict[int, bytearray] = {}  # piece -> its bits
 
     def add(self, record: SkipRecord) -> None:
-        if not self._first(record.key):
+        piece, i = divmod(record.key, self.PIECE)
+        bits = self._seen.get(piece)
+        if bits is None:
+            bits = self._seen[piece] = bytearray(self.PIECE // 8)
+        if bits[i >> 3] >> (i & 7) & 1:
             return  # the same key again: a retried task
+        bits[i >> 3] |= 1 << (i & 7)
         self.counts[record.reason] += 1
         self.total += 1
         if len(self.records) < self.max_records:
             self.records.append(record)
-
-    def _first(self, key: int) -> bool:
-        """Mark ``key`` seen; False if it was already."""
-        self._top = max(self._top, key)
-        seen = self._seen
-        if isinstance(seen, set):
-            if key in seen:
-                return False
-            seen.add(key)
-            if len(seen) * self.SET_BYTES > self._top // 8 + 1:  # a bitmap is smaller now
-                self._seen = bytearray(self._top // 8 + 1)
-                for k in seen:
-                    self._seen[k >> 3] |= 1 << (k & 7)
-            return True
-        byte, bit = divmod(key, 8)
-        if byte >= len(seen):
-            if byte + 1 > (self.total + 1) * self.SET_BYTES:  # far past the rest: a set again
-                bits = np.unpackbits(np.frombuffer(seen, np.uint8), bitorder="little")
-                self._seen = {*np.flatnonzero(bits).tolist(), key}
-                return True
-            seen.extend(bytes(byte + 1 - len(seen)))
-        if seen[byte] >> bit & 1:
-            return False
-        seen[byte] |= 1 << bit
-        return True
 
 
 REPORT_FILE = "skipped_samples.json"
