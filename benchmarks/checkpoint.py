@@ -32,7 +32,7 @@ import numpy as np
 from raypipe.cli import localray
 from raypipe.config import PipelineConfig
 from raypipe.plan.shards import epoch_order, list_shards
-from raypipe.train.state import PipelineState, fingerprint, merge_states
+from raypipe.train.state import PipelineState, merge_states
 
 IMAGENET = 1_281_167
 
@@ -112,7 +112,7 @@ def half_consumed(config: PipelineConfig, epoch: int) -> PipelineState:
         consumed[shard.first_key : shard.first_key + shard.num_samples] = True
     half = order[len(order) // 2]  # a partially read shard
     consumed[half.first_key : half.first_key + half.num_samples // 2] = True
-    return PipelineState(epoch, config.seed, listing.num_samples, fingerprint(listing), consumed)
+    return PipelineState(epoch, config.seed, listing.num_samples, listing.fingerprint, consumed)
 
 
 def resume_cost(config: PipelineConfig, repeats: int, tmp: str) -> dict:

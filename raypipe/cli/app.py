@@ -35,12 +35,12 @@ def _run(args: argparse.Namespace) -> int:
     _expect_kind(args.config, "train")
     with tempfile.TemporaryDirectory(prefix="raypipe-") as tmp:
         config = jobspec.write_resolved(args.config, args.data_root, tmp)
-        check_classes(RunConfig.from_yaml(config), args.config)  # bad data: before Ray
+        classes = check_classes(RunConfig.from_yaml(config), args.config)  # before Ray
         verbose = quiet.is_verbose(args.verbose)
         with _ray_session(args.address, verbose=verbose):
             t0 = time.perf_counter()  # the run's time, not Ray's start-up
             storage = args.storage_path and jobspec.resolve(args.data_root, args.storage_path)
-            result = run(config, epochs=args.epochs, storage_path=storage,
+            result = run(config, epochs=args.epochs, storage_path=storage, classes=classes,
                          ray_log_level="INFO" if verbose else quiet.TRAIN_LOG_LEVEL)  # fmt: skip
     m = result.metrics or {}
     rows = [("time", f"{time.perf_counter() - t0:.1f} s")]

@@ -184,12 +184,13 @@ def check_classes(run_cfg: RunConfig, config_path) -> tuple[str, ...]:
 
 
 def run(config_path: str | Path, *, epochs: int | None = None, storage_path: str | None = None,
-        ray_log_level: str = "INFO"):  # fmt: skip
+        ray_log_level: str = "INFO", classes: tuple[str, ...] | None = None):  # fmt: skip
     """Train from a run config on the Ray this process is connected to (or a local one);
-    ``ray_log_level`` is Ray Train's own (`raypipe.train_ddp`)."""
+    ``ray_log_level`` is Ray Train's own (`raypipe.train_ddp`); ``classes``: what
+    `check_classes` gave for this config already (else it runs here)."""
     run_cfg = RunConfig.from_yaml(config_path)
     t = run_cfg.trainer
-    classes = check_classes(run_cfg, config_path)
+    classes = classes or check_classes(run_cfg, config_path)
     result = train_ddp(
         run_cfg.data,
         classify_loop,

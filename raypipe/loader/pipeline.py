@@ -115,14 +115,8 @@ class Pipeline:
             actors=rank_pool(config.actors, world_size)[1],
         )  # fmt: skip
         self.first_epoch = start.epoch if start is not None else 0
-        self.plan = RankPlan.of(
-            self.listing, seed=config.seed, shuffle=config.shuffle_files, rank=rank,
-            world_size=world_size,
-            per_task=self.listing.shards_per_task(config),
-            resume_epoch=self.first_epoch if start is not None else -1,
-            consumed=start.consumed if start is not None else None,
-            weights=self.listing.lengths if config.pack is not None else None,
-        )  # fmt: skip
+        self.plan = rank_plan(config, self.listing, rank, world_size,
+                              per_task=self.listing.shards_per_task(config), start=start)  # fmt: skip
         self.loader = loader.replace(device=resolve_device(loader.device))
         self._collate = collate_for(config)
         equal = world_size > 1 and drop_last  # the ledger evens batch counts out
@@ -237,14 +231,26 @@ class Pipeline:
             collect_failed(error)  # what the error's way out released: the pool's actors
 
 
+def rank_plan(config: PipelineConfig, listing: Listing, rank: int, world_size: int, *,
+              per_task: int, start=None) -> RankPlan:  # fmt: skip
+    """The `RankPlan` of ``rank`` of ``world_size`` for ``config``, resumed at ``start``
+    (a `raypipe.train.state.PipelineState`, or None)."""
+    return RankPlan.of(
+        listing, seed=config.seed, shuffle=config.shuffle_files, rank=rank,
+        world_size=world_size, per_task=per_task,
+        resume_epoch=start.epoch if start is not None else -1,
+        consumed=start.consumed if start is not None else None,
+        weights=listing.lengths if config.pack is not None else None,
+    )  # fmt: skip
+
+
 def rank_batches(config: PipelineConfig, listing: Listing, plan, epoch: int,
                  drop_last: bool) -> int:  # fmt: skip
     """The batches ``plan``'s rank yields in ``epoch`` if no sample is skipped: with
     ``drop_last`` every rank's (packing: full rows of ``seq_len`` tokens, so more batches
     than documents when they are long), else this rank's."""
-    form = batch_form(config, listing, drop_last)
-    if isinstance(form, Packing):
-        return form.batches(plan, epoch)
+    if config.pack is not None:
+        return batch_form(config, listing, drop_last).batches(plan, epoch)
     sizes, B = plan.sizes(epoch), config.batch_size
     return min(sizes) // B if drop_last else -(-sizes[plan.rank] // B)
 

@@ -17,7 +17,7 @@ from raypipe.loader.pipeline import Pipeline
 from raypipe.plan.shards import Listing
 from raypipe.skips.log import SkipLog
 from raypipe.train.checkpoint import EpochBatches, RunPosition
-from raypipe.train.state import PipelineState, fingerprint
+from raypipe.train.state import PipelineState
 
 
 def _group_id() -> str:
@@ -176,7 +176,7 @@ class TrainContext:
             return None
         n = self.eval_listing.num_samples
         return PipelineState(resumed.epoch, self.eval_config.seed, n,
-                             fingerprint(self.eval_listing), np.zeros(n, dtype=bool))  # fmt: skip
+                             self.eval_listing.fingerprint, np.zeros(n, dtype=bool))  # fmt: skip
 
     def close(self) -> None:
         """End this worker's held-out pipeline, if it has one (`train_ddp` does so when the

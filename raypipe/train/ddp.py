@@ -31,7 +31,6 @@ from raypipe.plan.shards import Listing, list_shards
 from raypipe.skips.log import SkipLog, write_reports
 from raypipe.train.checkpoint import RunPosition, load_checkpoint
 from raypipe.train.context import TrainContext, _eval_name, _train_name
-from raypipe.train.state import fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +145,7 @@ def train_ddp(
         eval_listing, eval_skips = list_shards(eval_config), SkipLog.create()
         skip_logs.update({_eval_name(e): eval_skips.epoch(e) for e in range(epochs)})
     progress = RunPosition(seed=config.seed, num_samples=listing.num_samples,
-                        fingerprint=fingerprint(listing), start=start, start_dir=start_dir)  # fmt: skip
+                        fingerprint=listing.fingerprint, start=start, start_dir=start_dir)  # fmt: skip
     _warn_if_short_of_cpus(config, eval_config, num_workers, cpus_per_worker)
     ledger = create_ledger(num_workers) if num_workers > 1 else None
     ctx = TrainContext(config, eval_config, dict(loop_config or {}), epochs,

@@ -24,12 +24,12 @@ from typing import Any
 import numpy as np
 
 from raypipe.config import PipelineConfig
-from raypipe.loader.pipeline import Pipeline, rank_batches
+from raypipe.loader.pipeline import Pipeline, rank_batches, rank_plan
 from raypipe.plan.rankplan import RankPlan
 from raypipe.plan.shards import Listing, list_shards
 from raypipe.train.checkpoint import any_rank
 from raypipe.train.ranks import join_ranks, leave, resolve_world, run_settings
-from raypipe.train.state import PipelineState, fingerprint, merge_states
+from raypipe.train.state import PipelineState, merge_states
 
 __all__ = ["Loader"]
 assert __all__ == sorted(__all__)
@@ -151,12 +151,7 @@ class Loader:
         resumed epoch's steps on from its checkpoint's): the same on every rank (with
         ``drop_last``; fewer when samples are skipped); with packing, its packed rows'."""
         if self._len_plan is None:
-            rank, world = self._rank_world()
-            self._len_plan = RankPlan.of(
-                self.listing, seed=self.config.seed, shuffle=self.config.shuffle_files,
-                rank=rank, world_size=world, per_task=1,
-                weights=self.listing.lengths if self.config.pack else None,
-            )  # fmt: skip
+            self._len_plan = rank_plan(self.config, self.listing, *self._rank_world(), per_task=1)
         epoch = min(self.epoch, self.num_epochs - 1)
         return rank_batches(self.config, self.listing, self._len_plan, epoch, self._drop_last)
 
@@ -193,7 +188,7 @@ class Loader:
         n = self.listing.num_samples
         mine = merge_states([{"keys": keys}], n, base)
         consumed = any_rank(mine, device=self._collective_device())
-        state = PipelineState(epoch, self.config.seed, n, fingerprint(self.listing), consumed)
+        state = PipelineState(epoch, self.config.seed, n, self.listing.fingerprint, consumed)
         return {"epoch": epoch, "state": torch.frombuffer(bytearray(state.to_bytes()),
                                                           dtype=torch.uint8)}  # fmt: skip
 
@@ -236,7 +231,7 @@ class Loader:
         start = None
         if self._next > 0 or self._base is not None:
             consumed = self._base if self._base is not None else np.zeros(n, dtype=bool)
-            start = PipelineState(self._next, self.config.seed, n, fingerprint(self.listing),
+            start = PipelineState(self._next, self.config.seed, n, self.listing.fingerprint,
                                   consumed)  # fmt: skip
         self._generation += 1
         self._pipeline = Pipeline(

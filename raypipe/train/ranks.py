@@ -24,7 +24,6 @@ from raypipe.config import PipelineConfig
 from raypipe.loader.ledger import NAMESPACE, EpochLedger, Gate
 from raypipe.loader.waiters import concurrency
 from raypipe.plan.shards import Listing
-from raypipe.train.state import fingerprint
 
 __all__ = [
     "join_ranks",
@@ -56,7 +55,7 @@ def run_settings(config: PipelineConfig, *, epochs: int, listing: Listing,
                  drop_last: bool) -> dict[str, str]:  # fmt: skip
     """What every rank must agree on, as text: the config, the epochs, the data."""
     out = {f.name: _text(getattr(config, f.name)) for f in dataclasses.fields(config)}
-    out.update(epochs=str(epochs), dataset=fingerprint(listing), drop_last=str(drop_last))
+    out.update(epochs=str(epochs), dataset=listing.fingerprint, drop_last=str(drop_last))
     return out
 
 

@@ -30,11 +30,7 @@ import numpy as np
 
 from raypipe.plan.shards import Listing
 
-__all__ = [
-    "PipelineState",
-    "fingerprint",
-    "merge_states",
-]
+__all__ = ["PipelineState", "merge_states"]
 assert __all__ == sorted(__all__)
 
 STATE_FILE = "raypipe_state.bin"
@@ -50,7 +46,7 @@ class PipelineState:
         epoch: the epoch to resume; an epoch-end checkpoint names the next one.
         seed: ``PipelineConfig.seed`` of the run (per-epoch order and augmentation).
         num_samples: keys in the dataset, ``len(consumed)``.
-        fingerprint: `fingerprint` of the shard listing the keys refer to.
+        fingerprint: the `Listing.fingerprint` of the shards the keys refer to.
         consumed: bool per key, True when a train step already got that sample.
     """
 
@@ -120,11 +116,6 @@ class PipelineState:
             )
         if self.seed != seed:
             raise ValueError(f"the checkpoint has seed={self.seed}, the config {seed=}")
-
-
-def fingerprint(listing: Listing) -> str:
-    """A hash of the shards (paths relative to their common folder, sample counts)."""
-    return listing.fingerprint
 
 
 def merge_states(

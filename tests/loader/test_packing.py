@@ -144,13 +144,13 @@ def test_iter_torch_batches_refuses_packing():
 
 def test_a_resumed_epoch_packs_the_documents_it_had_left_once(ray_session, tokens):
     from raypipe.plan.shards import list_shards
-    from raypipe.train.state import PipelineState, fingerprint
+    from raypipe.train.state import PipelineState
 
     root, docs = tokens
     config = packed(root)
     listing = list_shards(config)
     consumed = np.random.default_rng(3).random(len(docs)) < 0.4  # keys a run delivered
-    state = PipelineState(0, config.seed, len(docs), fingerprint(listing), consumed)
+    state = PipelineState(0, config.seed, len(docs), listing.fingerprint, consumed)
     out, stats = run_ranks(config, 2, 1, drop_last=False, start=state)
     ranks = [r[0] for r in out]
     assert len(ranks[0]) == len(ranks[1])

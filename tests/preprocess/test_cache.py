@@ -858,13 +858,13 @@ def test_a_resumed_epoch_is_exactly_once_with_the_same_pixels_from_the_cache(ray
     against the same resume with an empty cache: the keys left, once each, with the same
     pixels."""
     from raypipe.plan.shards import list_shards
-    from raypipe.train.state import PipelineState, fingerprint
+    from raypipe.train.state import PipelineState
 
     config = PipelineConfig(source=str(datasets["webdataset"]), image_size=8, batch_size=4,
                             rows_per_block=4, cache="memory", cache_max_side=11)  # fmt: skip
     listing = list_shards(config)
     consumed = np.random.default_rng(7).random(61) < 0.4
-    state = PipelineState(1, config.seed, 61, fingerprint(listing), consumed)
+    state = PipelineState(1, config.seed, 61, listing.fingerprint, consumed)
     run_ranks(config, 1, 1, drop_last=False, normalize=False)  # fills the cache
     warm, _ = run_ranks(config, 1, 2, drop_last=False, normalize=False, start=state)
     cold, _ = run_ranks(config.replace(cache_budget=1 << 20), 1, 2, drop_last=False,

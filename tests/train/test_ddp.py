@@ -97,7 +97,7 @@ def test_a_resumed_run_evaluates_only_its_remaining_epochs(ray_session, datasets
     import numpy as np
 
     from raypipe.plan.shards import list_shards
-    from raypipe.train.state import PipelineState, fingerprint
+    from raypipe.train.state import PipelineState
 
     train = PipelineConfig(source=str(datasets["parquet"]), image_size=8, batch_size=5)
     held = PipelineConfig(source=str(datasets["webdataset"]), image_size=8, batch_size=8,
@@ -106,7 +106,7 @@ def test_a_resumed_run_evaluates_only_its_remaining_epochs(ray_session, datasets
     n = listing.num_samples
     start = tmp_path / "start"
     start.mkdir()
-    PipelineState(2, train.seed, n, fingerprint(listing), np.zeros(n, dtype=bool)).save(
+    PipelineState(2, train.seed, n, listing.fingerprint, np.zeros(n, dtype=bool)).save(
         start / "raypipe_state.bin"
     )
     out = tmp_path / "passes"

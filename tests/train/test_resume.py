@@ -17,7 +17,7 @@ import pytest
 from raypipe import PipelineConfig, SkipLog, build_dataset, iter_torch_batches
 from raypipe.plan.rankplan import RankPlan, RankTasks
 from raypipe.plan.shards import Listing, Shard, list_shards
-from raypipe.train.state import PipelineState, fingerprint, merge_states
+from raypipe.train.state import PipelineState, merge_states
 from tests.conftest import make_imagefolder, make_parquet, make_webdataset
 
 
@@ -101,7 +101,7 @@ def test_pending_rows_drop_consumed_shards_and_mark_consumed_members():
 
 def test_check_refuses_other_data_and_seeds(datasets):
     listing = list_shards(PipelineConfig(source=str(datasets["parquet"])))
-    good = _state(listing.num_samples, seed=0, fingerprint=fingerprint(listing))
+    good = _state(listing.num_samples, seed=0, fingerprint=listing.fingerprint)
     good.check(listing, 0)
     with pytest.raises(ValueError, match="seed=1"):
         good.check(listing, 1)
@@ -187,7 +187,7 @@ def test_train_ddp_refuses_a_checkpoint_it_cannot_resume(datasets, tmp_path):
 
     config = PipelineConfig(source=str(datasets["webdataset"]), image_size=8, batch_size=4)
     listing = list_shards(config)
-    done = _state(61, epoch=2, seed=0, fingerprint=fingerprint(listing))
+    done = _state(61, epoch=2, seed=0, fingerprint=listing.fingerprint)
     done.save(tmp_path / "raypipe_state.bin")
     with pytest.raises(ValueError, match="is at epoch 2: epochs=2 leaves nothing"):
         train_ddp(config, lambda ctx: None, epochs=2, resume_from=tmp_path)
