@@ -10,6 +10,9 @@
                  iteration, actor pool included: every epoch of this feed pays the pool's
                  start, as raypipe's first epoch does
       raypipe_decode_gpu  the same with ``decode="gpu"``: JPEG bytes travel, nvJPEG decodes
+      dali       NVIDIA DALI (`dali_feed`): nvJPEG on "mixed" with its random crop, resize,
+                 flip, normalize on the GPU, ``actors`` CPU threads; only where DALI is
+                 installed
       on_device  batches already on the GPU (the upper bound)
     The feeds run ``--repeats`` times, interleaved (the order rotates from one repeat to the
     next); each figure is the median over repeats with its range. Per repeat: samples/s
@@ -20,9 +23,11 @@
     epoch 0 apart, its ratio to on_device in the same repeat, the image bytes moved per
     second, and device segments / pinned host allocations made after each feed's first
     two epochs (on_device: the model's own; the most over the repeats).
-(2) decode: ``decode="cpu"`` vs ``decode="gpu"`` through the same ``Pipeline`` with no model:
-    images/s and node CPU-seconds per image (epochs >= 1, medians), and the mean absolute
-    difference between the two paths' uint8 crops of the same keys.
+(2) decode: ``decode="cpu"`` vs ``decode="gpu"`` through the same ``Pipeline`` with no model
+    (and DALI's uint8 crops where it is installed): images/s and node CPU-seconds per image
+    (epochs >= 1, medians), and the mean absolute difference between raypipe's two paths'
+    uint8 crops of the same keys. ``--gpu-decoders`` runs ``decode="gpu"`` once per nvJPEG
+    front end named (`raypipe.loader.devicedecode.DECODERS`).
 
 The corpus is ``--images`` JPEG files of 400×300: 2,048 crops of scikit-learn's sample photos,
 linked again under new names up to ``--images``.
@@ -41,6 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import dali_feed
 import torch
 from h2d import delta, machine, resnet50
 from ingest import make_corpus
@@ -203,6 +209,11 @@ def feeds(name: str, model, config, args, device) -> dict:
         ),
         "ray_data": lambda c: ray_data_epochs(c, args.epochs, device),
     }
+    if dali_feed.available():
+        runs["dali"] = lambda c: dali_feed.dali_epochs(
+            Path(c.source), batch=c.batch_size, size=c.image_size, epochs=args.epochs,
+            threads=c.actors[1], device_id=device.index,
+        )  # fmt: skip
     names = list(runs)
     repeats: list[dict[str, dict]] = []
     for i in range(args.repeats):
@@ -243,34 +254,55 @@ def summary(runs: list[dict]) -> dict:
 
 def decode_paths(config, args, device) -> dict:
     out, crops, every = {}, {}, max(1, args.images // args.compare)
-    for decode in ("cpu", "gpu"):
-        rates, cpu_per_image = [], []
+    paths = [("cpu", None)] + [("gpu", d) for d in args.gpu_decoders]
+    for decode, decoder in paths:
+        name = decode if decoder is None else f"gpu_{decoder}"
+        if decoder is not None:
+            os.environ["RAYPIPE_GPU_DECODER"] = decoder
         cfg = config.replace(decode=decode)
         with raypipe.Pipeline(cfg, epochs=args.epochs, device=device, normalize=False) as pipe:
-            for e, batches in pipe.epochs():
-                rows = 0
-                with CpuMeter() as cpu:
-                    t0 = time.perf_counter()
-                    for b in batches:
-                        rows += len(b["key"])
-                        if e == 0:  # the same keys from both runs: every (images/compare)th
-                            for k, img in zip(b["key"].tolist(), b["image"], strict=True):
-                                if k % every == 0:
-                                    crops[(decode, k)] = img.to("cpu", torch.int16)
-                    torch.cuda.synchronize(device)
-                    dt = time.perf_counter() - t0
-                rates.append(rows / dt)
-                cpu_per_image.append(cpu.seconds / rows)
-        out[decode] = {"epoch_images_s": [round(r, 1) for r in rates],
-                       "images_s": round(statistics.median(rates[1:] or rates), 1),
-                       "cpu_s_per_image": round(statistics.median(cpu_per_image[1:]), 6)}  # fmt: skip
-        print(decode, json.dumps(out[decode]), flush=True)
-    same = [k for (d, k) in crops if d == "cpu" and ("gpu", k) in crops]
-    diffs = [(crops[("cpu", k)] - crops[("gpu", k)]).abs().float().mean().item() for k in same]
-    out["same_keys_compared"] = len(same)
-    out["mean_abs_diff"] = round(statistics.mean(diffs), 3) if diffs else None
-    out["max_image_mean_abs_diff"] = round(max(diffs), 3) if diffs else None
+            epochs = (((b["image"], b["key"]) for b in batches) for _, batches in pipe.epochs())
+            out[name] = metered_rates(epochs, device, crops, name, every)
+        print(name, json.dumps(out[name]), flush=True)
+    if dali_feed.available():
+        out["dali"] = metered_rates(dali_feed.dali_epochs(
+            Path(config.source), batch=config.batch_size, size=config.image_size,
+            epochs=args.epochs, threads=config.actors[1], device_id=device.index,
+            normalize=False,
+        ), device)  # fmt: skip
+        print("dali", json.dumps(out["dali"]), flush=True)
+    for name in out:
+        if name == "cpu" or name == "dali":
+            continue
+        same = [k for (d, k) in crops if d == "cpu" and (name, k) in crops]
+        diffs = [(crops[("cpu", k)] - crops[(name, k)]).abs().float().mean().item() for k in same]
+        out[name]["same_keys_compared"] = len(same)
+        out[name]["mean_abs_diff"] = round(statistics.mean(diffs), 3) if diffs else None
+        out[name]["max_image_mean_abs_diff"] = round(max(diffs), 3) if diffs else None
     return out
+
+
+def metered_rates(epochs, device, crops=None, name=None, every=1) -> dict:
+    """Images/s and node CPU-seconds per image of each epoch of (image, key) batches; epoch
+    0's crops of every ``every``-th key kept in ``crops`` under ``name`` when given."""
+    rates, cpu_per_image = [], []
+    for e, batches in enumerate(epochs):
+        rows = 0
+        with CpuMeter() as cpu:
+            t0 = time.perf_counter()
+            for image, key in batches:
+                rows += len(key)
+                if e == 0 and crops is not None:  # the same keys from every run
+                    for k, img in zip(key.tolist(), image, strict=True):
+                        if k % every == 0:
+                            crops[(name, k)] = img.to("cpu", torch.int16)
+            torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+        rates.append(rows / dt)
+        cpu_per_image.append(cpu.seconds / rows)
+    return {"epoch_images_s": [round(r, 1) for r in rates],
+            "images_s": round(statistics.median(rates[1:] or rates), 1),
+            "cpu_s_per_image": round(statistics.median(cpu_per_image[1:]), 6)}  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -296,6 +328,9 @@ def main(argv=None) -> int:
     )
     p.add_argument("--compare", type=int, default=512, help="keys whose crops are compared")
     p.add_argument("--only", choices=("feeds", "decode"), help="run one part")
+    p.add_argument("--gpu-decoders", nargs="+", default=["torchvision"],
+                   help="nvJPEG front ends for decode='gpu' in the decode part, one run each "
+                   "(torchvision, nvimgcodec)")  # fmt: skip
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
     if args.epochs < 2 or args.repeats < 1:
@@ -313,7 +348,8 @@ def main(argv=None) -> int:
                                     actors=(args.actors, args.actors), seed=0)  # fmt: skip
     results: dict = {"machine": machine(device), "images": args.images, "epochs": args.epochs,
                      "repeats": args.repeats, "actors": args.actors,
-                     "source": "400x300 photo JPEGs"}  # fmt: skip
+                     "source": "400x300 photo JPEGs",
+                     "dali": dali_feed.available()}  # fmt: skip
     if args.only in (None, "feeds"):
         results["data_bound_tiny_cnn"] = feeds(
             "tiny", tiny_cnn(), config.replace(batch_size=args.tiny_batch), args, device

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-__all__ = ["crop_resize", "resample"]
+__all__ = ["crop_resize", "read_region", "resample"]
 
 
 def crop_resize(image, plan, size: int):
@@ -55,6 +55,13 @@ def resample(images: list, plans: np.ndarray, size: int, *, budget: int = 1 << 2
         y = torch.matmul(torch.matmul(wy.unsqueeze(1), x), wx.transpose(1, 2).unsqueeze(1))
         out[part] = y.round_().clamp_(0, 255).to(torch.uint8)
     return out
+
+
+def read_region(plan, size: int, height: int, width: int) -> tuple[tuple[int, int], ...]:
+    """The rows ``(y0, y1)`` and columns ``(x0, x1)`` of a height×width image that `resample`
+    reads for ``plan`` (left, top, width, height, flip): decoding only them gives the same
+    output once the plan's box is moved by ``(-x0, -y0)``."""
+    return _span(plan[1], plan[3], size, height), _span(plan[0], plan[2], size, width)
 
 
 def _span(start: float, extent: float, size: int, limit: int) -> tuple[int, int]:

@@ -16,6 +16,7 @@ from PIL import Image
 import raypipe
 from raypipe.formats.sample import RawSample
 from raypipe.loader.devicedecode import DeviceDecode, collate_encoded, crop_resize, decode_rgb
+from raypipe.loader.resample import read_region, resample
 from raypipe.preprocess import decode
 from raypipe.preprocess.augment import Box, Plan, plan, sample_rng
 from raypipe.preprocess.encoded import Encoded, EncodedBlocks
@@ -216,3 +217,57 @@ def test_a_truncated_jpeg_on_cuda(ray_session, tmp_path):
     root = damaged_folder(tmp_path / "g")
     expected = ([5, 5, 5], {"truncated_image": 2}, ["003.jpg", "011.jpg"])
     assert skipped_files(root, device="cuda", decode="gpu") == expected
+
+
+def test_decoding_only_the_region_resample_reads_gives_the_same_crops():
+    """What the nvImageCodec front end relies on: the rows and columns `read_region` names,
+    with the plan moved into them, resample to exactly the whole image's output."""
+    rng = np.random.default_rng(4)
+    images, plans, regions, moved = [], [], [], []
+    for key in range(24):
+        w, h = int(rng.integers(30, 200)), int(rng.integers(30, 200))
+        p = plan(w, h, train=key % 3 > 0, rng=sample_rng(0, 0, key), scale=(0.08, 1.0),
+                 ratio=(3 / 4, 4 / 3), flip=True)  # fmt: skip
+        row = np.array([*p.box, float(p.flip)], dtype=np.float32)
+        image = torch.randint(0, 256, (3, h, w), dtype=torch.uint8)
+        (y0, y1), (x0, x1) = read_region(row, 20, h, w)
+        assert 0 <= y0 < y1 <= h and 0 <= x0 < x1 <= w
+        images.append(image)
+        plans.append(row)
+        regions.append(image[:, y0:y1, x0:x1])
+        moved.append(row - np.array([x0, y0, 0, 0, 0], dtype=np.float32))
+    whole = resample(images, np.stack(plans), 20)
+    assert torch.equal(resample(regions, np.stack(moved), 20), whole)
+    # and the region is needed: one row fewer changes the output somewhere
+    cut = [r[:, 1:, :] if r.shape[1] > 1 else r for r in regions]
+    assert not torch.equal(resample(cut, np.stack(moved) - [0, 1, 0, 0, 0], 20), whole)
+
+
+def test_an_unknown_gpu_decoder_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv("RAYPIPE_GPU_DECODER", "dali")
+    with pytest.raises(ValueError, match="RAYPIPE_GPU_DECODER='dali': expected one of nvimgcodec"):
+        DeviceDecode(16, "cpu")
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])]
+)
+def test_the_nvimgcodec_front_end_decodes_regions_like_the_whole_files(monkeypatch, device):
+    pytest.importorskip("nvidia.nvimgcodec")
+    rng = np.random.default_rng(5)
+    files = [photo(rng, size=(int(rng.integers(40, 300)), int(rng.integers(40, 300))))
+             for _ in range(12)]  # fmt: skip
+    files[4] = files[4][: len(files[4]) // 2]  # cut short: both front ends hand it to the CPU
+    batch = encoded_batch(files)
+    batch["plan"] = np.array([(*plan(*reversed(decode.jpeg_size(f)), train=True,
+                                     rng=sample_rng(0, 0, k), scale=(0.08, 1.0),
+                                     ratio=(3 / 4, 4 / 3), flip=True).box, k % 2)
+                               for k, f in enumerate(files)], dtype=np.float32)  # fmt: skip
+    whole = DeviceDecode(24, device)(dict(batch))
+    monkeypatch.setenv("RAYPIPE_GPU_DECODER", "nvimgcodec")
+    decoder = DeviceDecode(24, device)
+    regions = decoder(dict(batch))
+    assert regions["key"].tolist() == whole["key"].tolist()
+    diff = (regions["image"].int() - whole["image"].int()).abs().float().mean(dim=(1, 2, 3))
+    # the same decoder library on the CPU; nvJPEG's own on CUDA: its chroma, a few levels
+    assert diff.max() < (1.5 if device == "cpu" else 8), diff
