@@ -257,7 +257,8 @@ def test_the_nvimgcodec_front_end_decodes_regions_like_the_whole_files(monkeypat
     rng = np.random.default_rng(5)
     files = [photo(rng, size=(int(rng.integers(40, 300)), int(rng.integers(40, 300))))
              for _ in range(12)]  # fmt: skip
-    files[4] = files[4][: len(files[4]) // 2]  # cut short: both front ends hand it to the CPU
+    if device == "cpu":  # cut short: both CPU decoders refuse it (nvJPEG may read it whole;
+        files[4] = files[4][: len(files[4]) // 2]  # in a run the actor reports it first)
     batch = encoded_batch(files)
     batch["plan"] = np.array([(*plan(*reversed(decode.jpeg_size(f)), train=True,
                                      rng=sample_rng(0, 0, k), scale=(0.08, 1.0),
