@@ -5,8 +5,8 @@ this process's CPU-seconds per image for each, decode only (no crop, no resample
   nvimgcodec           nvImageCodec's batched ``Decoder.decode``, whole files (the GPU's
                        hardware JPEG engines where it has them)
   nvimgcodec_regions   the same over the region each file's random-resized-crop reads
-                       (`raypipe.loader.resample.read_region`): what ``RAYPIPE_GPU_DECODER=
-                       nvimgcodec`` decodes
+                       (`raypipe.loader.resample.read_region`), which would spare decoding
+                       the rest of each file
 
     python benchmarks/gpu_decoders.py --json gpu_decoders.json
 """

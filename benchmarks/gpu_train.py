@@ -26,8 +26,7 @@
 (2) decode: ``decode="cpu"`` vs ``decode="gpu"`` through the same ``Pipeline`` with no model
     (and DALI's uint8 crops where it is installed): images/s and node CPU-seconds per image
     (epochs >= 1, medians), and the mean absolute difference between raypipe's two paths'
-    uint8 crops of the same keys. ``--gpu-decoders`` runs ``decode="gpu"`` once per nvJPEG
-    front end named (`raypipe.loader.devicedecode.DECODERS`).
+    uint8 crops of the same keys.
 
 The corpus is ``--images`` JPEG files of 400×300: 2,048 crops of scikit-learn's sample photos,
 linked again under new names up to ``--images``.
@@ -254,12 +253,8 @@ def summary(runs: list[dict]) -> dict:
 
 def decode_paths(config, args, device) -> dict:
     out, crops, every = {}, {}, max(1, args.images // args.compare)
-    paths = [("cpu", None)] + [("gpu", d) for d in args.gpu_decoders]
-    for decode, decoder in paths:
-        name = decode if decoder is None else f"gpu_{decoder}"
-        if decoder is not None:
-            os.environ["RAYPIPE_GPU_DECODER"] = decoder
-        cfg = config.replace(decode=decode)
+    for name in ("cpu", "gpu"):
+        cfg = config.replace(decode=name)
         with raypipe.Pipeline(cfg, epochs=args.epochs, device=device, normalize=False) as pipe:
             epochs = (((b["image"], b["key"]) for b in batches) for _, batches in pipe.epochs())
             out[name] = metered_rates(epochs, device, crops, name, every)
@@ -271,14 +266,11 @@ def decode_paths(config, args, device) -> dict:
             normalize=False,
         ), device)  # fmt: skip
         print("dali", json.dumps(out["dali"]), flush=True)
-    for name in out:
-        if name == "cpu" or name == "dali":
-            continue
-        same = [k for (d, k) in crops if d == "cpu" and (name, k) in crops]
-        diffs = [(crops[("cpu", k)] - crops[(name, k)]).abs().float().mean().item() for k in same]
-        out[name]["same_keys_compared"] = len(same)
-        out[name]["mean_abs_diff"] = round(statistics.mean(diffs), 3) if diffs else None
-        out[name]["max_image_mean_abs_diff"] = round(max(diffs), 3) if diffs else None
+    same = [k for (d, k) in crops if d == "cpu" and ("gpu", k) in crops]
+    diffs = [(crops[("cpu", k)] - crops[("gpu", k)]).abs().float().mean().item() for k in same]
+    out["same_keys_compared"] = len(same)
+    out["mean_abs_diff"] = round(statistics.mean(diffs), 3) if diffs else None
+    out["max_image_mean_abs_diff"] = round(max(diffs), 3) if diffs else None
     return out
 
 
@@ -328,9 +320,6 @@ def main(argv=None) -> int:
     )
     p.add_argument("--compare", type=int, default=512, help="keys whose crops are compared")
     p.add_argument("--only", choices=("feeds", "decode"), help="run one part")
-    p.add_argument("--gpu-decoders", nargs="+", default=["torchvision"],
-                   help="nvJPEG front ends for decode='gpu' in the decode part, one run each "
-                   "(torchvision, nvimgcodec)")  # fmt: skip
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
     if args.epochs < 2 or args.repeats < 1:

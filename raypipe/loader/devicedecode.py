@@ -8,39 +8,22 @@ and each sample's crop plan) decoded on the rank's device, in step 4 of the iter
            → flip → uint8 N×3×S×S
 ```
 
-nvJPEG has two front ends, chosen by ``RAYPIPE_GPU_DECODER``: ``torchvision`` (the default:
-``decode_jpeg`` on a list of files) and ``nvimgcodec`` (NVIDIA nvImageCodec's batched
-decoder, which uses the GPU's hardware JPEG engines where it has them and decodes each file
-only over the rows and columns its crop reads; ``pip install nvidia-nvimgcodec-cu13[all]``
-or ``-cu12``). A JPEG that nvJPEG refuses is decoded on the CPU (libjpeg-turbo, then
-Pillow); one that both refuse is a bad sample under ``on_error``. On a CPU device (tests,
-machines without CUDA) the same step runs with libjpeg-turbo, or with nvImageCodec's CPU
-decoder when it is chosen.
+A JPEG that nvJPEG refuses is decoded on the CPU (libjpeg-turbo, then Pillow); one that
+both refuse is a bad sample under ``on_error``. On a CPU device (tests, machines without
+CUDA) the same step runs with libjpeg-turbo.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
-from raypipe.loader.resample import crop_resize, read_region, resample
+from raypipe.loader.resample import crop_resize, resample
 from raypipe.skips.records import SampleError, SkipRecord
 
-__all__ = ["DECODERS", "DeviceDecode", "collate_encoded", "crop_resize", "decode_rgb",
-           "device_map_for", "front_end_name"]  # fmt: skip
+__all__ = ["DeviceDecode", "collate_encoded", "crop_resize", "decode_rgb", "device_map_for"]
 assert __all__ == sorted(__all__)
-
-DECODERS = ("nvimgcodec", "torchvision")
-
-
-def front_end_name() -> str:
-    """The nvJPEG front end ``RAYPIPE_GPU_DECODER`` names (`DECODERS`; torchvision unset)."""
-    name = os.environ.get("RAYPIPE_GPU_DECODER", "torchvision")
-    if name not in DECODERS:
-        raise ValueError(f"RAYPIPE_GPU_DECODER={name!r}: expected one of {', '.join(DECODERS)}")
-    return name
 
 
 def device_map_for(config, device, skips=None) -> DeviceDecode | None:
@@ -76,10 +59,8 @@ class DeviceDecode:
         self.skips = skips
         self.fallbacks = 0
         self.skipped = 0
-        self._nvjpeg = self._regions = None
-        if front_end_name() == "nvimgcodec":
-            self._regions = NvImageCodec(self.device)
-        elif self.device.type == "cuda":
+        self._nvjpeg = None
+        if self.device.type == "cuda":
             try:
                 from torchvision.io import ImageReadMode, decode_jpeg
             except ImportError as e:
@@ -97,18 +78,17 @@ class DeviceDecode:
         payload, plans, where = batch["payload"], np.asarray(batch["plan"]), batch["where"]
         n, size = len(payload), self.size
         encoded = np.flatnonzero(plans[:, 2] > 0)
-        decoded, boxes = self._decode([payload[i] for i in encoded], plans[encoded])
-        images, kept, used = [], [], []
-        for i, image, box in zip(encoded.tolist(), decoded, boxes, strict=True):
+        decoded = self._decode([payload[i] for i in encoded])
+        images, kept = [], []
+        for i, image in zip(encoded.tolist(), decoded, strict=True):
             if image is None:  # nvJPEG refused it (or there is no nvJPEG): the CPU decodes
-                image, box = self._on_cpu(payload[i], where[i], int(batch["key"][i])), plans[i]
+                image = self._on_cpu(payload[i], where[i], int(batch["key"][i]))
             if image is not None:
                 images.append(image)
                 kept.append(i)
-                used.append(box)
         out = torch.empty((n, 3, size, size), dtype=torch.uint8, device=self.device)
         if images:
-            out[kept] = resample(images, np.asarray(used), size)
+            out[kept] = resample(images, plans[kept], size)
         pixels = np.flatnonzero(plans[:, 2] == 0)  # rows the actor decoded (PNG, CMYK, ...)
         if len(pixels):
             host = np.stack([payload[i] for i in pixels]).reshape(-1, 3, size, size)
@@ -122,22 +102,17 @@ class DeviceDecode:
                     for k, v in rest.items()}  # fmt: skip
         return {**rest, "image": out}
 
-    def _decode(self, payload: list[np.ndarray], plans: np.ndarray) -> tuple[list, np.ndarray]:
-        """3×H×W uint8 device tensors, None where nvJPEG refused a sample (or no nvJPEG),
-        and the plans in their coordinates (a region's own where only it was decoded)."""
+    def _decode(self, payload: list[np.ndarray]) -> list:
+        """3×H×W uint8 device tensors, None where nvJPEG refused a sample (or no nvJPEG)."""
         import torch
 
-        if self._regions is not None and payload:
-            images, plans = self._regions(payload, plans, self.size)
-            self.fallbacks += sum(image is None for image in images)
-            return images, plans
         if self._nvjpeg is None or not payload:
-            return [None] * len(payload), plans
+            return [None] * len(payload)
         data = [torch.from_numpy(p) for p in payload]
         try:
-            return list(self._nvjpeg(data)), plans
+            return list(self._nvjpeg(data))
         except RuntimeError:  # one bad file fails the whole batch call: one at a time
-            return [self._one(d) for d in data], plans
+            return [self._one(d) for d in data]
 
     def _one(self, data):
         try:
@@ -176,71 +151,3 @@ def decode_rgb(data: bytes) -> np.ndarray:
 
         with open_image(data) as img:
             return np.asarray(to_rgb(img))
-
-
-class NvImageCodec:
-    """nvImageCodec's batched decoder on ``device`` (its CPU decoder on a CPU device): each
-    file decoded over the region its plan's resample reads (`read_region`), the plans moved
-    into the regions' coordinates."""
-
-    def __init__(self, device):
-        try:
-            from nvidia import nvimgcodec
-        except ImportError as e:
-            raise RuntimeError(
-                f"RAYPIPE_GPU_DECODER=nvimgcodec needs nvImageCodec: {e}; pip install "
-                "nvidia-nvimgcodec-cu13[all] (or -cu12 for CUDA 12)"
-            ) from None
-        self.nv, self.device = nvimgcodec, device
-        if device.type == "cuda":
-            import torch
-
-            index = torch.cuda.current_device() if device.index is None else device.index
-            self.decoder = nvimgcodec.Decoder(device_id=index)
-        else:
-            cpu = nvimgcodec.Backend(nvimgcodec.BackendKind.CPU_ONLY)
-            self.decoder = nvimgcodec.Decoder(device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
-                                              backends=[cpu])  # fmt: skip
-        self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False,
-                                              color_spec=nvimgcodec.ColorSpec.SRGB,
-                                              sample_format=nvimgcodec.SampleFormat.I_RGB)  # fmt: skip
-
-    def __call__(self, payload: list[np.ndarray], plans: np.ndarray, size: int):
-        import torch
-
-        nv, shifted, streams = self.nv, plans.copy(), []
-        for j, data in enumerate(payload):
-            try:
-                stream = nv.CodeStream(data)
-                (y0, y1), (x0, x1) = read_region(plans[j], size, stream.height, stream.width)
-                streams.append(stream.get_sub_code_stream(region=nv.Region(y0, x0, y1, x1)))
-            except Exception:  # a header it cannot parse: the CPU decodes (or skips) it
-                streams.append(None)
-                continue
-            shifted[j, 0] -= x0
-            shifted[j, 1] -= y0
-        images = [None] * len(payload)
-        todo = [j for j, s in enumerate(streams) if s is not None]
-        if todo:
-            on_gpu = self.device.type == "cuda"
-            stream = torch.cuda.current_stream(self.device).cuda_stream if on_gpu else 0
-            try:
-                out = self.decoder.decode([streams[j] for j in todo], params=self.params,
-                                          cuda_stream=stream)  # fmt: skip
-            except Exception:  # the batch refused whole: the CPU decodes each
-                out = [None] * len(todo)
-            for j, image in zip(todo, out, strict=True):
-                if image is not None:
-                    images[j] = self._tensor(image).permute(2, 0, 1)
-        return images, shifted
-
-    def _tensor(self, image):
-        """An H×W×3 tensor over a decoded `nvimgcodec.Image`'s buffer (no copy on the GPU)."""
-        import torch
-
-        if self.device.type != "cuda":
-            return torch.from_numpy(np.asarray(image.cpu()))
-        try:
-            return torch.from_dlpack(image)
-        except (TypeError, RuntimeError, BufferError):  # an older build: its array interface
-            return torch.as_tensor(image, device=self.device)

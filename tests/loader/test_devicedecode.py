@@ -220,8 +220,8 @@ def test_a_truncated_jpeg_on_cuda(ray_session, tmp_path):
 
 
 def test_decoding_only_the_region_resample_reads_gives_the_same_crops():
-    """What the nvImageCodec front end relies on: the rows and columns `read_region` names,
-    with the plan moved into them, resample to exactly the whole image's output."""
+    """The rows and columns `read_region` names, with the plan moved into them, resample to
+    exactly the whole image's output: a decoder that reads only that region loses nothing."""
     rng = np.random.default_rng(4)
     images, plans, regions, moved = [], [], [], []
     for key in range(24):
@@ -241,34 +241,3 @@ def test_decoding_only_the_region_resample_reads_gives_the_same_crops():
     # and the region is needed: one row fewer changes the output somewhere
     cut = [r[:, 1:, :] if r.shape[1] > 1 else r for r in regions]
     assert not torch.equal(resample(cut, np.stack(moved) - [0, 1, 0, 0, 0], 20), whole)
-
-
-def test_an_unknown_gpu_decoder_is_refused_in_one_line(monkeypatch):
-    monkeypatch.setenv("RAYPIPE_GPU_DECODER", "dali")
-    with pytest.raises(ValueError, match="RAYPIPE_GPU_DECODER='dali': expected one of nvimgcodec"):
-        DeviceDecode(16, "cpu")
-
-
-@pytest.mark.parametrize(
-    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])]
-)
-def test_the_nvimgcodec_front_end_decodes_regions_like_the_whole_files(monkeypatch, device):
-    pytest.importorskip("nvidia.nvimgcodec")
-    rng = np.random.default_rng(5)
-    files = [photo(rng, size=(int(rng.integers(40, 300)), int(rng.integers(40, 300))))
-             for _ in range(12)]  # fmt: skip
-    if device == "cpu":  # cut short: both CPU decoders refuse it (nvJPEG may read it whole;
-        files[4] = files[4][: len(files[4]) // 2]  # in a run the actor reports it first)
-    batch = encoded_batch(files)
-    batch["plan"] = np.array([(*plan(*reversed(decode.jpeg_size(f)), train=True,
-                                     rng=sample_rng(0, 0, k), scale=(0.08, 1.0),
-                                     ratio=(3 / 4, 4 / 3), flip=True).box, k % 2)
-                               for k, f in enumerate(files)], dtype=np.float32)  # fmt: skip
-    whole = DeviceDecode(24, device)(dict(batch))
-    monkeypatch.setenv("RAYPIPE_GPU_DECODER", "nvimgcodec")
-    decoder = DeviceDecode(24, device)
-    regions = decoder(dict(batch))
-    assert regions["key"].tolist() == whole["key"].tolist()
-    diff = (regions["image"].int() - whole["image"].int()).abs().float().mean(dim=(1, 2, 3))
-    # the same decoder library on the CPU; nvJPEG's own on CUDA: its chroma, a few levels
-    assert diff.max() < (1.5 if device == "cpu" else 8), diff
