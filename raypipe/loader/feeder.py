@@ -268,20 +268,28 @@ class Feeder:
             yield item
 
     def _put(self, item, stall: dict[str, float] | None = None) -> None:
-        """Queue ``item`` for the consumer; raises `_Closed` once `close` was called."""
-        t0, flushed = time.perf_counter(), False
+        """Queue ``item`` for the consumer; raises `_Closed` once `close` was called.
+
+        The time the data waits on the trainer is added to ``demand.held_s`` as it passes,
+        poll by poll: the follower reads it every ``follow_period_s``, and a trainer whose
+        step is longer than that must still read as one the data waits on."""
+        t0 = mark = time.perf_counter()
+        flushed = False
         try:
             while not self._closed.is_set():
                 try:
                     self._queue.put(item, timeout=_POLL_S)
                     return
                 except queue.Full:
-                    if not flushed and time.perf_counter() - t0 > self._gate.FLUSH_S:
+                    now = time.perf_counter()
+                    self.demand.held_s += now - mark  # for the follower
+                    mark = now
+                    if not flushed and now - t0 > self._gate.FLUSH_S:
                         self._gate.flush()  # peers may wait on rows only this rank holds
                         flushed = True
             raise _Closed
         finally:
-            held = time.perf_counter() - t0  # the data waited on the trainer: one reading
-            self.demand.held_s += held  # for the follower
+            end = time.perf_counter()
+            self.demand.held_s += end - mark
             if stall is not None:
-                stall["trainer_s"] += held  # for the epoch's stall view
+                stall["trainer_s"] += end - t0  # for the epoch's stall view

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
+from raypipe.loader.demand import Demand
 from raypipe.loader.feeder import Feeder
 from raypipe.loader.ledger import Gate
 from raypipe.plan.rankplan import RankPlan
@@ -30,3 +33,22 @@ def test_a_block_holding_rows_of_two_epochs_is_cut_between_them():
     for e in range(2):
         assert sorted(k for b in got[e] for k in b) == list(range(8)), got
         assert feeder.counts(e)["good"] == 8
+
+
+def test_data_waiting_on_a_long_step_reads_as_held_while_it_waits():
+    """The follower reads ``held_s`` every ``follow_period_s`` (1 s): a trainer whose step
+    is longer than that must read as one the data waits on, not only when the step ends."""
+    listing = Listing("imagefolder", tuple(Shard(f"/d/{i}.jpg", i, 1) for i in range(64)))
+    plan = RankPlan.of(listing, seed=0, shuffle=False, rank=0, world_size=1, per_task=8)
+    keys = plan.keys(0)
+    blocks = [{"key": keys[i : i + 8], "epoch": np.zeros(8, int)} for i in range(0, 64, 8)]
+    demand = Demand()
+    feeder = Feeder(lambda: (iter(blocks), None), plan, Gate(None, "run", 0, 1), range(1),
+                    batch_size=2, prefetch=1, demand=demand)  # fmt: skip
+    try:
+        batches = feeder.epoch(0)
+        next(batches)
+        time.sleep(0.8)  # one long step: the queue is full, the next batch waits on it
+        assert demand.held_s > 0.5, demand.held_s  # counted while it waits
+    finally:
+        feeder.close()
