@@ -8,7 +8,8 @@ Each of ``--rounds`` interleaved rounds runs, in an order that rotates from roun
   (c') the warm `Pipeline` with ``cache="memory", cache_encoding="jpeg"`` (fresh too);
   (d) a tuned Pillow DataLoader (as many workers as the pool has, ``--actors``: 2 was
       ingest.py's sweep winner on the 2-core machine; prefetch 2, persistent workers), the
-      same seeded crop;
+      same seeded crop, with Ray shut down while it runs (as its users run it: not beside
+      an idle Ray's workers and preallocated store), and started again after;
 
 each for ``--epochs`` epochs of random-resized-crop 224 + flip, batches of 256, uint8 on the
 host. Reported: the later epochs' rate (median of epochs 1+ within a run, then the median
@@ -29,7 +30,7 @@ of the same sample photos, quality 90, as ``decode.py`` makes them): where the p
 larger than the cap, the cache keeps a downscaled image and every later epoch skips a
 large decode.
 
-Every path runs in one local Ray whose object store is ``--store-gib`` (4 GiB; the memory
+raypipe's paths run in one local Ray whose object store is ``--store-gib`` (4 GiB; the memory
 cache's files live beside it in /dev/shm, its default budget a quarter of the store, or
 ``--budget-gib``). ``--runs uncached,cached`` runs only those of the five each round.
 ``--step-ms`` plays a trainer whose step takes that long: the consumer sleeps after each
@@ -42,6 +43,7 @@ per epoch, in place of the run-long `Pipeline`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -83,6 +85,22 @@ def start_ray(store: int, *, warm_store: bool = True) -> None:
 PATHS = {"pipeline": ingest.warm_epochs, "dataset": ingest.per_epoch_datasets}
 
 
+def without_ray(store: int, warm_store: bool, config: PipelineConfig, listing):
+    """A context with Ray shut down, for the DataLoader; Ray starts again after it, its
+    workers warmed by one untimed epoch as at the start (`main`)."""
+
+    @contextlib.contextmanager
+    def down():
+        ingest.localray.shutdown()
+        try:
+            yield
+        finally:
+            start_ray(store, warm_store=warm_store)
+            ingest.warm_epochs(config, listing, 1)
+
+    return down
+
+
 def cached_run(config: PipelineConfig, listing, epochs: int, pause_s: float = 0.0,
                run=ingest.warm_epochs) -> dict:  # fmt: skip
     """One cached ``run`` (one of `PATHS`) with a cache of its own; its counters after."""
@@ -114,16 +132,22 @@ KEPT = ("epoch_img_s", "steady_img_s", "first_epoch_img_s", "cpu_s_per_epoch", "
 
 
 def one_round(i: int, config, listing, shards, epochs: int, root: Path, only=RUNS,
-              pillow_workers: int = 2, pause_s: float = 0.0, run=ingest.warm_epochs) -> dict:  # fmt: skip
+              pillow_workers: int = 2, pause_s: float = 0.0, run=ingest.warm_epochs,
+              down=contextlib.nullcontext) -> dict:  # fmt: skip
     memory = config.replace(cache="memory")
     jpeg = memory.replace(cache_encoding="jpeg")
+
+    def pillow():
+        with down():
+            return ingest.dataloader(
+                shards, "pillow", epochs, [PILLOW | {"num_workers": pillow_workers}]
+            )["best"]
+
     runs = {
         "uncached": lambda: run(config, listing, epochs, pause_s),
         "cached": lambda: cached_run(memory, listing, epochs, pause_s, run),
         "jpeg": lambda: cached_run(jpeg, listing, epochs, pause_s, run),
-        "pillow": lambda: ingest.dataloader(
-            shards, "pillow", epochs, [PILLOW | {"num_workers": pillow_workers}]
-        )["best"],
+        "pillow": pillow,
         "disk": lambda: disk_run(config, listing, epochs, root, pause_s, run),
     }
     names = [n for n in runs if n in only]
@@ -282,13 +306,14 @@ def main(argv: list[str] | None = None) -> dict:
               "capped": capped_sizes(files[:64], ingest.IMAGE)}  # fmt: skip
     print(json.dumps(result["capped"], indent=1), flush=True)
     start_ray(args.store_gib << 30, warm_store=not args.cold_store)
+    down = without_ray(args.store_gib << 30, not args.cold_store, config, listing)
     try:
         # one untimed epoch first: the pooled workers start and import raypipe here, not
         # in the first round's first run (whose epoch 0 it once slowed 2x, as its run's)
         ingest.warm_epochs(config, listing, 1)
         result["rounds"] = [one_round(i, config, listing, list(listing.shards), args.epochs,
                                       args.out, only, args.actors, args.step_ms / 1e3,
-                                      PATHS[args.path])
+                                      PATHS[args.path], down)
                             for i in range(args.rounds)]  # fmt: skip
     finally:
         ingest.localray.shutdown()
