@@ -250,8 +250,11 @@ def set_actor_autoscaler(executor, autoscaler) -> None:
 
 
 def cluster_autoscaler(executor):
-    """The executor's cluster autoscaler; None where it has none or one sending no requests."""
+    """The executor's cluster autoscaler; None where it has none, one sending no requests,
+    or the placement-group one (its request holds the group's bundles: never withdrawn)."""
     cluster = getattr(executor, "_cluster_autoscaler", None)
+    if type(cluster).__name__ == "PlacementGroupClusterAutoscaler":
+        return None
     return cluster if hasattr(cluster, "_send_resource_request") else None
 
 

@@ -169,6 +169,6 @@ def follow(executor, follower: Follower | None) -> bool:
     inner = rayapi.actor_autoscaler(executor)
     rayapi.set_actor_autoscaler(executor, FollowingAutoscaler(inner, follower, heads))
     cluster = rayapi.cluster_autoscaler(executor)
-    if cluster is not None:  # not the placement-group one
+    if cluster is not None:  # never the placement-group one (`rayapi.cluster_autoscaler`)
         rayapi.set_cluster_autoscaler(executor, FollowingCluster(cluster, follower))
     return True

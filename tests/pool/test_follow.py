@@ -9,10 +9,11 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from raypipe import PipelineConfig
+from raypipe import PipelineConfig, rayapi
 from raypipe.loader.demand import Demand
 from raypipe.pool.autoscale import RAY_VERSION, check_ray
 from raypipe.pool.follow import Follower
@@ -158,6 +159,21 @@ def test_the_ray_internals_it_drives_are_there():
     for cls in (RateBasedClusterAutoscaler, DefaultClusterAutoscalerV2):
         params = list(inspect.signature(cls._send_resource_request).parameters)
         assert params == ["self", "resource_request"], (cls, params)
+
+
+def test_the_placement_group_cluster_autoscaler_is_left_alone():
+    """Its resource request holds a placement group's bundles: withdrawing it (as the pool
+    does when it follows a slower trainer) would leave the group unscheduled."""
+    from ray.data._internal.cluster_autoscaler import RateBasedClusterAutoscaler
+    from ray.data._internal.cluster_autoscaler.placement_group_cluster_autoscaler import (
+        PlacementGroupClusterAutoscaler,
+    )
+
+    group = object.__new__(PlacementGroupClusterAutoscaler)
+    assert hasattr(group, "_send_resource_request")  # what once made it look like the rest
+    assert rayapi.cluster_autoscaler(SimpleNamespace(_cluster_autoscaler=group)) is None
+    rate = object.__new__(RateBasedClusterAutoscaler)
+    assert rayapi.cluster_autoscaler(SimpleNamespace(_cluster_autoscaler=rate)) is rate
 
 
 def test_bad_thresholds_name_field_and_value():
