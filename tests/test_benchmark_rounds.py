@@ -46,6 +46,13 @@ def test_ratios_pair_the_runs_of_a_round_and_take_their_median():
     assert ratio["median"] == pytest.approx(100 / 90)
     assert out["paths"]["b"]["steady_img_s"] == {"per_round": b, "median": 180.0}
     assert out["ratios"]["a_vs_b"]["img_per_cpu_s"]["median"] == pytest.approx(100 / 90)
+    # rounds whose ratios differ: the median of the ratios (1.11), not the ratio of the
+    # medians (200 / 250 = 0.8)
+    b2 = [90.0, 250.0, 300.0]
+    out = rounds({"a": _path("a", a, []), "b": _path("b", b2, [])}, 3, [("a", "b")])
+    ratio = out["ratios"]["a_vs_b"]["steady_img_s"]
+    assert ratio["per_round"] == pytest.approx([100 / 90, 200 / 250, 400 / 300])
+    assert ratio["median"] == pytest.approx(100 / 90)
 
 
 def test_no_rounds_is_an_error():

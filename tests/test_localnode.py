@@ -4,7 +4,9 @@ that runs a Pipeline epoch and refuses a client without the certificate."""
 
 from __future__ import annotations
 
+import builtins
 import datetime
+import errno
 import ipaddress
 import json
 import os
@@ -85,7 +87,7 @@ def make_certificates(folder: Path) -> dict[str, str]:
     return {var: str(folder / name) for var, (name, _) in files.items()}
 
 
-def test_tls_settings_are_checked_naming_the_file(tmp_path):
+def test_tls_settings_are_checked_naming_the_file(tmp_path, monkeypatch):
     certs = make_certificates(tmp_path / "certs")
     localnode.check_tls({"RAY_USE_TLS": "0"})  # off: nothing read
     localnode.check_tls({"RAY_USE_TLS": "1", **certs})
@@ -99,10 +101,19 @@ def test_tls_settings_are_checked_naming_the_file(tmp_path):
     (tmp_path / "empty.pem").write_bytes(b"")
     with pytest.raises(ValueError, match=r"RAY_TLS_CA_CERT=.*empty\.pem is empty"):
         localnode.check_tls({"RAY_USE_TLS": "1", **certs, "RAY_TLS_CA_CERT": str(tmp_path / "empty.pem")})  # fmt: skip
-    if os.geteuid() != 0:  # root reads any file
-        Path(certs["RAY_TLS_SERVER_KEY"]).chmod(0)
-        with pytest.raises(ValueError, match=r"RAY_TLS_SERVER_KEY=.*node\.key cannot be read"):
-            localnode.check_tls({"RAY_USE_TLS": "1", **certs})
+    key = Path(certs["RAY_TLS_SERVER_KEY"])
+    key.chmod(0)
+    if os.geteuid() == 0:  # root reads any file: the key is refused as it is to others
+        real_open = open
+
+        def refusing(path, *args, **kwargs):
+            if str(path) == str(key):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "open", refusing)
+    with pytest.raises(ValueError, match=r"RAY_TLS_SERVER_KEY=.*node\.key cannot be read"):
+        localnode.check_tls({"RAY_USE_TLS": "1", **certs})
 
 
 def test_raypipe_run_with_a_missing_certificate_fails_in_one_line_before_ray(tmp_path):

@@ -90,6 +90,8 @@ def test_same_seed_same_keys_and_augmentation(ray_session, datasets, fmt):
     c = _images_by_key(build_dataset(config, epoch=2))
     assert sorted(c) == list(range(N))
     assert sum(a[k] != c[k] for k in a) > N // 2, "a new epoch should re-augment"
+    d = _images_by_key(build_dataset(config.replace(seed=6), epoch=1))
+    assert sum(a[k] != d[k] for k in a) > N // 2, "another seed should augment otherwise"
 
 
 def test_epochs_read_files_in_different_orders(ray_session, datasets):

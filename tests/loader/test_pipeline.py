@@ -124,12 +124,23 @@ def test_shuffle_buffer_keeps_epochs_equal_and_is_seeded(ray_session, datasets):
                             rows_per_block=5, shuffle_buffer=9, actors=(2, 2))  # fmt: skip
     a, _ = run_ranks(config, 2, 2)
     b, _ = run_ranks(config.replace(actors=(4, 4)), 2, 2, pause_s=(0.0, 0.01))
+    plain, _ = run_ranks(config.replace(shuffle_buffer=0), 2, 2)
+    other, _ = run_ranks(config.replace(seed=config.seed + 1), 2, 2)
+
+    def order(run, r, epoch):
+        return [k for x in run[r][epoch] for k in x["key"].tolist()]
+
     for epoch in range(2):
         check_epoch(a, epoch, 6, set(range(61)))
         for r in range(2):
-            assert [x["key"].tolist() for x in a[r][epoch]] == [
-                x["key"].tolist() for x in b[r][epoch]
-            ]
+            assert order(a, r, epoch) == order(b, r, epoch)  # the same seed, other timing
+            assert order(a, r, epoch) != order(plain, r, epoch)  # the buffer shuffles
+            assert order(a, r, epoch) != order(other, r, epoch)  # by the seed
+    # and by the epoch and the rank: no two (rank, epoch) draw the same permutation
+    ranks = [order(a, r, e) for r in range(2) for e in range(2)]
+    plains = [order(plain, r, e) for r in range(2) for e in range(2)]
+    moved = [[plains[i].index(k) if k in plains[i] else -1 for k in ranks[i]] for i in range(4)]
+    assert len({tuple(m) for m in moved}) == 4, moved
 
 
 def test_the_pool_is_the_same_processes_in_epoch_0_and_epoch_2(ray_session, datasets):

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from raypipe.plan.rankplan import RankPlan, epoch_keys
 from raypipe.plan.shards import Listing, Shard, epoch_order
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def listing(sizes: list[int], fmt: str = "webdataset") -> Listing:
@@ -52,15 +60,29 @@ def test_order_follows_the_seeded_shard_order_and_changes_per_epoch():
     assert plans(lst, 1, shuffle=False)[0].keys(3).tolist() == list(range(37))
 
 
+PLAN_APART = """
+import json, sys
+from tests.plan.test_rankplan import listing, plans
+lst = listing([1] * 203, fmt="imagefolder")
+out = [[p.keys(e).tolist() for e in range(3)] + [[list(p.tasks(e)) for e in range(3)]]
+       for p in plans(lst, 2, per_task=16)]
+print(json.dumps(out))
+"""
+
+
 def test_plans_made_apart_agree():
-    """Driver, ranks and actors each build the plan: they must give the same keys."""
+    """Driver, ranks and actors each build the plan, each in its own process: they must give
+    the same keys and tasks whatever the process's string hashing (PYTHONHASHSEED)."""
+    made = []
+    for hashseed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": hashseed}
+        proc = subprocess.run([sys.executable, "-c", PLAN_APART], cwd=ROOT, env=env,
+                              capture_output=True, text=True, check=True)  # fmt: skip
+        made.append(json.loads(proc.stdout))
     lst = listing([1] * 203, fmt="imagefolder")
-    a = plans(lst, 2, per_task=16)
-    b = plans(lst, 2, per_task=16)
-    for epoch in range(3):
-        for pa, pb in zip(a, b, strict=True):
-            assert np.array_equal(pa.keys(epoch), pb.keys(epoch))
-            assert pa.tasks(epoch) == pb.tasks(epoch)
+    here = [[p.keys(e).tolist() for e in range(3)] + [[list(p.tasks(e)) for e in range(3)]]
+            for p in plans(lst, 2, per_task=16)]  # fmt: skip
+    assert made[0] == made[1] == json.loads(json.dumps(here))
 
 
 def test_consumed_keys_leave_the_resumed_epoch_only():

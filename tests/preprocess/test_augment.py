@@ -1,3 +1,5 @@
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -102,6 +104,11 @@ def test_sample_plan_is_plan_from_sample_rng(monkeypatch, compiled, scale, ratio
         monkeypatch.setattr(augment, "_draws", None)
     elif not augment.plans_compiled():
         pytest.skip("no C compiler here: _draws was not built")
+    calls = []
+    if compiled:  # counted: the compiled case must go through `_draws`
+        rrc = augment._draws.rrc
+        monkeypatch.setattr(augment, "_draws",
+                            SimpleNamespace(rrc=lambda *a: calls.append(1) or rrc(*a)))  # fmt: skip
     draw = np.random.default_rng(int(scale[0] * 100 + ratio[1] * 10))
     edges = [0, 1, 2**32 - 1, 2**32]
     fallbacks = 0  # train plans of the fallback ranges that took the centre crop
@@ -122,6 +129,7 @@ def test_sample_plan_is_plan_from_sample_rng(monkeypatch, compiled, scale, ratio
             centred = (b.left, b.top) == ((width - b.width) // 2, (height - b.height) // 2)
             fallbacks += centred and (b.width == width or b.height == height)
     assert fallbacks > 0 or scale[0] < 0.99
+    assert (len(calls) > 1000) == compiled, len(calls)
 
 
 def test_compiled_plans_that_differ_from_numpys_are_not_used():

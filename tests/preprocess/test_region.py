@@ -122,7 +122,11 @@ def test_decode_crop_gives_the_same_pixels_with_and_without_region_decoding(size
             out.append(np.ascontiguousarray(decode.decode_crop(datas[key % 3], 224, choose)))
         return out
 
+    calls = []
+    decode_box = region.decode_box
+    monkeypatch.setattr(region, "decode_box", lambda *a: calls.append(1) or decode_box(*a))
     with_region = crops()
+    assert calls, "the crops above never went through region decoding"
     monkeypatch.setattr(region, "_jpegregion", None)
     assert not region.available()
     without = crops()
