@@ -66,7 +66,7 @@ class PipelineConfig:
             most ``actors[1]`` slots of each rank's share at once (two tasks in flight a
             slot), the workers warm from one run to the next (`raypipe.preprocess.tasks`);
             or ``"actors"``: each rank's autoscaling Ray Data actor pool (``actors``), new
-            processes every run (about 1.8 s to the first batch on 2 cores), at a lower
+            processes every run (about 1.6 s to the first batch on 2 cores), at a lower
             CPU priority than the trainer and watchable with `raypipe.PoolWatch`.
         mean, std: per-channel normalization applied on the device (0..1 scale).
         normalize: the trainer gets float32 ``(x/255 - mean) / std``; else uint8 images.
