@@ -16,6 +16,7 @@ from raypipe import Pipeline, PipelineConfig, build_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 STORE_MIB = 128
+BLOCK_MIB = 64 * 3 * 224 * 224 / 2**20  # a default block: one batch of 64 at 224², 9.2 MiB
 N_MEMORY = 4608
 
 
@@ -57,8 +58,10 @@ def test_defaults_stream_ten_stores_of_data_through_a_small_store(tmp_path):
     """With every size setting at its default, 2 ranks that take 0.15 s per batch of 64
     (slower than the pool) read 2 epochs of N images at 224² through a 128 MiB store, at
     N = 2,304 (5.2x the store over the run) and 4,608 (10.3x): every epoch exactly once,
-    the store never over its capacity, at most one store spilled, and the peak memory of
-    the process tree grows by less than two stores when the data doubles."""
+    the store never over its capacity, at most two blocks spilled (none in the runs here),
+    and the peak memory of the process tree grows by less than half a store when the data
+    doubles (24 MiB here, of the 662 MiB more that the ranks read: a leak of a tenth of
+    what they read would show)."""
     peaks = {}
     for n in (N_MEMORY // 2, N_MEMORY):
         report = run_memory_driver(small_jpegs(tmp_path / f"data{n}", n), tmp_path / f"{n}.json",
@@ -73,9 +76,9 @@ def test_defaults_stream_ten_stores_of_data_through_a_small_store(tmp_path):
         assert "error" not in p, p
         assert p["samples"] >= 10, f"the sampler should have run through the epochs: {p}"
         assert p["store_mib"] <= STORE_MIB  # backpressure held it, no fallback allocation
-        assert p["spilled_mib"] <= STORE_MIB  # the guarantee's bound: one store
+        assert p["spilled_mib"] <= 2 * BLOCK_MIB, p  # blocks of one batch keep it from spilling
     growth = peaks[N_MEMORY]["pss_mib"] - peaks[N_MEMORY // 2]["pss_mib"]
-    assert growth <= 2 * STORE_MIB, f"peak memory grew {growth:.0f} MiB with the data: {peaks}"
+    assert growth <= STORE_MIB / 2, f"peak memory grew {growth:.0f} MiB with the data: {peaks}"
 
 
 def test_default_blocks_are_one_batch_unless_the_store_is_too_small(ray_session, datasets):
