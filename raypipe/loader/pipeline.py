@@ -82,7 +82,7 @@ class Pipeline:
             (`raypipe.loader.packing`); ``config.bucket_by`` batches as re-batching does.
 
     Each rank's pool is its share of ``config.actors`` (the run's total), at least one
-    actor: ``(max(1, min // W), max(that, ceil(max / W)))``.
+    actor: each bound split in whole actors over the ranks (`raypipe.plan.rankplan.rank_pool`).
     """
 
     def __init__(self, config: PipelineConfig, *, epochs: int, rank: int = 0,
@@ -112,7 +112,7 @@ class Pipeline:
         self.skips = skips
         self.config = config = sized_blocks(
             documents_per_block(config, self.listing), world_size=world_size,
-            actors=rank_pool(config.actors, world_size)[1],
+            actors=rank_pool(config.actors, world_size, rank)[1],
         )  # fmt: skip
         self.first_epoch = start.epoch if start is not None else 0
         self.plan = rank_plan(config, self.listing, rank, world_size,
@@ -173,7 +173,7 @@ class Pipeline:
             return self
         epochs = range(self.first_epoch, self.num_epochs)
         demand = Demand()
-        self.follower = follower_for(self.config, self.world_size, demand)
+        self.follower = follower_for(self.config, self.world_size, demand, self.rank)
         args = (self.config, self.listing, self.plan, epochs, self.skips)
         kwargs = {"world_size": self.world_size, "shared_skips": self._shared_skips}
         if self.config.compute == "tasks":  # plain Ray tasks on Ray's pooled workers
@@ -210,7 +210,7 @@ class Pipeline:
         Ray Data keeps it there); nothing when Ray Data sizes it or there is no pool."""
         if self.follower is not None:
             return {"pool": self.follower.summary()}
-        lo, hi = rank_pool(self.config.actors, self.world_size)
+        lo, hi = rank_pool(self.config.actors, self.world_size, self.rank)
         if self.config.compute != "actors" or lo != hi:
             return {}
         return {"pool": {"actors": hi, "target": hi, "min": lo, "max": hi, "changes": 0}}

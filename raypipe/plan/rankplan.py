@@ -162,11 +162,17 @@ class RankPlan:
         return bool(np.all(self.counts == 1))
 
 
-def rank_pool(actors: tuple[int, int], world_size: int) -> tuple[int, int]:
-    """Each rank's share of ``PipelineConfig.actors`` (the run's total), at least one."""
+def rank_pool(actors: tuple[int, int], world_size: int, rank: int = 0) -> tuple[int, int]:
+    """Rank ``rank``'s share of ``PipelineConfig.actors`` (the run's total): each bound
+    split in whole actors, the first ranks taking one more, so the shares add up to the
+    run's (a fixed pool stays fixed: min = max on every rank); at least one a rank."""
     lo, hi = actors
-    share_lo = max(1, lo // world_size)
-    return share_lo, max(share_lo, -(-hi // world_size))
+
+    def share(n: int) -> int:
+        return n // world_size + (rank < n % world_size)
+
+    share_lo = max(1, share(lo))
+    return share_lo, max(share_lo, share(hi))
 
 
 def task_table(plan: RankPlan, epochs: range) -> np.ndarray:

@@ -112,11 +112,11 @@ class Follower:
                     "series": list(self.series)}  # fmt: skip
 
 
-def follower_for(config, world_size: int, demand) -> Follower | None:
+def follower_for(config, world_size: int, demand, rank: int = 0) -> Follower | None:
     """The rank's `Follower` under ``config`` (``follow_*`` fields); None for a fixed pool
     or ``follow=False``. With ``compute="tasks"`` it sets the rank's task slots (tasks in
     flight over `raypipe.plan.blocksize.TASKS_IN_FLIGHT`) instead of its actors."""
-    lo, hi = rank_pool(config.actors, world_size)
+    lo, hi = rank_pool(config.actors, world_size, rank)
     if not config.follow or lo == hi:
         return None
     return Follower(lo, hi, demand, wait=config.follow_wait, shrink_s=config.follow_shrink_s,

@@ -110,7 +110,7 @@ def rank_dataset(config: PipelineConfig, listing: Listing, plan: RankPlan, epoch
     tasks = RankTasks.of(listing, plan, epochs, shared_skips=shared_skips)
     if len(tasks) == 0:
         return None
-    lo, hi = rank_pool(config.actors, world_size)
+    lo, hi = rank_pool(config.actors, world_size, plan.rank)
     node_cache.ensure(config)  # the decoded cache's actors, one per node, if it is on
     ds = _task_ids(len(tasks))
     kwargs = {"config": config, "reader": listing.reader, "skips": skips, "tasks": tasks}

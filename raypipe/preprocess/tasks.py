@@ -101,7 +101,7 @@ class TaskStream:
                  follower=None):  # fmt: skip
         self._kwargs = {"config": config, "reader": reader, "skips": skips, "tasks": tasks}
         self._count, self._cpus = len(tasks), config.actor_cpus
-        self._slots = rank_pool(config.actors, world_size)[1]
+        self._slots = rank_pool(config.actors, world_size, tasks.plan.rank)[1]
         self._follower = follower
         self._stopped = False
         self._in_flight: collections.deque = collections.deque()

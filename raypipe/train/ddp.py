@@ -41,17 +41,20 @@ def _warn_if_short_of_cpus(config, eval_config, num_workers: int, cpus_per_worke
     for the whole run."""
     import ray
 
-    lo, _ = rank_pool(config.actors, num_workers)
-    need = num_workers * (cpus_per_worker + lo * config.actor_cpus)
+    def pools(actors) -> int:  # the ranks' smallest pools, together
+        return sum(rank_pool(actors, num_workers, r)[0] for r in range(num_workers))
+
+    lo = pools(config.actors)
+    need = num_workers * cpus_per_worker + lo * config.actor_cpus
     if eval_config is not None:  # a warm held-out pool per rank as well
-        need += num_workers * rank_pool(eval_config.actors, num_workers)[0] * eval_config.actor_cpus
+        need += pools(eval_config.actors) * eval_config.actor_cpus
     have = ray.cluster_resources().get("CPU", 0)
     if need > have:
         log.warning(
-            "raypipe: this run needs at least %.2f CPUs (%d workers x %.2f + %d rank pools "
-            "of %d actor(s) x %.2f%s) and the cluster has %.2f now: it waits for more nodes; "
-            "lower cpus_per_worker, actors or actor_cpus to fit", need, num_workers,
-            cpus_per_worker, num_workers, lo, config.actor_cpus,
+            "raypipe: this run needs at least %.2f CPUs (%d workers x %.2f + %d actor(s) "
+            "in the rank pools x %.2f%s) and the cluster has %.2f now: it waits for more "
+            "nodes; lower cpus_per_worker, actors or actor_cpus to fit", need, num_workers,
+            cpus_per_worker, lo, config.actor_cpus,
             " + the held-out pools" if eval_config is not None else "", have,
         )  # fmt: skip
 

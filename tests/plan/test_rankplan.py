@@ -206,3 +206,18 @@ def test_weights_even_out_the_slices_weight(world):
         assert max(sums) - min(sums) <= 2 * weights.max(), sums
     with pytest.raises(ValueError, match="weights has shape"):
         plans(lst, world, weights=weights[:-1])
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("actors", [(1, 1), (2, 2), (8, 8), (6, 6), (1, 8), (3, 10), (5, 16)])
+def test_the_ranks_pools_add_up_to_the_runs_and_a_fixed_pool_stays_fixed(actors, world_size):
+    from raypipe.plan.rankplan import rank_pool
+
+    shares = [rank_pool(actors, world_size, r) for r in range(world_size)]
+    lo, hi = actors
+    assert all(1 <= a <= b for a, b in shares)
+    assert sum(a for a, _ in shares) == max(lo, world_size)  # at least one a rank
+    assert sum(b for _, b in shares) == max(hi, sum(a for a, _ in shares))
+    if lo == hi:  # min = max: no rank's pool follows (Ray Data keeps it there)
+        assert all(a == b for a, b in shares), shares
+    assert max(b for _, b in shares) - min(b for _, b in shares) <= 1  # even, in whole actors
