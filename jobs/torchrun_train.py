@@ -1,9 +1,13 @@
 """torchrun entry point: DDP ranks that torchrun (or Slurm's srun) launches, fed by raypipe's
 preprocessing pools on an existing Ray cluster; no Ray Train.
 
-    ray start --head --node-ip-address=127.0.0.1 --dashboard-host=127.0.0.1   # or a cluster
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 ray start --head --node-ip-address=127.0.0.1 \\
+        --dashboard-host=127.0.0.1   # or a cluster
     torchrun --nproc_per_node=2 jobs/torchrun_train.py jobs/configs/torchrun.yaml \\
         --address 127.0.0.1:6379 --checkpoint demo-data/torchrun.pt
+
+Without ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` Ray turns ``--node-ip-address=127.0.0.1``
+into the machine's address and the head listens there (docs/security.md).
 
 Each rank joins the cluster as a Ray driver, takes its rank and world size from
 torch.distributed, and reads its share of every epoch through a `raypipe.Loader`; the ranks

@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from raypipe import localnode
+from raypipe.cli import localray
 from raypipe.cli.causal_lm import make_tokens, run
 
 
@@ -20,12 +21,25 @@ def main(argv=None) -> int:
     if args.make_data:
         print(f"wrote {make_tokens(args.make_data)}")
     if args.config:
-        localnode.ensure()
-        result = run(args.config, epochs=args.epochs)
+        result = _train(args.config, args.epochs)
         m = result.metrics
         print(f"loss {m['first_loss']:.3f} → {m['loss']:.3f} over {m['epoch'] + 1} epochs, "
               f"{m['tokens_per_s']:.0f} tokens/s")  # fmt: skip
     return 0
+
+
+def _train(config: str, epochs: int | None):
+    """`run` on this process's Ray, else on one started here and stopped after, every
+    process of it (`raypipe.cli.localray.shutdown`), as ``raypipe run`` does."""
+    import ray
+
+    started = not ray.is_initialized()
+    localnode.ensure()
+    try:
+        return run(config, epochs=epochs)
+    finally:
+        if started:
+            localray.shutdown()
 
 
 if __name__ == "__main__":

@@ -346,3 +346,105 @@ def test_networkpolicy_admits_only_the_clusters_pods_and_validates():
     bad = dict(policy, spec=dict(policy["spec"], podSelectr={}))
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, "1.37.0", strict=True)
+
+
+def _autoscaler_tls_problems(cluster: dict) -> list[str]:
+    """What the KubeRay autoscaler lacks of the head container's TLS: it is a container of
+    the head pod that talks to the GCS, so it needs every TLS variable and the volume
+    holding the certificates (read-only), or it never scales."""
+    spec = cluster["spec"]
+    (head,) = spec["headGroupSpec"]["template"]["spec"]["containers"]
+    options = spec.get("autoscalerOptions") or {}
+    env = {e["name"]: e.get("value") for e in options.get("env", [])}
+    problems = [f"autoscaler: {e['name']} unset" for e in head["env"]
+                if "TLS" in e["name"] and env.get(e["name"]) != e.get("value")]  # fmt: skip
+    files = [e["value"] for e in head["env"] if e["name"].startswith("RAY_TLS_")]
+    for mount in head["volumeMounts"]:
+        if any(f.startswith(mount["mountPath"] + "/") for f in files):
+            wanted = {"name": mount["name"], "mountPath": mount["mountPath"], "readOnly": True}
+            if wanted not in options.get("volumeMounts", []):
+                problems.append(f"autoscaler: {mount['name']} not mounted read-only")
+    return problems
+
+
+def test_raycluster_autoscaler_gets_the_heads_tls():
+    (cluster,) = _docs("raycluster.yaml")
+    assert _autoscaler_tls_problems(cluster) == []
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert {"RAY_USE_TLS", "RAY_TLS_CA_CERT"} <= {e["name"] for e in head["env"]}
+
+    def changed(**options):  # new lists: the YAML anchor shares the head's env list
+        return dict(cluster, spec=dict(cluster["spec"], autoscalerOptions=options))
+
+    options = cluster["spec"]["autoscalerOptions"]
+    broken = [  # each thing taken away is caught
+        changed(**{k: v for k, v in options.items() if k != "env"}),
+        changed(**dict(options, env=[e for e in options["env"] if e["name"] != "RAY_TLS_CA_CERT"])),
+        changed(**dict(options, env=[{"name": "RAY_USE_TLS", "value": "0"}, *options["env"][1:]])),
+        changed(**{k: v for k, v in options.items() if k != "volumeMounts"}),
+        changed(**dict(options, volumeMounts=[dict(options["volumeMounts"][0], readOnly=False)])),
+    ]  # fmt: skip
+    for cluster_changed in broken:
+        assert _autoscaler_tls_problems(cluster_changed), cluster_changed["spec"]
+
+
+def _dependencies() -> list:
+    """pyproject.toml's [project] dependencies, as packaging's Requirements."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((CLUSTER.parent / "pyproject.toml").read_text())["project"]
+    return [Requirement(r) for r in project["dependencies"]]
+
+
+def _install_lists() -> dict[str, list[str]]:
+    """What each cluster config installs for a job: aws.yaml's pip command, the RayJob's
+    runtime_env pip list."""
+    (pip,) = [c for c in _load("aws.yaml")["setup_commands"] if c.startswith("pip install")]
+    (job,) = _docs("rayjob.yaml")
+    return {
+        "aws.yaml": [w for w in shlex.split(pip)[2:] if not w.startswith("-")],
+        "kuberay/rayjob.yaml": yaml.safe_load(job["spec"]["runtimeEnvYAML"])["pip"],
+    }
+
+
+def _missing(dependencies: list, install: list[str], provided=frozenset()) -> list[str]:
+    """The dependencies ``install`` lacks or gives another spec or extras (torch may have
+    its own spec: the build is the cluster's choice); ``provided`` names those the image has."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    given = {canonicalize_name(r.name): r for r in map(Requirement, install)}
+    problems = []
+    for dep in dependencies:
+        name = canonicalize_name(dep.name)
+        got = given.get(name)
+        if name in provided:
+            continue
+        if got is None:
+            problems.append(f"{dep} is not installed")
+        elif name != "torch" and (got.specifier, got.extras) != (dep.specifier, dep.extras):
+            problems.append(f"{got} is not {dep}")
+    return problems
+
+
+@pytest.mark.parametrize("name", ["aws.yaml", "kuberay/rayjob.yaml"])
+def test_cluster_configs_install_every_dependency(name):
+    """A job imports every [project] dependency (crc32c: the decoded cache, unconditionally),
+    so each cluster config installs them all; on KubeRay ray is the image's own."""
+    dependencies, install = _dependencies(), _install_lists()[name]
+    provided = set()
+    if name.startswith("kuberay/"):
+        (ray,) = [d for d in dependencies if d.name == "ray"]
+        (pin,) = [s.version for s in ray.specifier if s.operator == "=="]
+        (cluster,) = _docs("raycluster.yaml")
+        pods = [cluster["spec"]["headGroupSpec"], *cluster["spec"]["workerGroupSpecs"]]
+        images = [c["image"] for g in pods for c in g["template"]["spec"]["containers"]]
+        assert all(i.startswith(f"rayproject/ray:{pin}-") for i in images), images
+        provided = {"ray"}
+    assert _missing(dependencies, install, provided) == []
+    for dep in dependencies:  # each one taken away, or given another spec, is caught
+        if dep.name not in provided:
+            rest = [r for r in install if not r.startswith(dep.name)]
+            assert _missing(dependencies, rest, provided) == [f"{dep} is not installed"]
+    assert _missing(dependencies, [*install, "crc32c>=1"], provided)

@@ -93,19 +93,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("submit", help="submit a run or convert config as a Ray job",
                        description="Submit a config to a Ray head as a Ray job: the working dir "
                        "is shipped with it, the job's log is streamed here, and the exit code "
-                       "is the job's outcome (0 when it SUCCEEDED).")  # fmt: skip
+                       "is the job's outcome: 0 when it SUCCEEDED, 1 when it FAILED or was "
+                       "STOPPED, 2 when it could not be submitted, 3 when it still ran after "
+                       "its log stream kept closing (see: ray job status ID).")  # fmt: skip
     p.add_argument("config", help="run or convert config YAML inside the working dir")
     p.add_argument("--address", default=None,
-                   help="the head's job API (dashboard) URL (default: RAY_ADDRESS, "
-                   "else http://127.0.0.1:8265)")  # fmt: skip
+                   help="the head's job API (dashboard) URL, not its GCS address (default: "
+                   "RAY_API_SERVER_ADDRESS, else RAY_ADDRESS, else http://127.0.0.1:8265)")  # fmt: skip
     p.add_argument("--no-wait", action="store_true",
                    help="return once the job is submitted instead of following it")  # fmt: skip
     p.add_argument("--working-dir", default=None,
                    help="folder shipped with the job (default: the raypipe source checkout)")  # fmt: skip
     p.add_argument("--token-file", default=None,
                    help="file holding the head's auth token (token authentication); "
-                   "default: Ray's own RAY_AUTH_MODE=token with RAY_AUTH_TOKEN(_PATH)")  # fmt: skip
-    p.add_argument("--submission-id", default=None, help="job id to use (default: Ray picks)")
+                   "default: with RAY_AUTH_MODE=token, Ray's RAY_AUTH_TOKEN(_PATH) or "
+                   "~/.ray/auth_token; with RAY_AUTH_MODE unset, the token Ray finds here, "
+                   "sent only to a loopback or https address")  # fmt: skip
+    p.add_argument("--submission-id", default=None,
+                   help="job id to use (default: raypipe_{train|convert}_ and 12 random hex "
+                   "digits)")  # fmt: skip
     _verbose_flag(p)
 
     p = sub.add_parser("bench", help="measure ingest throughput against torch DataLoader",

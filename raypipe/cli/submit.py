@@ -5,6 +5,8 @@
           POST the job to the head's job API (JobSubmissionClient)
  head:    python -m raypipe {run|convert} CONFIG --data-root <where you submitted from>
  here:    stream the job's log until it ends → exit 0 if SUCCEEDED, else 1
+          (a stream closed early, by an idle proxy or tunnel, is opened again;
+          a job still running after that → exit 3)
 ```
 
 The job API runs any command it is sent, so a head that anyone can reach runs
@@ -40,6 +42,11 @@ EXCLUDES = [
 ]
 ENTRY = {"train": "run", "convert": "convert"}
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+STILL_RUNNING = 3  # exit code: the log stream kept closing while the job ran on
+REATTACH = 5  # log streams opened again in a row that bring no new line, at most
+SETTLE = 10  # status polls after a stream ends: the status may lag the log a moment
+POLL_S = 0.5
+WRONG_PORTS = {6379: "GCS", 10001: "Ray Client"}  # what `raypipe run --address` takes
 
 
 class SubmitError(RuntimeError):
@@ -47,8 +54,10 @@ class SubmitError(RuntimeError):
 
 
 def job_address(address: str | None) -> str:
-    """The job API URL: ``address``, else ``RAY_ADDRESS``, else the local default."""
-    url = address or os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS
+    """The job API URL: ``address``, else ``RAY_API_SERVER_ADDRESS``, else ``RAY_ADDRESS``
+    (the order of Ray's job CLI), else the local default."""
+    env = os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS")
+    url = address or env or DEFAULT_ADDRESS
     if "://" not in url:
         url = f"http://{url}"
     parsed = urlparse(url)
@@ -111,7 +120,9 @@ def submit(
         print(f"follow it with: ray job logs --follow {job_id} --address {url}", file=out)
         return 0
     try:
-        asyncio.run(_stream(client, job_id, out))
+        info = _follow(client, url, job_id, out)
+    except SubmitError:
+        raise
     except Exception as e:  # aiohttp and websocket errors: the job itself may be fine
         raise SubmitError(
             f"lost the log stream of job {job_id} ({type(e).__name__}: {e}); it may still run: "
@@ -124,13 +135,12 @@ def submit(
             file=out,
         )
         return 130
-    info = _call(url, lambda: client.get_job_info(job_id))
-    for _ in range(60):  # the log stream ends as the job ends; its status may lag a moment
-        if str(getattr(info.status, "value", info.status)) in TERMINAL:
-            break
-        time.sleep(0.5)
-        info = _call(url, lambda: client.get_job_info(job_id))
-    status = str(getattr(info.status, "value", info.status))
+    status = _status(info)
+    if status not in TERMINAL:
+        print(f"job {job_id}: still {status}, but its log stream keeps closing; stopped "
+              f"following it. Check it with: ray job status {job_id} --address {url}",
+              file=out, flush=True)  # fmt: skip
+        return STILL_RUNNING
     line = f"job {job_id}: {status}"
     if status != "SUCCEEDED" and info.message:
         line += f" ({info.message.strip().splitlines()[-1]})"
@@ -152,34 +162,65 @@ def _submit_once(client, job_id: str, command: str, runtime_env: dict, tries: in
             time.sleep(2 * (attempt + 1))
 
 
-async def _stream(client, job_id: str, out: TextIO) -> None:
+def _follow(client, url: str, job_id: str, out: TextIO):
+    """Stream the job's log until the job ends; returns its last info. A stream that ends
+    while the job runs on (an idle proxy, tunnel or port-forward closed it) is opened
+    again, up to `REATTACH` times in a row without a new line."""
+    seen, idle = 0, 0
+    while True:
+        now = asyncio.run(_stream(client, job_id, out, skip=seen))
+        idle = idle + 1 if now <= seen else 0
+        seen = max(seen, now)
+        info = _call(url, lambda: client.get_job_info(job_id))
+        for _ in range(SETTLE):
+            if _status(info) in TERMINAL:
+                return info
+            time.sleep(POLL_S)
+            info = _call(url, lambda: client.get_job_info(job_id))
+        if idle >= REATTACH:
+            return info
+
+
+async def _stream(client, job_id: str, out: TextIO, skip: int = 0) -> int:
+    """Write the job's log past its first ``skip`` characters, which an earlier stream
+    wrote (each stream starts at the top); returns the characters this one read."""
+    read = 0
     async for lines in client.tail_job_logs(job_id):
-        out.write(lines)
-        out.flush()
+        new = lines[max(0, skip - read) :]
+        read += len(lines)
+        if new:
+            out.write(new)
+            out.flush()
+    return read
+
+
+def _status(info) -> str:
+    return str(getattr(info.status, "value", info.status))
 
 
 def _client(url: str, token_file: str | Path | None):
     from ray.job_submission import JobSubmissionClient
 
-    token = _token(token_file)
+    token = _token(token_file, url)
     headers = {"Authorization": f"Bearer {token}"} if token else None
     return _call(url, lambda: JobSubmissionClient(url, headers=headers))
 
 
-def _token(token_file: str | Path | None) -> str | None:
+def _token(token_file: str | Path | None, url: str) -> str | None:
     """The auth token to send: ``token_file``'s, else the one Ray itself would use.
 
     With ``RAY_AUTH_MODE`` set, Ray's client decides alone (``token``: it sends
     ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``; ``disabled``:
     nothing). Unset, raypipe does what ``ray.init`` does when it joins a cluster: it
-    sends the token Ray finds there, if any.
+    sends the token Ray finds here, if any, but only to a loopback or https URL: a
+    plain-http head elsewhere gets no token unless asked for (the header travels in clear).
     """
     if token_file is not None:
         path = Path(token_file).expanduser()
         if not path.is_file():
             raise ValueError(f"token file {str(path)!r} not found")
         return path.read_text().strip()
-    if os.environ.get("RAY_AUTH_MODE"):
+    if os.environ.get("RAY_AUTH_MODE") or not _private(url):
         return None
     from raypipe import rayapi
 
@@ -187,6 +228,14 @@ def _token(token_file: str | Path | None) -> str | None:
     if not loader.has_token(ignore_auth_mode=True):
         return None
     return loader.get_raw_token(ignore_auth_mode=True)
+
+
+def _private(url: str) -> bool:
+    """Whether a header sent to ``url`` stays on this machine or is encrypted."""
+    from raypipe.localnode import is_loopback
+
+    parsed = urlparse(url)
+    return parsed.scheme == "https" or is_loopback(parsed.hostname or "")
 
 
 def _call(url: str, fn):
@@ -203,12 +252,26 @@ def _call(url: str, fn):
             "pass --token-file, or set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN"
         ) from None
     except (ConnectionError, requests.exceptions.RequestException):
+        hint = ": is a head running there? (ray start --head --dashboard-host=127.0.0.1)"
         raise SubmitError(
-            f"cannot reach a Ray job API at {url}: is a head running there? "
-            "(ray start --head --dashboard-host=127.0.0.1)"
+            f"cannot reach a Ray job API at {url}{_wrong_port(url) or hint}"
         ) from None
     except RuntimeError as e:
-        raise SubmitError(f"the job API at {url} failed: {_gist(str(e))}") from None
+        raise SubmitError(
+            f"the job API at {url} failed: {_gist(str(e))}{_wrong_port(url)}"
+        ) from None
+
+
+def _wrong_port(url: str) -> str:
+    """A hint when ``url`` names Ray's GCS or client port, the address `raypipe run` takes."""
+    port = urlparse(url).port
+    if port not in WRONG_PORTS:
+        return ""
+    return (
+        f": {port} is Ray's {WRONG_PORTS[port]} port (RAY_ADDRESS for raypipe run), not the "
+        "dashboard's job API (8265): pass --address http://HOST:8265 or set "
+        "RAY_API_SERVER_ADDRESS"
+    )
 
 
 def _gist(message: str) -> str:

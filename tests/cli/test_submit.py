@@ -1,0 +1,140 @@
+"""`raypipe submit` without a head: which URL gets the local token, what a closed log
+stream does, which address it takes and what its help says (fake clients, no Ray, no
+server)."""
+
+from __future__ import annotations
+
+import io
+import re
+from types import SimpleNamespace
+
+import pytest
+import requests
+
+from raypipe.cli import submit as sub
+from raypipe.cli.parser import build_parser
+
+
+@pytest.fixture
+def local_token(monkeypatch):
+    """A token Ray would find on this machine (``~/.ray/auth_token``), RAY_AUTH_* unset."""
+    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    loader = SimpleNamespace(has_token=lambda **kw: True, get_raw_token=lambda **kw: "local")
+    monkeypatch.setattr("raypipe.rayapi.auth_token_loader", lambda: loader)
+
+
+def _headers(monkeypatch, url: str, token_file=None) -> dict | None:
+    """The headers `raypipe.cli.submit._client` gives Ray's client for ``url``."""
+    seen = {}
+
+    def client(address, headers=None):
+        seen["headers"] = headers
+        return SimpleNamespace()
+
+    monkeypatch.setattr("ray.job_submission.JobSubmissionClient", client)
+    sub._client(url, token_file)
+    return seen["headers"]
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8265", "http://localhost:8265",
+                                 "http://[::1]:8265", "https://head.example.com"])  # fmt: skip
+def test_the_local_token_goes_to_loopback_and_https(monkeypatch, local_token, url):
+    assert _headers(monkeypatch, url) == {"Authorization": "Bearer local"}
+
+
+@pytest.mark.parametrize("url", ["http://203.0.113.9:8265", "http://head.example.com:8265"])
+def test_the_local_token_never_goes_to_another_host_over_http(monkeypatch, local_token, url,
+                                                              tmp_path):  # fmt: skip
+    assert _headers(monkeypatch, url) is None
+    token = tmp_path / "head.token"
+    token.write_text("theirs\n")  # asked for: sent
+    assert _headers(monkeypatch, url, token) == {"Authorization": "Bearer theirs"}
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # Ray's client adds its token itself
+    assert _headers(monkeypatch, url) is None
+
+
+class FakeClient:
+    """Ray's JobSubmissionClient as a head answers it: each ``tail_job_logs`` replays the
+    log from the top (chunks from ``streams``, one list per stream) and then closes
+    normally; the job runs until the last stream has been read."""
+
+    def __init__(self, streams: list[list[str]]):
+        self.streams, self.opened = streams, 0
+
+    def submit_job(self, **kwargs):
+        self.kwargs = kwargs
+
+    async def tail_job_logs(self, job_id):
+        chunks = self.streams[min(self.opened, len(self.streams) - 1)]
+        self.opened += 1
+        for chunk in chunks:
+            yield chunk
+
+    def get_job_info(self, job_id):
+        done = self.opened >= len(self.streams)
+        status = "SUCCEEDED" if done else "RUNNING"
+        return SimpleNamespace(status=status, message="Job is currently running.")
+
+
+def _submit(monkeypatch, tmp_path, client: FakeClient) -> tuple[int, str]:
+    monkeypatch.setattr(sub, "_client", lambda url, token_file: client)
+    monkeypatch.setattr(sub, "time", SimpleNamespace(sleep=lambda s: None))  # no polling waits
+    (tmp_path / "run.yaml").write_text("data:\n  source: .\n")
+    out = io.StringIO()
+    code = sub.submit(tmp_path / "run.yaml", working_dir=tmp_path, address=sub.DEFAULT_ADDRESS,
+                      out=out)  # fmt: skip
+    return code, out.getvalue()
+
+
+def test_a_closed_log_stream_is_opened_again_without_repeating_lines(monkeypatch, tmp_path):
+    """An idle tunnel or proxy closes the stream after epoch 0; the job goes on."""
+    client = FakeClient([["epoch 0\n"], ["epoch 0\n", "epoch 1\n", "done\n"]])
+    code, out = _submit(monkeypatch, tmp_path, client)
+    assert code == 0 and client.opened == 2
+    assert out.count("epoch 0") == 1 and out.count("epoch 1") == 1
+    assert out.rstrip().endswith(": SUCCEEDED")
+
+
+def test_a_job_still_running_after_the_stream_keeps_closing_exits_3(monkeypatch, tmp_path):
+    client = FakeClient([["epoch 0\n"]] * 100)
+    code, out = _submit(monkeypatch, tmp_path, client)
+    job_id = client.kwargs["submission_id"]
+    assert code == 3, out  # the old code: 1, as if the job had failed
+    assert code == sub.STILL_RUNNING and client.opened == 1 + sub.REATTACH
+    assert out.count("epoch 0") == 1
+    assert f"ray job status {job_id} --address {sub.DEFAULT_ADDRESS}" in out.splitlines()[-1]
+    assert re.fullmatch(r"raypipe_train_[0-9a-f]{12}", job_id)  # what --help says
+
+
+def test_the_job_api_address_is_rays_job_cli_order(monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # `raypipe run`'s GCS address
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "http://127.0.0.1:8266")
+    assert sub.job_address(None) == "http://127.0.0.1:8266"
+    assert sub.job_address("http://10.0.0.2:8265") == "http://10.0.0.2:8265"
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS")
+    assert sub.job_address(None) == "http://127.0.0.1:6379"
+
+
+@pytest.mark.parametrize("port,what", [(6379, "GCS"), (10001, "Ray Client")])
+def test_a_gcs_or_client_port_is_named_in_the_error(port, what):
+    def refused():
+        raise requests.exceptions.ConnectionError("bad HTTP/2 preface")
+
+    def failed():
+        raise RuntimeError("Version check returned 404")
+
+    for call in (refused, failed):
+        with pytest.raises(sub.SubmitError) as e:
+            sub._call(f"http://127.0.0.1:{port}", call)
+        assert f"{port} is Ray's {what} port" in str(e.value) and "(8265)" in str(e.value)
+    with pytest.raises(sub.SubmitError, match="is a head running there"):
+        sub._call("http://127.0.0.1:8265", refused)
+
+
+def test_submit_help_says_what_the_code_does():
+    (submit,) = [action.choices["submit"] for action in build_parser()._actions if action.choices]
+    text = " ".join(submit.format_help().split())
+    assert "Ray picks" not in text and "raypipe_{train|convert}_" in text
+    assert "only to a loopback or https address" in text
+    assert "3 when it still ran" in text and "RAY_API_SERVER_ADDRESS" in text
