@@ -22,8 +22,7 @@ a private name of Ray's).
  train.rendezvous ray.train.torch.config._TorchBackend, _set_torch_distributed_env_vars
 ```
 
-Ray is imported inside each function: importing this module costs nothing.
-"""
+Ray is imported inside each function: importing this module costs nothing."""
 
 from __future__ import annotations
 
@@ -250,12 +249,10 @@ def set_actor_autoscaler(executor, autoscaler) -> None:
 
 
 def cluster_autoscaler(executor):
-    """The executor's cluster autoscaler; None where it has none, one sending no requests,
-    or the placement-group one (its request holds the group's bundles: never withdrawn)."""
+    """Its cluster autoscaler; None if none, none sending, or a placement group's."""
     cluster = getattr(executor, "_cluster_autoscaler", None)
-    if type(cluster).__name__ == "PlacementGroupClusterAutoscaler":
-        return None
-    return cluster if hasattr(cluster, "_send_resource_request") else None
+    group = type(cluster).__name__ == "PlacementGroupClusterAutoscaler"
+    return cluster if hasattr(cluster, "_send_resource_request") and not group else None
 
 
 def set_cluster_autoscaler(executor, autoscaler) -> None:

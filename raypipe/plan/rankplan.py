@@ -166,13 +166,8 @@ def rank_pool(actors: tuple[int, int], world_size: int, rank: int = 0) -> tuple[
     """Rank ``rank``'s share of ``PipelineConfig.actors`` (the run's total): each bound
     split in whole actors, the first ranks taking one more, so the shares add up to the
     run's (a fixed pool stays fixed: min = max on every rank); at least one a rank."""
-    lo, hi = actors
-
-    def share(n: int) -> int:
-        return n // world_size + (rank < n % world_size)
-
-    share_lo = max(1, share(lo))
-    return share_lo, max(share_lo, share(hi))
+    lo, hi = (n // world_size + (rank < n % world_size) for n in actors)
+    return max(1, lo), max(1, lo, hi)
 
 
 def task_table(plan: RankPlan, epochs: range) -> np.ndarray:
