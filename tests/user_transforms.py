@@ -114,3 +114,8 @@ def image_shape(sample: dict) -> dict:
     """The height and width of the image the transform got, and its pixel sum."""
     image = sample["image"]
     return {"hw": np.array(image.shape[:2], np.int64), "total": np.int64(image.sum())}
+
+
+def returns_none_at_2(sample: dict) -> dict | None:
+    """Breaks the contract for one key: a transform must return a dict."""
+    return None if sample["key"] == 2 else {"label": sample["label"]}

@@ -68,8 +68,12 @@ def _concat(pieces: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 
 def concat_column(parts: list[np.ndarray]) -> np.ndarray:
     """Rows of ``parts`` in one array; a ragged (object, one array per row) part makes the
-    result ragged too (a user transform's field that differed in shape in some block)."""
-    if all(p.dtype != object for p in parts) or all(p.dtype == object for p in parts):
+    result ragged too (a user transform's field that differed in shape in some block), as
+    do stacked parts whose rows differ in shape (each worker stacks a field whose rows all
+    had one shape there: another worker's may have had another)."""
+    if all(p.dtype == object for p in parts):
+        return np.concatenate(parts)
+    if all(p.dtype != object for p in parts) and len({p.shape[1:] for p in parts}) == 1:
         return np.concatenate(parts)
     rows = [row for p in parts for row in (p if p.dtype == object else list(p))]
     out = np.empty(len(rows), dtype=object)

@@ -33,12 +33,14 @@ from raypipe.formats.sample import RawSample
 from raypipe.plan.rankplan import RankTasks
 from raypipe.plan.shards import Reader, unpack_done
 from raypipe.preprocess.augment import Plan, sample_plan
+from raypipe.preprocess.cache import mapped
 from raypipe.preprocess.cache.capped import Stored
 from raypipe.preprocess.cache.reuse import SampleCache
 from raypipe.preprocess.decode import crop_chw, decode_crop
 from raypipe.preprocess.encoded import Encoded, EncodedBlocks
 from raypipe.preprocess.imageblocks import ImageBlocks, Reused
 from raypipe.preprocess.samples.fields import sample_map
+from raypipe.preprocess.usermap import TransformOutputError
 from raypipe.preprocess.userrows import RowBuilder, Schema
 from raypipe.skips.budget import check_budget
 from raypipe.skips.log import SkipLog
@@ -55,7 +57,10 @@ ACTOR_NICE = 10  # how much lower an actor's CPU priority is than the trainer's
 
 
 def preprocess_task(batch: dict[str, np.ndarray], **kwargs) -> Iterator[dict[str, np.ndarray]]:
-    """`Preprocessor` as a plain Ray task (``PipelineConfig.compute="tasks"``)."""
+    """`Preprocessor` as a plain Ray task (``build_dataset`` with ``compute="tasks"``): on
+    Ray's pooled workers, which outlive the run, so each task first lets go of the memory
+    caches released since this worker's last (`mapped.Mappings.drop_cleared`)."""
+    mapped.PROCESS.drop_cleared()
     yield from Preprocessor(**kwargs)(batch)
 
 
@@ -126,6 +131,8 @@ class Preprocessor:
         for raw in raws:
             try:
                 item = self._decode(raw, epoch)
+            except TransformOutputError:  # the transform broke its contract: the run stops
+                raise
             except Exception as e:  # any read, decode or transform failure: a bad sample
                 pending.append(self._bad(raw, e))
                 if len(pending) >= SKIPS_PER_SEND:  # a shard of nothing but bad rows

@@ -19,7 +19,6 @@ naming the field, the key and the file.
 
 from __future__ import annotations
 
-import io
 import json
 import random
 from collections.abc import Callable
@@ -90,7 +89,7 @@ class SampleMap:
     def sample(self, raw, image: np.ndarray | None = None) -> dict[str, Any]:
         """The transform's input for ``raw``: image, label, key and the sample's extras;
         ``image``: the decoded H×W×3 pixels (the decoded cache's), else ``raw``'s decoded."""
-        extras = {_name(k): _decode_extra(k, v) for k, v in (raw.extras or {}).items()}
+        extras = {_name(k): self._extra(k, v) for k, v in (raw.extras or {}).items()}
         pixels = self._image(raw.data) if image is None else self._as_input(np.array(image))
         return {**extras, "image": pixels, "label": raw.label, "key": raw.key}
 
@@ -105,9 +104,10 @@ class SampleMap:
             raise BadSample("transform_error", f"{type(e).__name__}: {e}") from e
         return _as_row(out, raw)
 
-    def batch(self, raws: list, epoch: int) -> list[dict[str, Any]]:
-        """A per-batch transform: lists of each field in, arrays with one row each out."""
-        samples = [self.sample(r) for r in raws]
+    def batch(self, raws: list, epoch: int, samples: list | None = None) -> list[dict[str, Any]]:
+        """A per-batch transform: lists of each field in, arrays with one row each out;
+        ``samples``: the raws' transform inputs (`sample`), when already made."""
+        samples = [self.sample(r) for r in raws] if samples is None else samples
         seed = seed_globals(self.seed, epoch, raws[0].key)
         try:
             out = self._apply({k: [s[k] for s in samples] for k in samples[0]}, seed)
@@ -128,18 +128,22 @@ class SampleMap:
                 row[field] = value
         return [_as_row(row, raw) for row, raw in zip(rows, raws, strict=True)]
 
+    def _extra(self, ext: str, data: Any) -> Any:
+        """`_decode_extra`; a member that does not decode is a bad sample that names the
+        member and its own bytes (the main image may be fine)."""
+        from raypipe.skips.records import BadSample, detail_of, reason_of
+
+        try:
+            return _decode_extra(ext, data, self.max_pixels)
+        except Exception as e:
+            raw = data if isinstance(data, bytes) else None
+            raise BadSample(reason_of(e, raw), f"member {ext}: {detail_of(e, raw)}") from e
+
     def _image(self, data: bytes):
         from PIL import ImageOps
 
         with open_image(data) as img:
-            if self.max_pixels is not None and img.width * img.height > self.max_pixels:
-                from raypipe.skips.records import BadSample
-
-                raise BadSample(
-                    "decompression_bomb",
-                    f"{img.width}x{img.height} = {img.width * img.height} pixels > "
-                    f"max_image_pixels={self.max_pixels}",
-                )
+            _check_pixels(img, self.max_pixels)
             rgb = to_rgb(ImageOps.exif_transpose(img))
             rgb.load()
         return rgb if self.input == "pil" else self._as_input(np.asarray(rgb))
@@ -164,16 +168,27 @@ def _name(ext: str) -> str:
     return stem if stem and last in _IMAGE_EXTS else ext
 
 
-def _decode_extra(ext: str, data: Any) -> Any:
-    """A WebDataset member by its extension: images → numpy (their own mode), ``json`` →
-    parsed, ``txt``/``cls`` → str, anything else bytes. Parquet columns come as values."""
+def _check_pixels(img, limit: int | None) -> None:
+    if limit is not None and img.width * img.height > limit:
+        from raypipe.skips.records import BadSample
+
+        raise BadSample(
+            "decompression_bomb",
+            f"{img.width}x{img.height} = {img.width * img.height} pixels > "
+            f"max_image_pixels={limit}",
+        )
+
+
+def _decode_extra(ext: str, data: Any, max_pixels: int | None = None) -> Any:
+    """A WebDataset member by its extension: images → numpy (their own mode, under
+    ``max_image_pixels``), ``json`` → parsed, ``txt``/``cls`` → str, anything else bytes.
+    Parquet columns come as values."""
     if not isinstance(data, bytes):
         return data
     last = ext.rsplit(".", 1)[-1]
     if last in _IMAGE_EXTS:
-        from PIL import Image
-
-        with Image.open(io.BytesIO(data)) as img:
+        with open_image(data) as img:
+            _check_pixels(img, max_pixels)
             return np.asarray(img)
     if last == "json":
         return json.loads(data)

@@ -100,13 +100,23 @@ class RowBuilder:
         items, self.items = self.items, []
         raws = [raw for _, raw in items]
         if self.map.per_batch:
+            samples, good = [], []
+            for raw in raws:  # a sample that does not decode is bad alone, with its reason
+                try:
+                    samples.append(self.map.sample(raw))
+                    good.append(raw)
+                except Exception as e:
+                    self.bad.append(self.bad_of(raw, e))
+            if not good:
+                return None
             try:
-                rows = self.map.batch(raws, self.epoch)
+                rows = self.map.batch(good, self.epoch, samples)
             except TransformOutputError:
                 raise
-            except Exception as e:
-                self.bad.extend(self.bad_of(raw, e) for raw in raws)
+            except Exception as e:  # the transform failed on the batch: all of it is bad
+                self.bad.extend(self.bad_of(raw, e) for raw in good)
                 return None
+            raws = good
         else:
             rows = [row for row, _ in items]
         for row, raw in zip(rows, raws, strict=True):

@@ -107,3 +107,17 @@ def test_shuffled_widens_a_column_as_concatenating_its_blocks_would():
     ]
     out = list(shuffled(iter(nums), 2, 0, np.random.default_rng(0), drop_last=False))
     assert sorted(float(x) for b in out for x in b["x"]) == [0.0, 0.5, 1.0, 1.5]
+
+
+def test_blocks_whose_rows_differ_in_shape_join_as_ragged_rows():
+    """Each worker stacks a field whose rows had one shape there; another worker's block may
+    hold another shape (boxes per image, one shard's resolution): the rank joins them row
+    by row instead of failing."""
+    from raypipe.loader.rebatch import concat_column
+
+    a, b = np.arange(12).reshape(4, 3), np.arange(16).reshape(4, 4)
+    out = concat_column([a, b])
+    assert out.dtype == object and len(out) == 8
+    assert [r.tolist() for r in out] == [r.tolist() for r in (*a, *b)]
+    same = concat_column([a, a + 1])  # one shape: stacked as before
+    assert same.dtype != object and same.shape == (8, 3)

@@ -312,12 +312,15 @@ def test_a_process_keeps_the_newest_mappings_up_to_half_what_the_kernel_allows(t
     again from its file. `MAPPED` is half of ``vm.max_map_count``, not the old fixed 8,192:
     later epochs of 16,384 photos ran 1.23x faster with it (benchmarks/RESULTS.md, "Many
     entries on a node")."""
+    import resource
+
     from raypipe.preprocess.cache import mapped
 
     with open("/proc/sys/vm/max_map_count") as f:
         allowed = int(f.read())
+    files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     limit = mapped.MAPPED
-    assert limit == max(1024, allowed // 2)
+    assert limit == max(64, min(allowed // 2, max(files // 2, files - mapped.SPARE_FILES)))
     monkeypatch.setattr(mapped, "MAPPED", 3)
     monkeypatch.setattr(mapped, "PROCESS", mapped.Mappings())  # this test's process
     root = str(tmp_path / "m")
@@ -932,3 +935,29 @@ def test_the_dataset_path_keeps_the_cache_and_its_batches_report_it(ray_session,
         assert batches.stats()["cache"]["hits"] == 61
     finally:
         node.release(config)
+
+
+def test_a_worker_maps_no_more_entries_than_it_may_hold_files_open():
+    """Each mapped entry keeps its file's descriptor: a worker whose open-file limit is
+    low keeps at most half its files' worth mapped (1,024 files spare, for a high one)."""
+    script = (
+        "import resource; hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]; "
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (400, hard)); "
+        "from raypipe.preprocess.cache import mapped; print(mapped.MAPPED)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    assert int(out.stdout) == 200
+
+
+def test_a_plain_task_lets_go_of_released_caches_first(monkeypatch):
+    """`build_dataset`'s tasks run on Ray's pooled workers, which outlive the run: each task
+    closes this worker's mappings of memory caches released since (their pages go back)."""
+    from raypipe.preprocess import actor
+    from raypipe.preprocess.cache import mapped
+
+    calls = []
+    monkeypatch.setattr(mapped.PROCESS, "drop_cleared", lambda: calls.append("dropped"))
+    monkeypatch.setattr(actor, "Preprocessor", lambda **kw: calls.append("built") or (lambda b: []))
+    assert list(actor.preprocess_task({"id": np.array([0])})) == []
+    assert calls == ["dropped", "built"]

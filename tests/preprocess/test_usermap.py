@@ -14,6 +14,7 @@ from raypipe import Pipeline, PipelineConfig, SampleError, SkipLog
 from raypipe.loader.collate import pad_collate
 from raypipe.preprocess.usermap import TransformOutputError
 from tests import user_transforms
+from tests.conftest import image_bytes
 
 T = "tests.user_transforms"
 
@@ -230,3 +231,94 @@ def test_normalize_at_its_default_leaves_a_transforms_own_layout_alone(ray_sessi
     for k, v in normed.items():
         assert v.dtype == np.float32 and v.shape == (8, 8, 3)
         np.testing.assert_allclose(v, (raw[k] / 255 - mean) / std, rtol=1e-5, atol=1e-5)
+
+
+class _Records:
+    """The skip log's part a `Preprocessor` writes to, kept here (no Ray)."""
+
+    def __init__(self):
+        self.records = []
+
+    def add(self, records):
+        self.records += list(records)
+        return len(self.records)
+
+    def epoch(self, e):
+        return self
+
+
+def preprocess_alone(config: PipelineConfig) -> tuple[list[int], list]:
+    """Every shard of ``config``'s source through one `Preprocessor`, in this process."""
+    from raypipe.plan.shards import list_shards, shard_row
+    from raypipe.preprocess.actor import Preprocessor
+
+    listing = list_shards(config)
+    rows = [shard_row(s, None) for s in listing.shards]
+    batch = {k: np.array([r[k] for r in rows], dtype=object) for k in rows[0]}
+    log = _Records()
+    blocks = list(Preprocessor(config, listing.reader, epoch=0, skips=log, samples=None)(batch))
+    return [int(k) for b in blocks for k in b["key"]], log.records
+
+
+def jpeg_folder(root, n: int, bad=()) -> str:
+    (root / "c").mkdir(parents=True)
+    for i in range(n):
+        data = (
+            b"this is not an image" if i in bad else image_bytes(np.random.default_rng(i), "JPEG")
+        )
+        (root / "c" / f"{i:03d}.jpg").write_bytes(data)
+    return str(root)
+
+
+def test_a_per_batch_transform_loses_only_the_sample_that_does_not_decode(tmp_path):
+    config = PipelineConfig(source=jpeg_folder(tmp_path, 8, bad=(3,)), batch_size=4,
+                            rows_per_block=4, transform="tests.user_transforms:batch_mean",
+                            transform_batch=True, max_skipped=None)  # fmt: skip
+    keys, records = preprocess_alone(config)
+    assert keys == [0, 1, 2, 4, 5, 6, 7]
+    assert [(r.key, r.where.rsplit("/", 1)[1], r.reason) for r in records] == [
+        (3, "003.jpg", "not_an_image")
+    ]
+
+
+def test_a_transform_that_returns_no_dict_stops_the_run(tmp_path):
+    config = PipelineConfig(source=jpeg_folder(tmp_path, 6), batch_size=2, rows_per_block=2,
+                            transform="tests.user_transforms:returns_none_at_2",
+                            max_skipped=None)  # fmt: skip
+    with pytest.raises(TransformOutputError, match="returned NoneType"):
+        preprocess_alone(config)
+
+
+def mask_only(sample: dict) -> dict:
+    return {"mask": sample["mask"]}
+
+
+@pytest.mark.parametrize("mask", [b"\x89PNG garbage", b"\x89PNG\r\n\x1a\n" + bytes(40)])
+def test_a_damaged_member_is_named_not_the_main_image(mask):
+    from raypipe.formats.sample import RawSample
+    from raypipe.preprocess.usermap import SampleMap
+    from raypipe.skips.records import BadSample
+
+    m = SampleMap(mask_only, seed=0, image_input="numpy", per_batch=False,
+                  max_image_pixels=None)  # fmt: skip
+    main = image_bytes(np.random.default_rng(0), "JPEG")
+    raw = RawSample(7, 1, main, "shard-0.tar:sample7", extras={"mask.png": mask})
+    with pytest.raises(BadSample) as info:
+        m(raw, 0)
+    assert info.value.detail.startswith("member mask.png: "), info.value.detail
+    assert repr(main[:8]) not in info.value.detail  # the main image's bytes are not blamed
+    ok = RawSample(8, 1, main, "shard-0.tar:sample8", extras={"mask.png": png(3)})
+    assert "mask" in m(ok, 0)
+
+
+def test_a_members_pixels_count_against_max_image_pixels():
+    from raypipe.formats.sample import RawSample
+    from raypipe.preprocess.usermap import SampleMap
+    from raypipe.skips.records import BadSample
+
+    m = SampleMap(mask_only, seed=0, image_input="numpy", per_batch=False,
+                  max_image_pixels=100)  # fmt: skip
+    raw = RawSample(1, 1, png(1, size=(8, 8)), "s:1", extras={"mask.png": png(2, size=(16, 12))})
+    with pytest.raises(BadSample, match="member mask.png: 16x12 = 192 pixels") as info:
+        m(raw, 0)
+    assert info.value.reason == "decompression_bomb"

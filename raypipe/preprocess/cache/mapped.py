@@ -2,9 +2,12 @@
 `raypipe.preprocess.cache.disk.DiskStore` objects: a worker serving several runs or ranks
 maps each entry once, and never holds more mappings than `MAPPED` between them.
 
-Each entry is one mapping, and Linux allows a process ``vm.max_map_count`` of them (65,530
-by default): `MAPPED` is half, the other half left to the process's libraries, allocators
-and Ray's store. A hit on a mapped entry costs about a microsecond; one past `MAPPED` is
+Each entry is one mapping and one open file (Python's `mmap` keeps a duplicate of its
+descriptor), and Linux allows a process ``vm.max_map_count`` mappings (65,530 by default)
+and its ``RLIMIT_NOFILE`` open files (Ray raises a worker's to 65,536 where the hard limit
+allows): `MAPPED` is half the mappings, the other half left to the process's libraries,
+allocators and Ray's store, and at most the open files less 1,024 left to its sockets,
+logs and shard files. A hit on a mapped entry costs about a microsecond; one past `MAPPED` is
 opened, mapped and checked again (`benchmarks/cache_parts.py`'s ``first_read``).
 
 A memory cache removed (its run released it) or made anew in its place is another cache:
@@ -23,12 +26,24 @@ __all__ = ["MAPPED", "Mappings", "PROCESS", "identity"]
 assert __all__ == sorted(__all__)
 
 
+SPARE_FILES = 1024  # open files left to the worker's own: sockets, logs, shard files
+
+
 def _limit() -> int:
+    """Half of what the process may map, and at most the files it may hold open less
+    `SPARE_FILES` (half, for a low limit): each mapping keeps its file's descriptor
+    (Python's `mmap` duplicates it)."""
+    import resource
+
     try:
         with open("/proc/sys/vm/max_map_count") as f:
-            return max(1024, int(f.read()) // 2)
+            maps = int(f.read())
     except (OSError, ValueError):
-        return 8192
+        maps = 16384
+    files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if files == resource.RLIM_INFINITY:
+        files = maps
+    return max(64, min(maps // 2, max(files // 2, files - SPARE_FILES)))
 
 
 MAPPED = _limit()
