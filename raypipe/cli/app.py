@@ -158,9 +158,9 @@ def _ray_session(address: str | None, *, verbose: bool = False):
         if not verbose:
             quiet.quiet_ray(local=address == "local")
         localray.start(address, log_to_driver=True, configure_logging=False)
-        if not verbose:
-            quiet.filter_worker_logs()
     try:
+        if started and not verbose:
+            quiet.filter_worker_logs()
         yield
     finally:
         if started:

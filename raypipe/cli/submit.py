@@ -39,6 +39,9 @@ EXCLUDES = [
     ".pytest_cache/",
     ".ruff_cache/",
     "benchmarks/out/",
+    "*.key",  # secrets never travel with a job: a CA's or TLS key, a token
+    "*.pem",
+    "auth_token",
 ]
 ENTRY = {"train": "run", "convert": "convert"}
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")

@@ -138,3 +138,21 @@ def test_submit_help_says_what_the_code_does():
     assert "Ray picks" not in text and "raypipe_{train|convert}_" in text
     assert "only to a loopback or https address" in text
     assert "3 when it still ran" in text and "RAY_API_SERVER_ADDRESS" in text
+
+
+def test_secrets_in_the_working_dir_never_travel_with_a_job(tmp_path):
+    """The job package is the working dir less `submit.EXCLUDES`, as Ray matches them: a CA
+    key, a PEM file or a token left in the checkout stays behind; the code goes."""
+    from ray._private.runtime_env.packaging import _get_excludes
+
+    from raypipe.cli import submit
+
+    for name in ("ca.key", "certs/node.key", "tls.pem", "auth_token", "train.py", "ca.crt",
+                 "jobs/configs/run.yaml"):  # fmt: skip
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    excluded = _get_excludes(tmp_path, list(submit.EXCLUDES))
+    left = {p for p in ("ca.key", "certs/node.key", "tls.pem", "auth_token")
+            if excluded(tmp_path / p)}  # fmt: skip
+    assert left == {"ca.key", "certs/node.key", "tls.pem", "auth_token"}
+    assert not any(excluded(tmp_path / p) for p in ("train.py", "ca.crt", "jobs/configs/run.yaml"))
