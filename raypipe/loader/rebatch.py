@@ -71,9 +71,8 @@ def concat_column(parts: list[np.ndarray]) -> np.ndarray:
     result ragged too (a user transform's field that differed in shape in some block), as
     do stacked parts whose rows differ in shape (each worker stacks a field whose rows all
     had one shape there: another worker's may have had another)."""
-    if all(p.dtype == object for p in parts):
-        return np.concatenate(parts)
-    if all(p.dtype != object for p in parts) and len({p.shape[1:] for p in parts}) == 1:
+    ragged = [p.dtype == object for p in parts]
+    if all(ragged) or (not any(ragged) and len({p.shape[1:] for p in parts}) == 1):
         return np.concatenate(parts)
     rows = [row for p in parts for row in (p if p.dtype == object else list(p))]
     out = np.empty(len(rows), dtype=object)

@@ -104,10 +104,9 @@ class SampleMap:
             raise BadSample("transform_error", f"{type(e).__name__}: {e}") from e
         return _as_row(out, raw)
 
-    def batch(self, raws: list, epoch: int, samples: list | None = None) -> list[dict[str, Any]]:
+    def batch(self, raws: list, epoch: int, samples: list) -> list[dict[str, Any]]:
         """A per-batch transform: lists of each field in, arrays with one row each out;
-        ``samples``: the raws' transform inputs (`sample`), when already made."""
-        samples = [self.sample(r) for r in raws] if samples is None else samples
+        ``samples``: the raws' transform inputs (`sample`, each made and checked alone)."""
         seed = seed_globals(self.seed, epoch, raws[0].key)
         try:
             out = self._apply({k: [s[k] for s in samples] for k in samples[0]}, seed)
