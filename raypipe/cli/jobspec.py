@@ -21,8 +21,8 @@ Kind = Literal["train", "convert"]
 RUN_SECTIONS = ("data", "eval", "trainer")
 # Path-valued keys per section: these are resolved against the data root.
 PATH_KEYS = {
-    "data": ("source",),
-    "eval": ("source",),
+    "data": ("source", "cache_dir"),
+    "eval": ("source", "cache_dir"),
     "trainer": ("storage_path",),
     "convert": ("source", "out"),
     "preprocess": ("source", "out"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -238,8 +239,8 @@ def test_relative_paths_resolve_against_the_data_root(tmp_path):
     cfg = _write(
         tmp_path / "c.yaml",
         """
-        data: {source: [a/train, /abs/b]}
-        eval: {source: val}
+        data: {source: [a/train, /abs/b], cache: disk, cache_dir: cache}
+        eval: {source: val, cache: disk, cache_dir: ~/cache}
         trainer: {storage_path: runs}
         preprocess: {source: imgs, out: s3://bucket/x}
         """,
@@ -247,6 +248,8 @@ def test_relative_paths_resolve_against_the_data_root(tmp_path):
     raw = jobspec.resolve_paths(cfg, "/root/dir")
     assert raw["data"]["source"] == ["/root/dir/a/train", "/abs/b"]
     assert raw["eval"]["source"] == "/root/dir/val"
+    assert raw["data"]["cache_dir"] == "/root/dir/cache"  # a disk cache is a path too
+    assert raw["eval"]["cache_dir"] == os.path.expanduser("~/cache")
     assert raw["trainer"]["storage_path"] == "/root/dir/runs"
     assert raw["preprocess"] == {"source": "/root/dir/imgs", "out": "s3://bucket/x"}
 
