@@ -550,6 +550,21 @@ def test_a_jpeg_hit_counts_its_decode_against_what_it_saved(tmp_path):
     assert rgb.shape[0] < 240 and q.box != p.box and whole.shape == (240, 320, 3)
 
 
+def test_a_disk_cache_is_kept_apart_by_its_pixel_settings_and_decoder_versions(tmp_path,
+                                                                              monkeypatch):  # fmt: skip
+    """A later run reuses a disk cache only where the same bytes would give the same
+    pixels: not after an upgrade of the libraries that decode and cap them."""
+    config = PipelineConfig(source=str(tmp_path), cache="disk", cache_dir=str(tmp_path / "c"))
+    root = node.cache_root(config)
+    assert root.startswith(str(tmp_path / "c")) and node.cache_root(config) == root
+    assert node.cache_root(config.replace(cache_max_side=config.cache_max_side + 1)) != root
+    assert node.cache_root(config.replace(cache_encoding="jpeg")) != root
+    assert node.cache_root(config.replace(batch_size=config.batch_size + 1)) == root  # not pixels
+    assert "opencv" in node.decoders() and "simplejpeg" in node.decoders()
+    monkeypatch.setattr(node, "decoders", lambda: "simplejpeg 0, opencv 0, pillow 0")
+    assert node.cache_root(config) != root
+
+
 def test_decode_capped_keeps_the_short_side_at_most_the_cap():
     rng = np.random.default_rng(0)
     for fmt in ("JPEG", "PNG"):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import hashlib
 import os
 import threading
@@ -40,7 +41,8 @@ from raypipe.preprocess.cache.disk import DiskStore
 from raypipe.preprocess.cache.store import Tally
 from raypipe.preprocess.cache.usage import Usage
 
-__all__ = ["NodeCache", "budget", "cache_root", "digest", "ensure", "lookup", "release", "stats"]
+__all__ = ["NodeCache", "budget", "cache_root", "decoders", "digest", "ensure", "lookup", "release",
+           "stats"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 DISK_BUDGET = 2 << 30  # bytes per node under cache_dir, by default
@@ -52,12 +54,23 @@ START_TIMEOUT_S = 60.0  # ensure waits this long for new caches to be up
 
 
 def digest(config) -> str:
-    """The settings that change a sample's cached pixels (not the crop: it comes after)."""
+    """The settings that change a sample's cached pixels (not the crop: it comes after),
+    and the `decoders` that make them: a disk cache is not reused across an upgrade that
+    could change its pixels."""
     text = (f"{CACHE_VERSION}|{config.image_column}|{config.cache_max_side}|"
-            f"{config.max_image_pixels}")  # fmt: skip
-    if config.cache_encoding != "raw":  # raw caches keep the digest they had before it
-        text += f"|{config.cache_encoding}"
+            f"{config.max_image_pixels}|{config.cache_encoding}|{decoders()}")  # fmt: skip
     return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+@functools.cache
+def decoders() -> str:
+    """The versions of what decodes, caps and re-encodes a cached image: simplejpeg (its
+    libjpeg-turbo), OpenCV and Pillow."""
+    import cv2
+    import PIL
+    import simplejpeg
+
+    return f"simplejpeg {simplejpeg.__version__}, opencv {cv2.__version__}, pillow {PIL.__version__}"
 
 
 def cache_root(config, node_id: str | None = None) -> str | None:
