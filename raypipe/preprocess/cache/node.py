@@ -70,7 +70,9 @@ def decoders() -> str:
     import PIL
     import simplejpeg
 
-    return f"simplejpeg {simplejpeg.__version__}, opencv {cv2.__version__}, pillow {PIL.__version__}"
+    return (
+        f"simplejpeg {simplejpeg.__version__}, opencv {cv2.__version__}, pillow {PIL.__version__}"
+    )
 
 
 def cache_root(config, node_id: str | None = None) -> str | None:
