@@ -113,15 +113,16 @@ class Storage:
             return os.path.getsize(uri)
         return self.fs.get_file_info(self._path(uri)).size
 
-    def stat(self, uri: str) -> tuple[int, int]:
-        """``(size, modification time in ns)``: a file's identity for the decoded cache."""
+    def stat(self, uri: str) -> tuple[int, int | None]:
+        """``(size, modification time in ns)``: a file's identity for the decoded cache; the
+        time is None where the filesystem keeps none (some fsspec ones: HTTP, memory)."""
         if not self.remote:
             st = os.stat(uri)
             return st.st_size, st.st_mtime_ns
         info = self.fs.get_file_info(self._path(uri))
         if info.size is None:
             raise OSError(f"{uri}: not a file")
-        return info.size, info.mtime_ns or 0
+        return info.size, info.mtime_ns
 
     # -- listing (driver side; errors name the URI) ---------------------------------
 

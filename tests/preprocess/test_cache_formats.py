@@ -132,6 +132,32 @@ def test_an_entry_kept_with_a_readers_reason_is_a_miss_and_replaced(tmp_path, mo
     assert entry.shape is not None and entry.reason is None
 
 
+def test_a_disk_cache_keeps_nothing_of_a_file_without_a_modification_time(tmp_path,
+                                                                         monkeypatch, caplog):  # fmt: skip
+    """A filesystem that keeps no modification time (fsspec's in-memory one, HTTP): a later
+    run could not tell the file rewritten at the same size, so a disk cache keeps none of
+    its samples, and says so once."""
+    import fsspec
+
+    data = image_bytes(np.random.default_rng(3))
+    fsspec.filesystem("memory").pipe("/undated/a.jpg", data)
+    uri = "memory://undated/a.jpg"
+    storage = Storage.for_source(uri, None)
+    assert storage.stat(uri) == (len(data), None)
+    monkeypatch.setattr(node, "lookup", lambda config: None)
+    config = PipelineConfig(source=uri, cache="disk", cache_dir=str(tmp_path / "c"),
+                            cache_max_side=16)  # fmt: skip
+    cache = SampleCache(config, storage, whole_rows=True)
+    read = lambda p, first, n, label, done: iter([RawSample(first, label, data, p)])  # noqa: E731
+    with caplog.at_level("WARNING", logger=reuse.__name__):
+        for _ in range(2):
+            (got,) = task(cache, [(uri, 0, 1, 0, None)], read)
+            assert not isinstance(got, str) and got.shape[2] == 3  # decoded, served
+    assert cache.tally.hits == 0
+    assert DiskStore(node.cache_root(config), 1 << 30).held() == (0, 0)
+    assert caplog.text.count("no modification time") == 1
+
+
 def test_a_failed_write_gives_the_store_up_for_that_task_only(tmp_path, monkeypatch):
     """A write that fails (a full disk for a moment) leaves the task to decode without the
     cache; the next task writes again. A file name that is not UTF-8 is cached too."""

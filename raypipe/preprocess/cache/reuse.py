@@ -20,6 +20,7 @@ error, a missing label) is its to say again, and wins over what was kept of that
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -38,6 +39,8 @@ from raypipe.skips.records import DECODE_REASONS, BadSample, detail_of, reason_o
 
 __all__ = ["SampleCache"]
 assert __all__ == sorted(__all__)
+
+log = logging.getLogger(__name__)
 
 CHUNK = 32  # samples looked up at once
 WHERE_WAIT_S = 2.0  # how long a worker waits for its node's actor's answer
@@ -60,6 +63,7 @@ class SampleCache:
         self.tally = Tally()
         self._found: dict[int, Entry] = {}  # key -> its entry, for the raw yielded next
         self._missed: dict[int, tuple[str, tuple[int, int] | None, float]] = {}
+        self._undated = False  # a file without a modification time was met (logged once)
 
     def _start(self) -> None:
         """A disk cache: the node's files at once. A memory cache: the directory and budget
@@ -139,10 +143,20 @@ class SampleCache:
                 t0 = time.perf_counter()
 
     def _ident(self, path: str) -> tuple[int, int] | None:
+        """The source file's (size, mtime in ns); None: its samples are not cached."""
         try:
-            return self.storage.stat(split_piece(path)[0])  # a piece: its file's identity
+            size, mtime = self.storage.stat(split_piece(path)[0])  # a piece: its file's
         except (OSError, ValueError):
             return None  # read will say what is wrong; nothing is cached for it
+        if mtime is not None:
+            return size, mtime
+        if self.config.cache == "disk":  # a later run could not tell the file rewritten
+            if not self._undated:
+                log.warning("%s has no modification time: a disk cache could not tell it "
+                            "changed, so its samples are not cached (cache='memory' can)", path)  # fmt: skip
+            self._undated = True
+            return None
+        return size, 0  # a memory cache dies with its runs
 
     def image(self, raw: RawSample) -> np.ndarray | Stored:
         """The capped H×W×3 image of ``raw``, or its JPEG (``cache_encoding="jpeg"``:
