@@ -124,8 +124,9 @@ class PipelineConfig:
             With the cache on, every crop (the first epoch's too) comes from the capped
             image. None (the default): off. See docs/configuration.md "The decoded cache".
         cache_max_side: the cached image's short side is at most this many pixels.
-        cache_budget: bytes of cached pixels per node; the first samples decoded are kept
-            until it is full (no eviction). At least one block's worth. ``cache="memory"``
+        cache_budget: bytes per node that the cache's files take (in whole 4 KiB pages);
+            the first samples decoded are kept until it is full (no eviction). At least
+            one block's worth. ``cache="memory"``
             keeps its files in the node's shared memory (``/dev/shm``), beside the object
             store, for the run: a budget that /dev/shm has no room for beyond the object
             store is refused before work. None: a quarter of the smallest object store

@@ -13,7 +13,7 @@ from raypipe.config.samples import check_samples
 if TYPE_CHECKING:
     from raypipe.config.pipeline import PipelineConfig
 
-__all__ = ["CACHE", "COMPUTE", "DECODE", "FORMATS", "INPUTS", "ON_ERROR", "validate"]
+__all__ = ["CACHE", "CACHE_BLOCK", "COMPUTE", "DECODE", "FORMATS", "INPUTS", "ON_ERROR", "validate"]
 assert __all__ == sorted(__all__)
 
 FORMATS = ("imagefolder", "webdataset", "parquet", "tfrecord", "lmdb", "hdf5")
@@ -22,6 +22,7 @@ COMPUTE = ("actors", "tasks")
 INPUTS = ("numpy", "pil", "torch")  # what a user transform's image is
 DECODE = ("cpu", "gpu")
 CACHE = ("memory", "disk")  # or None: no decoded cache
+CACHE_BLOCK = 4096  # a cache entry's file takes whole pages of shared memory, or disk blocks
 
 
 def validate(c: PipelineConfig) -> None:
@@ -149,11 +150,11 @@ def _check_cache(c: PipelineConfig, bad: _Bad) -> None:
     if c.image_column is None or c.decode == "gpu" or c.transform_batch:
         raise bad("cache", "keeps decoded images: it needs image_column, decode='cpu' and a "
                   "per-sample transform (or none)")  # fmt: skip
-    rows = c.rows_per_block or c.batch_size
-    block = rows * 3 * c.cache_max_side * c.cache_max_side
+    rows, side = c.rows_per_block or c.batch_size, c.cache_max_side
+    block = rows * -(-3 * side * side // CACHE_BLOCK) * CACHE_BLOCK  # whole pages an image
     if c.cache_budget is not None and c.cache_budget < block:
-        raise bad("cache_budget", f"is below one block: {rows} rows of up to "
-                  f"{c.cache_max_side}x{c.cache_max_side}x3 bytes = {block} bytes")  # fmt: skip
+        raise bad("cache_budget", f"is below one block: {rows} rows of up to {side}x{side}x3 "
+                  f"bytes in {CACHE_BLOCK}-byte pages = {block} bytes")  # fmt: skip
     if c.cache == "disk":
         _check_cache_dir(c, bad)
 

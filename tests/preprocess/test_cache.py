@@ -49,14 +49,14 @@ def pixels(seed: int = 0, shape=(12, 14, 3)) -> np.ndarray:
 
 def test_a_store_is_first_come_within_its_budget_then_sends_nothing(tmp_path):
     one = Entry.image(IDENT, "a.jpg", 0.01, pixels())
-    size = sum(len(part) for part in parts(one))
-    store = DiskStore(str(tmp_path / "c"), budget=2 * size + 100)  # JSON headers vary a little
+    size = disk_cache.footprint(sum(len(part) for part in parts(one)))  # a page: 504 pixels
+    store = DiskStore(str(tmp_path / "c"), budget=2 * size + 100)
     put_all(store, [(f"f{i}", Entry.image(IDENT, f"{i}.jpg", 0.01, pixels(i))) for i in range(3)])
     got = store.get_many(["f0", "f1", "f2"], [IDENT] * 3)
     assert [g is not None for g in got] == [True, True, False]  # the third did not fit
     held = store.held()
     assert store.tally.refused == 1 and store.full and held[1] == 2
-    assert 2 * size - 20 < held[0] <= store.budget
+    assert held[0] == 2 * size == 2 * disk_cache.BLOCK  # what the files take of the node
     assert np.array_equal(got[1].pixels, pixels(1))
     assert store.get_many(["f0"], [(101, 7)]) == [None]  # the file changed: a miss
     put_all(store, [("f0", Entry.image((101, 7), "0.jpg", 0.01, pixels(5)))])  # replaced
@@ -71,7 +71,7 @@ def test_mapped_stores_lease_the_budget_and_give_back_what_they_did_not_use(tmp_
     once settled the usage file counts exactly the files there."""
     from raypipe.preprocess.cache import disk
 
-    size = sum(len(part) for part in parts(Entry.image(IDENT, "k000.jpg", 0.01, pixels())))
+    size = disk.footprint(sum(len(p) for p in parts(Entry.image(IDENT, "k.jpg", 0.01, pixels()))))
     monkeypatch.setattr(disk, "LEASE", 10 * size)
     root = str(tmp_path / "m")
     stores = [DiskStore(root, budget=120 * size, mapped=True) for _ in range(2)]
@@ -88,7 +88,7 @@ def test_mapped_stores_lease_the_budget_and_give_back_what_they_did_not_use(tmp_
     kept = len(files)
     assert 118 <= kept <= 120 and sum(s.tally.refused for s in stores) == 150 - kept
     assert all(s.full for s in stores)
-    assert stores[0].held() == (sum(f.stat().st_size for f in files), kept)
+    assert stores[0].held() == (sum(disk.footprint(f.stat().st_size) for f in files), kept)
     assert sum(takes) < kept / 3  # a lock per lease, not per entry (till the budget's end)
     got = DiskStore(root, budget=120 * size).get_many(
         [f"k{n:03d}" for n in range(150)], [IDENT] * 150
@@ -126,7 +126,7 @@ def test_two_processes_writing_one_entry_at_once_count_it_once(tmp_path, monkeyp
     first.settle()
     second.settle()
     files = [f for f in Path(root).rglob("*") if f.is_file() and f.name != "usage"]
-    assert len(files) == 1 and first.held() == (files[0].stat().st_size, 1)
+    assert len(files) == 1 and first.held() == (disk_cache.footprint(files[0].stat().st_size), 1)
     (got,) = DiskStore(root, budget=1 << 20).get_many(["k"], [IDENT])
     assert np.array_equal(got.pixels, pixels(2))  # the last write wins, whole
 
@@ -148,7 +148,7 @@ def test_a_write_that_fails_leaves_no_file_and_gives_its_budget_back(tmp_path, m
     store.settle()
     files = [f for f in (tmp_path / "m").rglob("*") if f.is_file() and f.name != "usage"]
     assert [f.name for f in files] == [Path(store.path("a")).name]  # no .tmp left
-    assert store.held() == (files[0].stat().st_size, 1)
+    assert store.held() == (disk_cache.footprint(files[0].stat().st_size), 1)
 
 
 KILLED_WRITER = """
@@ -195,14 +195,14 @@ def test_a_disk_caches_next_run_removes_what_writers_killed_mid_write_left(tmp_p
         tmp.parent.mkdir(exist_ok=True)
         tmp.write_bytes(body)
         with Usage(str(root)).counting() as usage:
-            usage[0] += len(body)
+            usage[0] += disk_cache.footprint(len(body))
     linked = Path(store.path("a") + ".4444.tmp")
     os.link(store.path("a"), linked)
     old = time.time() - 2 * disk_cache.LEFTOVER_S
     for tmp in (dead, linked):
         os.utime(tmp, (old, old))
     node.NodeCache("disk", 1 << 20, str(root))  # looks for them beside the run
-    want = (kept[0] + len(body), kept[1])  # the live writer's bytes still counted
+    want = (kept[0] + disk_cache.footprint(len(body)), kept[1])  # the live writer's, counted
     deadline = time.monotonic() + 10
     while (dead.exists() or store.held() != want) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -227,12 +227,12 @@ def test_a_disk_store_counts_in_place_and_opens_its_usage_file_once_a_task(tmp_p
     items = [(f"k{n}", Entry.image(IDENT, f"k{n}.jpg", 0.01, pixels(n))) for n in range(5)]
     put_all(store, items)
     assert [Path(p).name for p in opened] == ["usage"]
-    sizes = sum(sum(len(part) for part in parts(e)) for _, e in items)
+    sizes = sum(disk_cache.footprint(sum(len(part) for part in parts(e))) for _, e in items)
     assert store.held() == (1000 + sizes, 3 + 5)
     more = Entry.image(IDENT, "k5.jpg", 0.01, pixels(5))
     put_all(store, [("k5", more)])  # the next task: the file opened again
     assert len(opened) == 2
-    assert store.held() == (1000 + sizes + sum(len(part) for part in parts(more)), 3 + 6)
+    assert store.held() == (1000 + sizes + disk_cache.footprint(sum(map(len, parts(more)))), 3 + 6)
 
 
 def test_a_store_whose_directory_was_cleared_writes_nothing_more(tmp_path):
@@ -402,7 +402,10 @@ def test_disk_store_round_trips_and_refuses_damaged_files(tmp_path):
     a, b = store.get_many(["a", "b"], [IDENT, IDENT])
     assert np.array_equal(a.pixels, pixels()) and a.where == "a.jpg"
     assert (b.pixels, b.reason, b.detail) == (None, "not_an_image", "it is text")
-    assert store.held() == (sum(os.path.getsize(store.path(i)) for i in "ab"), 2)
+    assert store.held() == (
+        sum(disk_cache.footprint(os.path.getsize(store.path(i))) for i in "ab"),
+        2,
+    )
     entry = Path(store.path("a"))
     data = bytearray(entry.read_bytes())
     data[-1] ^= 0xFF
@@ -603,8 +606,8 @@ def test_bad_cache_settings_fail_in_one_line(tmp_path):
     (tmp_path / "file").write_text("x")
     cases = {
         "cache='ram'": dict(cache="ram"),
-        "is below one block": dict(
-            cache="memory", batch_size=8, cache_max_side=100, cache_budget=8 * 3 * 100 * 100 - 1
+        "is below one block": dict(  # the pixels' bytes, but not the pages their files take
+            cache="memory", batch_size=8, cache_max_side=100, cache_budget=8 * 3 * 100 * 100
         ),  # fmt: skip
         "must be a node-local directory": dict(cache="disk"),
         "is not a directory": dict(cache="disk", cache_dir=str(tmp_path / "file" / "sub")),
@@ -616,6 +619,8 @@ def test_bad_cache_settings_fail_in_one_line(tmp_path):
             PipelineConfig(source=src, **fields)
         assert "\n" not in str(info.value) and "PipelineConfig.cache" in str(info.value)
     PipelineConfig(source=src, cache="disk", cache_dir=str(tmp_path / "new" / "dir"))
+    PipelineConfig(source=src, cache="memory", batch_size=8, cache_max_side=100,
+                   cache_budget=8 * disk_cache.footprint(3 * 100 * 100))  # fmt: skip
 
 
 def test_an_unwritable_cache_dir_is_refused(tmp_path, monkeypatch):
@@ -758,7 +763,7 @@ def test_same_seed_same_pixels_per_key_cached_or_freshly_decoded(ray_session, tm
     base = PipelineConfig(source=str(source), image_size=8, batch_size=5, actors=(2, 2),
                           files_per_task=7, rows_per_block=5, cache="memory",
                           cache_max_side=12)  # fmt: skip
-    small = base.replace(cache_budget=5 * 3 * 12 * 12)
+    small = base.replace(cache_budget=5 * disk_cache.BLOCK)  # 5 rows of a page each
     fresh, _ = run_ranks(small, 1, 2, normalize=False)
     held = settled(small, 2 * 55)
     assert 0 < held["bytes"] <= small.cache_budget and held["refused"] > 0  # the budget holds
@@ -783,7 +788,8 @@ def test_same_seed_same_pixels_per_key_cached_or_freshly_decoded(ray_session, tm
 def test_a_jpeg_cache_gives_every_epoch_the_pixels_of_its_first(ray_session, tmp_path):
     """``cache_encoding="jpeg"``: one crop per key (eval mode), so epoch 0 (decoded,
     re-encoded) and epochs 1-2 (from the cache) give each key the same pixels; the cache
-    holds fewer bytes than the raw one of the same images."""
+    holds no more than the raw one of the same images (a page an entry at this size: the
+    saving on photos is `test_a_jpeg_entry_round_trips_smaller_and_a_damaged_one_is_not_served`'s)."""
     source = make_imagefolder(tmp_path / "data", {"a": 14, "b": 12}, seed=4)
     base = PipelineConfig(source=str(source), image_size=8, batch_size=2, rows_per_block=2,
                           actors=(1, 1), train=False, cache="memory", cache_max_side=16)  # fmt: skip
@@ -797,7 +803,7 @@ def test_a_jpeg_cache_gives_every_epoch_the_pixels_of_its_first(ray_session, tmp
     assert held["hits"] >= 26 and held["entries"] == 26
     run_ranks(base, 1, 1, normalize=False)
     raw = settled(base, 26)
-    assert raw["entries"] == 26 and held["bytes"] < raw["bytes"]
+    assert raw["entries"] == 26 and held["bytes"] == raw["bytes"] == 26 * disk_cache.BLOCK
 
 
 def test_a_jpeg_cache_gives_a_key_the_same_crops_fresh_or_cached(ray_session, tmp_path):
@@ -808,7 +814,7 @@ def test_a_jpeg_cache_gives_a_key_the_same_crops_fresh_or_cached(ray_session, tm
     base = PipelineConfig(source=str(source), image_size=8, batch_size=2, rows_per_block=2,
                           actors=(1, 1), cache="memory", cache_encoding="jpeg",
                           cache_max_side=16)  # fmt: skip
-    small = base.replace(cache_budget=2 * 3 * 16 * 16)  # one block: a few small JPEGs
+    small = base.replace(cache_budget=2 * disk_cache.BLOCK)  # one block: two small JPEGs
     fresh, _ = run_ranks(small, 1, 2, normalize=False)
     assert settled(small, 2 * 26)["refused"] > 0
     cached, _ = run_ranks(base, 1, 2, normalize=False)

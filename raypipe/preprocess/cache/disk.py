@@ -39,12 +39,13 @@ import time
 
 import numpy as np
 
+from raypipe.config.validate import CACHE_BLOCK as BLOCK
 from raypipe.preprocess.cache import entryfile
 from raypipe.preprocess.cache import mapped as mapped_entries
 from raypipe.preprocess.cache.store import Entry, Tally
 from raypipe.preprocess.cache.usage import Usage
 
-__all__ = ["DiskStore"]
+__all__ = ["BLOCK", "DiskStore", "footprint"]
 assert __all__ == sorted(__all__)
 
 
@@ -52,9 +53,15 @@ LEASE = 16 << 20  # budget a mapped store's process takes at once (one lock per 
 LEFTOVER_S = 600.0  # a temporary file this old is a writer's that died: no write takes this
 
 
+def footprint(size: int) -> int:
+    """What a file of ``size`` bytes takes of the node, counted against the budget: whole
+    `BLOCK`s (a small entry, a bad sample's record, takes a page, not its few bytes)."""
+    return -(-size // BLOCK) * BLOCK
+
+
 class DiskStore:
     """Entries of one settings digest under ``directory``, within ``budget`` bytes (the
-    files' sizes), first-come.
+    files' `footprint`), first-come.
 
     ``mapped``: raw entries stay memory-mapped in this process once read and checked, or
     written (`raypipe.preprocess.cache.mapped`: the newest `MAPPED` of all its stores), so a
@@ -134,9 +141,9 @@ class DiskStore:
         not use at `settle`; other stores take it per entry), or refuse it (``full``)."""
         path = self.path(i)
         head, body = entryfile.parts(entry)  # the body is a view, not a copy
-        size = len(head) + len(body)
+        size = footprint(len(head) + len(body))
         with contextlib.suppress(OSError):  # replaced (its source changed, or it was bad):
-            old = os.path.getsize(path)  # its bytes and entry given back at once, so a
+            old = footprint(os.path.getsize(path))  # its bytes and entry given back at once, so a
             os.unlink(path)  # process killed before its next count leaves none counted
             with self._usage.counting() as usage:
                 usage[0] -= old
@@ -214,7 +221,7 @@ class DiskStore:
                     os.unlink(f.path)
                     removed += 1
                     if st.st_nlink == 1:  # else linked into place already: counted there
-                        freed += st.st_size
+                        freed += footprint(st.st_size)
         if freed:
             with self._usage.counting() as usage:
                 usage[0] -= freed
@@ -254,8 +261,8 @@ def _place(tmp: str, path: str) -> int | None:
 
 
 def _size(path: str) -> int | None:
-    """The bytes of the file at ``path``; None where there is none (gone meanwhile)."""
+    """The `footprint` of the file at ``path``; None where there is none (gone meanwhile)."""
     try:
-        return os.path.getsize(path)
+        return footprint(os.path.getsize(path))
     except OSError:
         return None
