@@ -3,8 +3,8 @@ TFDS and TF's ImageNet build script write them: ``*.tfrecord``, ``*.tfrecords``,
 ``*.tfrecord.gz`` (GZIP) or names like ``train-00000-of-01024``.
 
 ```
- driver: record offsets from a ``.index`` file beside the shard ("offset length" lines, as
-         the tfrecord package writes them), else from every record's header (12 bytes each)
+ driver: record offsets from a ``.index`` beside the shard ("offset length" lines, as the
+         tfrecord package writes them) that covers the whole file, else every record's header
    ▼ cut into pieces of about PIECE_BYTES: ``train-00000-of-01024#33555012+287``
  actor: seek to the piece's offset, read its records, check both CRCs, parse each Example
 ```
@@ -58,7 +58,19 @@ def is_shard(path: str) -> bool:
 
 def _open(storage: Storage, path: str):
     f = storage.open(path)
-    return gzip.GzipFile(fileobj=f, mode="rb") if path.lower().endswith(".gz") else f
+    return _Gzip(f) if path.lower().endswith(".gz") else f
+
+
+class _Gzip(gzip.GzipFile):
+    """A GZIP shard that closes its file with itself (``GzipFile`` leaves ``fileobj`` open)."""
+
+    def __init__(self, raw):
+        super().__init__(fileobj=raw, mode="rb")
+        self.raw = raw
+
+    def close(self) -> None:
+        super().close()
+        self.raw.close()
 
 
 # --- the driver: record offsets -------------------------------------------------------
@@ -112,7 +124,7 @@ def _length(head: bytes, offset: int) -> tuple[int | None, tuple[str, str] | Non
 
 
 def _index(storage: Storage, path: str, listed: frozenset[str]):
-    """Offsets and sizes from an index file beside ``path``; None when there is none."""
+    """Offsets and sizes from an index beside ``path`` that covers it record after record."""
     if path.lower().endswith(".gz"):
         return None
     stem = path[: -len(next((s for s in SUFFIXES if path.lower().endswith(s)), ""))] or path
@@ -121,14 +133,15 @@ def _index(storage: Storage, path: str, listed: frozenset[str]):
             candidate = base + suffix
             if candidate in listed or (not storage.remote and os.path.isfile(candidate)):
                 try:
-                    rows = [
-                        line.split() for line in storage.read_bytes(candidate).decode().splitlines()
-                    ]
-                    offsets = [int(r[0]) for r in rows if r]
-                    sizes = [int(r[1]) for r in rows if r]
+                    lines = storage.read_bytes(candidate).decode().splitlines()
+                    rows = [line.split() for line in lines if line.split()]
+                    offsets, sizes = [int(r[0]) for r in rows], [int(r[1]) for r in rows]
+                    ends = [o + n for o, n in zip(offsets, sizes, strict=True)]
+                    whole = ends[-1:] == [storage.size(path)]
                 except (OSError, ValueError, IndexError, UnicodeDecodeError):
                     continue  # not an index after all: the records' headers are read
-                return offsets, sizes
+                if offsets[:1] == [0] and offsets[1:] == ends[:-1] and whole:
+                    return offsets, sizes
     return None
 
 

@@ -93,6 +93,44 @@ def test_gzip_and_index_files_give_the_same_records(tmp_path, monkeypatch):
     assert len(list_shards(PipelineConfig(source=str(zipped))).shards) == 3  # GZIP: whole
 
 
+def test_an_index_that_does_not_cover_its_file_is_not_trusted(tmp_path):
+    """A ``.index`` written before records were appended (or cut short, or of another
+    file): its offsets would lose the records after its last, silently. Only an index that
+    covers the file record after record is used; otherwise every record's header is read."""
+    from tfrecord.tools.tfrecord2idx import create_index
+
+    labels = labels_of(10, seed=3)
+    root = tf_shards(tmp_path / "tf", labels, per_shard=10)
+    (shard,) = sorted(root.iterdir())
+    create_index(str(shard), str(shard) + ".index")
+    index = shard.with_name(shard.name + ".index")
+    whole = index.read_text().splitlines()
+    want = [(r.key, r.label) for r in records(PipelineConfig(source=str(root)))]
+    assert [r[1] for r in want] == labels
+    for stale in (whole[:6], whole[1:], [*whole[:4], *whole[5:]]):  # partial, shifted, a gap
+        index.write_text("\n".join(stale) + "\n")
+        assert list_shards(PipelineConfig(source=str(root))).num_samples == 10
+        assert [(r.key, r.label) for r in records(PipelineConfig(source=str(root)))] == want
+
+
+def test_a_gzip_shard_closes_its_file(tmp_path):
+    import warnings
+
+    from raypipe.formats import tfrecord
+    from raypipe.formats.storage import Storage
+
+    root = tf_shards(tmp_path / "tf", labels_of(4, seed=1), per_shard=4)
+    (shard,) = sorted(root.iterdir())
+    zipped = tmp_path / "z.tfrecord.gz"
+    zipped.write_bytes(gzip.compress(shard.read_bytes()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        f = tfrecord._open(Storage(), str(zipped))
+        with f:
+            f.read(1)
+        assert f.raw.closed
+
+
 def test_a_flipped_byte_skips_exactly_that_record_with_its_offset(ray_session, tmp_path):
     labels = labels_of(20, seed=13)
     root = tf_shards(tmp_path / "tf", labels)
