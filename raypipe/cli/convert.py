@@ -121,12 +121,18 @@ def shard_name(prefix: str, index: int, total: int, fmt: str) -> str:
     return f"{prefix}-{index:05d}-of-{total:05d}{EXTENSIONS[fmt]}"
 
 
+def _stored_name(path: str, root: str) -> str:
+    """``path`` relative to ``root``, as text every shard format stores: a file name that
+    is not UTF-8 keeps its bytes escaped (``caf\\xe9.jpg``)."""
+    return os.fsencode(os.path.relpath(path, root)).decode("utf-8", "backslashreplace")
+
+
 def plan(config: ShardsConfig) -> tuple[list[list[Sample]], tuple[str, ...]]:
     """The folder's samples in key order, cut into contiguous shards; and the classes."""
     listing = list_shards(PipelineConfig(source=config.source, format="imagefolder"))
     root = os.path.abspath(config.source)
     samples = [
-        Sample(s.first_key, s.label, os.path.abspath(s.path), os.path.relpath(s.path, root))
+        Sample(s.first_key, s.label, os.path.abspath(s.path), _stored_name(s.path, root))
         for s in listing.shards
     ]
     n = len(samples)

@@ -67,7 +67,11 @@ class Listing:
         root = os.path.commonpath(paths) if len(paths) > 1 else os.path.dirname(paths[0])
         h = hashlib.sha256(self.format.encode())
         for s in self.shards:
-            h.update(f"\0{os.path.relpath(s.path, root)}\0{s.num_samples}".encode())
+            h.update(
+                f"\0{os.path.relpath(s.path, root)}\0{s.num_samples}".encode(
+                    errors="surrogateescape"
+                )
+            )
         return h.hexdigest()[:32]
 
     def shards_per_task(self, config: PipelineConfig) -> int:

@@ -137,6 +137,20 @@ def test_plan_is_contiguous_and_sorted(folder):
         plan(ShardsConfig(source=str(folder), out="unused", shards=28))
 
 
+def test_a_file_name_that_is_not_utf8_is_stored_escaped(tmp_path):
+    """Every shard format stores each sample's name as text: a name that is not UTF-8 keeps
+    its bytes escaped, and the plan's fingerprint takes it (both raised UnicodeEncodeError)."""
+    from raypipe.cli import convert as convert_module
+
+    root = make_imagefolder(tmp_path / "data", {"a": 3}, seed=2)
+    (root / "a" / "0001.jpg").rename(root / "a" / os.fsdecode(b"caf\xe9.jpg"))
+    config = ShardsConfig(source=str(root), out=str(tmp_path / "out"), samples_per_shard=2)
+    parts, _ = plan(config)
+    names = [s.name for part in parts for s in part]
+    assert "a/caf\\xe9.jpg" in names and all(n.encode() for n in names)
+    assert convert_module._fingerprint(config, parts)
+
+
 def test_the_old_names_still_work(tmp_path):
     """raypipe 0.1 called converting ``preprocess``: the function, the CLI subcommand and
     the YAML section keep that name for one release."""

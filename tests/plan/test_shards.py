@@ -20,6 +20,24 @@ def test_listing_has_dense_stable_keys(datasets, fmt):
     assert keys == list(range(61)) == list(range(a.num_samples))
 
 
+def test_a_file_name_that_is_not_utf8_is_listed_and_fingerprinted(tmp_path):
+    """Linux file names are bytes: one that is not UTF-8 (a Latin-1 ``café.jpg``) is a sample
+    like any other, and the listing's fingerprint (every checkpoint's) takes it; it raised
+    UnicodeEncodeError there, which stopped every run and resume on that folder."""
+    import os
+
+    from tests.conftest import make_imagefolder
+
+    root = make_imagefolder(tmp_path / "data", {"a": 2}, seed=1)
+    odd = root / "a" / os.fsdecode(b"caf\xe9.jpg")
+    odd.write_bytes((root / "a" / "0001.jpg").read_bytes())
+    listing = list_shards(PipelineConfig(source=str(root)))
+    assert listing.num_samples == 3 and any(s.path == str(odd) for s in listing.shards)
+    before = listing.fingerprint
+    odd.rename(root / "a" / os.fsdecode(b"caf\xe8.jpg"))
+    assert list_shards(PipelineConfig(source=str(root))).fingerprint != before
+
+
 def test_imagefolder_labels_follow_sorted_class_names(datasets):
     listing = list_shards(PipelineConfig(source=str(datasets["imagefolder"])))
     assert listing.classes == ("cat", "dog", "emu")
