@@ -36,6 +36,7 @@ def test_defaults_and_list_coercion(tmp_path):
         ("ratio", (0.5, float("inf"))),
         ("actor_cpus", -(10**400)),
         ("shuffle_buffer", -3),
+        ("prefetch_batches", 0),  # accepted, then refused by every rank's Pipeline
         ("lead_batches", -1),
         ("source", ""),
         ("source", ()),
@@ -47,6 +48,17 @@ def test_invalid_value_names_field_and_value(field, value):
         PipelineConfig(**kwargs)
     assert f"PipelineConfig.{field}=" in str(e.value)
     assert repr(value if not isinstance(value, list) else tuple(value)) in str(e.value)
+
+
+def test_numpy_scalars_are_taken_as_numbers():
+    """A sweep's values often come from NumPy: ``batch_size=np.int64(256)`` was refused as
+    "must be an integer"."""
+    import numpy as np
+
+    c = PipelineConfig(source="data", batch_size=np.int64(256), actor_cpus=np.float32(0.5),
+                       seed=np.uint8(3))  # fmt: skip
+    assert (c.batch_size, c.actor_cpus, c.seed) == (256, 0.5, 3)
+    assert type(c.batch_size) is int and type(c.actor_cpus) is float and type(c.seed) is int
 
 
 def test_from_yaml_roundtrip_and_section(tmp_path):

@@ -64,9 +64,10 @@ def check_loader(c, where: str) -> None:
 
     if not is_int(c.batch_size) or c.batch_size < 1:
         raise bad("batch_size", "must be an integer >= 1")
-    for name in ("prefetch_batches", "shuffle_buffer"):
-        if not is_int(getattr(c, name)) or getattr(c, name) < 0:
-            raise bad(name, "must be an integer >= 0")
+    if not is_int(c.prefetch_batches) or c.prefetch_batches < 1:
+        raise bad("prefetch_batches", "must be an integer >= 1 (batches ready ahead)")
+    if not is_int(c.shuffle_buffer) or c.shuffle_buffer < 0:
+        raise bad("shuffle_buffer", "must be an integer >= 0")
     for name in ("pin_memory", "normalize", "channels_last", "drop_last"):
         if hasattr(c, name) and not isinstance(getattr(c, name), bool):
             raise bad(name, "must be true or false")
