@@ -33,13 +33,18 @@ assert __all__ == sorted(__all__)
 USER_STATE = "state.pt"
 
 
-def load_checkpoint(path: str | os.PathLike) -> tuple[PipelineState, str]:
-    """The pipeline state to resume from and its checkpoint folder: ``path`` itself when
-    it holds one, else the latest checkpoint of the Ray Train run folder ``path``."""
+def load_checkpoint(path: str | os.PathLike):
+    """The pipeline state to resume from and its checkpoint (a ``ray.train.Checkpoint``,
+    which keeps its filesystem): ``path`` itself when it holds one, else the latest
+    checkpoint of the Ray Train run folder ``path``; either a local path or a storage URI
+    (``s3://...``)."""
+    import ray.train
+
     path = os.fspath(path)
-    state = _read(path, STATE_FILE, PipelineState.load)
+    checkpoint = ray.train.Checkpoint(path)
+    state = _read(checkpoint, STATE_FILE, PipelineState.load)
     if state is not None:
-        return state, path
+        return state, checkpoint
     found = _latest_in_run(path)
     if found is None:
         raise ValueError(f"{path!r} is neither a raypipe checkpoint nor a run folder with one")
@@ -47,20 +52,27 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[PipelineState, str]:
 
 
 def _read(checkpoint, name: str, load: Callable[[str], Any]):
-    """``load(path)`` of the file ``name`` in ``checkpoint`` (a Ray Train ``Checkpoint``
-    or a local folder); None when there is no checkpoint or it has no such file."""
+    """``load(path)`` of the file ``name`` in ``checkpoint`` (a ``ray.train.Checkpoint``,
+    local or remote: that one file is fetched, not the whole checkpoint); None when there
+    is no checkpoint or it has no such file."""
+    import pyarrow.fs
+
     if checkpoint is None:
         return None
-    if isinstance(checkpoint, str):
-        path = os.path.join(checkpoint, name)
-        return load(path) if os.path.isfile(path) else None
-    with checkpoint.as_directory() as d:
-        return _read(d, name, load)
+    fs, where = checkpoint.filesystem, f"{checkpoint.path.rstrip('/')}/{name}"
+    if fs.get_file_info(where).type != pyarrow.fs.FileType.File:
+        return None
+    if isinstance(fs, pyarrow.fs.LocalFileSystem):
+        return load(where)
+    with tempfile.TemporaryDirectory() as tmp:
+        local = os.path.join(tmp, name)
+        pyarrow.fs.copy_files(where, local, source_filesystem=fs)
+        return load(local)
 
 
-def _latest_in_run(run_dir: str) -> tuple[PipelineState, str] | None:
+def _latest_in_run(run_dir: str):
     """The state in the latest checkpoint Ray Train registered in ``run_dir`` (a local
-    path or a storage URI), with that checkpoint's path; None when there is none."""
+    path or a storage URI), with that checkpoint; None when there is none."""
     import ray.train
 
     from raypipe import rayapi
@@ -72,7 +84,7 @@ def _latest_in_run(run_dir: str) -> tuple[PipelineState, str] | None:
     except rayapi.checkpoint_manager_error():  # read while Ray Train rewrites its state
         return None
     state = _read(checkpoint, STATE_FILE, PipelineState.load)
-    return None if state is None else (state, checkpoint.path)
+    return None if state is None else (state, checkpoint)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,24 +101,30 @@ class RunPosition:
     """One rank's place in the run: its epoch, the batches of it, and what came before.
 
     Args:
-        seed, num_samples, fingerprint: the header of every state it saves.
+        seed, num_samples, fingerprint: the header of every state it saves, and what a
+            state resumed must match (`PipelineState.check`).
         start: the state ``train_ddp`` resumed from (``resume_from``), or None.
-        start_dir: the checkpoint folder of ``start`` (its ``state.pt`` for `restored`).
+        start_from: the ``ray.train.Checkpoint`` of ``start`` (its ``state.pt`` for
+            `restored`).
     """
 
     def __init__(self, *, seed: int, num_samples: int, fingerprint: str,
-                 start: PipelineState | None = None, start_dir: str | None = None):  # fmt: skip
+                 start: PipelineState | None = None, start_from=None):  # fmt: skip
         self.seed, self.num_samples, self.fingerprint = seed, num_samples, fingerprint
-        self.start, self.start_dir = start, start_dir
+        self.start, self.start_from = start, start_from
         self._where: _Where | None = None
 
     def _resumed(self) -> PipelineState | None:
-        """This run's latest checkpoint (after a restart) beats ``start``: the last one
-        that Ray Train registered."""
+        """This run's latest checkpoint (after a restart, or a rerun into the same run
+        folder) beats ``start``: the last one that Ray Train registered, checked as
+        ``resume_from`` is (the same samples and seed)."""
         import ray.train
 
         latest = _read(ray.train.get_checkpoint(), STATE_FILE, PipelineState.load)
-        return latest if latest is not None else self.start
+        if latest is None:
+            return self.start
+        latest.check(self, self.seed)  # this run's num_samples and fingerprint
+        return latest
 
     def first_epoch(self) -> int:
         """The epoch to start at; later reports count from the state resumed."""
@@ -150,9 +168,7 @@ class RunPosition:
         import ray.train
         import torch
 
-        checkpoint = ray.train.get_checkpoint()
-        if checkpoint is None and self.start_dir:
-            checkpoint = ray.train.Checkpoint(self.start_dir)
+        checkpoint = ray.train.get_checkpoint() or self.start_from
         return _read(checkpoint, USER_STATE, lambda path: torch.load(path, weights_only=False))
 
 

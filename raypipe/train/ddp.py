@@ -82,14 +82,15 @@ def _list_for(config: PipelineConfig, num_workers: int) -> Listing:
 
 
 def _resume_point(resume_from, listing: Listing, seed: int, epochs: int):
-    """``(PipelineState, its folder)`` of ``resume_from``, checked against this run."""
+    """``(PipelineState, its ray.train.Checkpoint)`` of ``resume_from``, checked against
+    this run."""
     if resume_from is None:
         return None, None
-    start, start_dir = load_checkpoint(resume_from)
+    start, start_from = load_checkpoint(resume_from)
     start.check(listing, seed)
     if start.epoch >= epochs:
         raise ValueError(f"{resume_from=} is at epoch {start.epoch}: {epochs=} leaves nothing")
-    return start, start_dir
+    return start, start_from
 
 
 def train_ddp(
@@ -134,7 +135,7 @@ def train_ddp(
     _check_run(num_workers=num_workers, epochs=epochs, cpus_per_worker=cpus_per_worker,
                checkpoint_every=checkpoint_every)  # fmt: skip
     listing = _list_for(config, num_workers)
-    start, start_dir = _resume_point(resume_from, listing, config.seed, epochs)
+    start, start_from = _resume_point(resume_from, listing, config.seed, epochs)
     if (problem := rendezvous.check_ray()) is not None:
         raise RuntimeError(f"raypipe cannot bind DDP's store to the node's address: {problem}")
     localnode.ensure()  # the skip logs live in an actor
@@ -148,7 +149,7 @@ def train_ddp(
         eval_listing, eval_skips = list_shards(eval_config), SkipLog.create()
         skip_logs.update({_eval_name(e): eval_skips.epoch(e) for e in range(epochs)})
     progress = RunPosition(seed=config.seed, num_samples=listing.num_samples,
-                        fingerprint=listing.fingerprint, start=start, start_dir=start_dir)  # fmt: skip
+                        fingerprint=listing.fingerprint, start=start, start_from=start_from)  # fmt: skip
     _warn_if_short_of_cpus(config, eval_config, num_workers, cpus_per_worker)
     ledger = create_ledger(num_workers) if num_workers > 1 else None
     ctx = TrainContext(config, eval_config, dict(loop_config or {}), epochs,

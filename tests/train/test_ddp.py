@@ -46,6 +46,33 @@ def test_demo_training_reaches_90_percent(ray_session, digits, tmp_path):
     assert result.checkpoint is not None
 
 
+@pytest.mark.slow
+def test_a_rerun_into_its_run_folder_on_changed_data_is_refused(ray_session, tmp_path):
+    """A rerun with the run's ``name`` and ``storage_path`` resumes from its latest
+    checkpoint (Ray Train's ``get_checkpoint``). On data that changed since (the same
+    count, a file renamed: another fingerprint) it is refused, as ``resume_from`` is; it
+    was resumed, its consumed keys now meaning other samples."""
+    import ray.train
+
+    from tests.conftest import make_imagefolder
+
+    source = make_imagefolder(tmp_path / "data", {"a": 8, "b": 8}, seed=1)
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=4)
+    runs = str(tmp_path / "runs")
+
+    def loop(ctx) -> None:
+        for _, batches in ctx.epochs(state=dict):
+            for _ in batches:
+                pass
+
+    kw = dict(num_workers=1, cpus_per_worker=0.5, name="rerun", storage_path=runs)
+    first = train_ddp(config, loop, epochs=1, checkpoint_every=2, **kw)
+    assert first.error is None and first.checkpoint is not None
+    (source / "a" / "0000.png").rename(source / "a" / "0000-renamed.png")
+    with pytest.raises(ray.train.TrainingFailedError, match="fingerprint"):
+        train_ddp(config, loop, epochs=2, **kw)
+
+
 # Equal, exactly-once batches inside real Train workers over two epochs, a worker dying on
 # the way: tests/pool/test_elastic.py::test_a_dead_train_worker_restarts_the_group_and_...
 

@@ -19,6 +19,7 @@ from raypipe.plan.rankplan import RankPlan, RankTasks
 from raypipe.plan.shards import Listing, Shard, list_shards
 from raypipe.train.state import PipelineState, merge_states
 from tests.conftest import make_imagefolder, make_parquet, make_webdataset
+from tests.formats.test_storage import s3  # noqa: F401
 
 
 def _state(n: int, consumed=None, **kw) -> PipelineState:
@@ -63,6 +64,45 @@ def test_state_loads_from_a_checkpoint_folder_and_refuses_other_files(tmp_path):
         PipelineState.load(tmp_path / "other.bin")
     with pytest.raises(ValueError, match="shape"):
         _state(10, np.zeros(9, bool))
+
+
+def test_a_checkpoint_in_object_storage_is_read_through_its_filesystem(tmp_path, s3,  # noqa: F811
+                                                                       monkeypatch):  # fmt: skip
+    """``resume_from`` naming a checkpoint folder in S3 (the loopback server): its state is
+    read, and the checkpoint handed to the ranks keeps its filesystem, so the model state
+    beside it (`RunPosition.restored`) is read from there too. It kept only Ray's path
+    without the scheme, which no rank could open."""
+    import pickle
+
+    import boto3
+    import pyarrow.fs
+    import torch
+
+    from raypipe.train import checkpoint as ckpt
+
+    opts = s3["options"]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", opts["access_key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", opts["secret_key"])
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    local = tmp_path / "checkpoint_000003"
+    local.mkdir()
+    state = _state(10)
+    state.save(local / "raypipe_state.bin")
+    torch.save({"step": 3}, local / ckpt.USER_STATE)
+    client = boto3.client("s3", endpoint_url=s3["url"], region_name="us-east-1",
+                          aws_access_key_id=opts["access_key"],
+                          aws_secret_access_key=opts["secret_key"])  # fmt: skip
+    for f in local.iterdir():
+        client.upload_file(str(f), "raypipe-test", f"runs/r1/{local.name}/{f.name}")
+    host = s3["url"].removeprefix("http://")
+    uri = f"s3://raypipe-test/runs/r1/{local.name}?endpoint_override={host}&scheme=http&region=us-east-1"
+    got, where = ckpt.load_checkpoint(uri)
+    assert np.array_equal(got.consumed, state.consumed) and got.epoch == state.epoch
+    assert isinstance(where.filesystem, pyarrow.fs.S3FileSystem)
+    where = pickle.loads(pickle.dumps(where))  # as it reaches every rank
+    assert ckpt._read(where, ckpt.USER_STATE, torch.load) == {"step": 3}
+    with pytest.raises(ValueError, match="neither a raypipe checkpoint"):
+        ckpt.load_checkpoint(uri.replace(local.name, "checkpoint_000009"))
 
 
 def test_merge_is_the_or_of_ranks_and_base():
