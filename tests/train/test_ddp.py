@@ -20,6 +20,17 @@ def test_help_shows_the_contract():
     assert raypipe.__all__ == sorted(raypipe.__all__)
 
 
+def test_the_documented_rendezvous_config_is_reached_from_the_package():
+    """docs/trainers.md and docs/security.md name
+    ``raypipe.train.rendezvous.BoundStoreTorchConfig`` after ``import raypipe``."""
+    import subprocess
+    import sys
+
+    code = "import raypipe; print(raypipe.train.rendezvous.BoundStoreTorchConfig.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "BoundStoreTorchConfig", out.stderr
+
+
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
     root = tmp_path_factory.mktemp("demo")
