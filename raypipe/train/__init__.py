@@ -3,7 +3,7 @@
 Imports the layers below it (`config`, `formats`, `data`, `loader`), never `cli`.
 """
 
-from raypipe.train import rendezvous  # raypipe.train.rendezvous.BoundStoreTorchConfig (docs)
+from raypipe.train import rendezvous  # noqa: F401  (raypipe.train.rendezvous.BoundStoreTorchConfig)
 from raypipe.train.ddp import TrainContext, train_ddp
 
 __all__ = ["TrainContext", "train_ddp"]
