@@ -59,9 +59,13 @@ def _warn_if_short_of_cpus(config, eval_config, num_workers: int, cpus_per_worke
         )  # fmt: skip
 
 
-def _check_run(*, num_workers, epochs, cpus_per_worker, checkpoint_every) -> None:
-    for name, value, low in (("num_workers", num_workers, 1), ("epochs", epochs, 1),
-                             ("checkpoint_every", checkpoint_every, 0)):  # fmt: skip
+def _check_run(*, num_workers, epochs, cpus_per_worker, checkpoint_every,
+               keep_checkpoints) -> None:  # fmt: skip
+    checks = [("num_workers", num_workers, 1), ("epochs", epochs, 1),
+              ("checkpoint_every", checkpoint_every, 0)]  # fmt: skip
+    if keep_checkpoints is not None:  # None: every checkpoint kept
+        checks.append(("keep_checkpoints", keep_checkpoints, 1))
+    for name, value, low in checks:
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name}={value!r} must be an integer >= {low}")
     if not cpus_per_worker > 0:
@@ -79,6 +83,19 @@ def _list_for(config: PipelineConfig, num_workers: int) -> Listing:
             "no rank would get a full batch"
         )
     return listing
+
+
+def _eval_listing(eval_config: PipelineConfig, listing: Listing) -> Listing:
+    """The held-out source's listing, before any Ray work. Its labels are numbered from
+    its own classes (sorted folder names, a string column's values): a set without one of
+    the training classes would number the rest otherwise, so it is refused."""
+    held = list_shards(eval_config)
+    if held.classes and listing.classes and held.classes != listing.classes:
+        raise ValueError(
+            f"eval_config.source {eval_config.source!r} has the classes {list(held.classes)}, "
+            f"the training source {list(listing.classes)}: its labels would mean other classes"
+        )
+    return held
 
 
 def _resume_point(resume_from, listing: Listing, seed: int, epochs: int):
@@ -108,6 +125,7 @@ def train_ddp(
     name: str | None = None,
     callbacks: list | None = None,
     checkpoint_every: int = 0,
+    keep_checkpoints: int | None = 2,
     resume_from: str | os.PathLike | None = None,
     ray_log_level: str = "INFO",
 ):
@@ -117,7 +135,8 @@ def train_ddp(
     ``storage_path`` (default: Ray's ``~/ray_results``). ``max_failures`` is Ray Train's
     ``FailureConfig``: a dead worker restarts the group, which resumes from the run's
     latest checkpoint. ``checkpoint_every`` steps (and at each epoch's end), a checkpoint
-    holds the pipeline's position and rank 0's ``state()`` given to ``ctx.epochs``.
+    holds the pipeline's position and rank 0's ``state()`` given to ``ctx.epochs``; the
+    latest ``keep_checkpoints`` are kept (None: every one, Ray Train's default).
     ``resume_from`` (a checkpoint folder, or a run folder for its latest checkpoint)
     starts mid-epoch where that run stopped, with any ``num_workers``.
     ``callbacks`` are ``ray.train.UserCallback`` objects run on the Train controller.
@@ -133,9 +152,10 @@ def train_ddp(
     from raypipe.train import rendezvous
 
     _check_run(num_workers=num_workers, epochs=epochs, cpus_per_worker=cpus_per_worker,
-               checkpoint_every=checkpoint_every)  # fmt: skip
+               checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints)  # fmt: skip
     listing = _list_for(config, num_workers)
     start, start_from = _resume_point(resume_from, listing, config.seed, epochs)
+    eval_listing = None if eval_config is None else _eval_listing(eval_config, listing)
     if (problem := rendezvous.check_ray()) is not None:
         raise RuntimeError(f"raypipe cannot bind DDP's store to the node's address: {problem}")
     localnode.ensure()  # the skip logs live in an actor
@@ -144,9 +164,9 @@ def train_ddp(
     storage = storage if "://" in storage else os.path.abspath(storage)
     skips = SkipLog.create()
     skip_logs = {_train_name(e): skips.epoch(e) for e in range(epochs)}
-    eval_listing = eval_skips = None
+    eval_skips = None
     if eval_config is not None:
-        eval_listing, eval_skips = list_shards(eval_config), SkipLog.create()
+        eval_skips = SkipLog.create()
         skip_logs.update({_eval_name(e): eval_skips.epoch(e) for e in range(epochs)})
     progress = RunPosition(seed=config.seed, num_samples=listing.num_samples,
                         fingerprint=listing.fingerprint, start=start, start_from=start_from)  # fmt: skip
@@ -177,6 +197,7 @@ def train_ddp(
             name=name,
             storage_path=storage,
             failure_config=ray.train.FailureConfig(max_failures=max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=keep_checkpoints),
             callbacks=callbacks or [],
             logging_config=ray.train.LoggingConfig(log_level=ray_log_level),
         ),

@@ -79,6 +79,8 @@ def test_a_rerun_into_its_run_folder_on_changed_data_is_refused(ray_session, tmp
     kw = dict(num_workers=1, cpus_per_worker=0.5, name="rerun", storage_path=runs)
     first = train_ddp(config, loop, epochs=1, checkpoint_every=2, **kw)
     assert first.error is None and first.checkpoint is not None
+    saved = [p.name for p in (tmp_path / "runs" / "rerun").glob("checkpoint_*") if p.is_dir()]
+    assert len(saved) == 2, saved  # 3 taken (steps 2, 4, the epoch's end): the latest 2 kept
     (source / "a" / "0000.png").rename(source / "a" / "0000-renamed.png")
     with pytest.raises(ray.train.TrainingFailedError, match="fingerprint"):
         train_ddp(config, loop, epochs=2, **kw)
@@ -86,6 +88,35 @@ def test_a_rerun_into_its_run_folder_on_changed_data_is_refused(ray_session, tmp
 
 # Equal, exactly-once batches inside real Train workers over two epochs, a worker dying on
 # the way: tests/pool/test_elastic.py::test_a_dead_train_worker_restarts_the_group_and_...
+
+
+def test_a_held_out_set_is_checked_before_any_ray_work(datasets, tmp_path, monkeypatch):
+    """``eval_config``: a missing source, and a set without one of the training classes
+    (its labels, numbered from its own sorted folders, would mean other classes), are
+    refused before Ray starts; the first was found only after, the second not at all."""
+    import shutil
+
+    from raypipe.train import ddp
+
+    def started() -> None:
+        raise AssertionError("Ray work started before the held-out set was checked")
+
+    monkeypatch.setattr(ddp.localnode, "ensure", started)
+    config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=8, batch_size=4)
+    with pytest.raises(ValueError, match="does not exist"):
+        train_ddp(config, lambda ctx: None, eval_config=config.replace(source=str(tmp_path / "no")))
+    held = tmp_path / "held"
+    shutil.copytree(datasets["imagefolder"], held)
+    shutil.rmtree(held / "dog")
+    with pytest.raises(ValueError, match=r"\['cat', 'emu'\].*would mean other classes"):
+        train_ddp(config, lambda ctx: None, eval_config=config.replace(source=str(held)))
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_keep_checkpoints_is_checked_before_work(datasets, bad):
+    config = PipelineConfig(source=str(datasets["parquet"]), batch_size=4)
+    with pytest.raises(ValueError, match=f"keep_checkpoints={bad!r} must be an integer >= 1"):
+        train_ddp(config, lambda ctx: None, keep_checkpoints=bad)
 
 
 def test_batch_larger_than_a_rank_share_is_refused(datasets):
