@@ -203,9 +203,13 @@ class RankTasks:
         return len(self.table)
 
     def samples(self, epoch: int) -> int:
-        """The samples epoch ``epoch`` reads under this rank's skip budget (resumed: those
-        not consumed before)."""
-        sizes = self.plan.sizes(epoch)
+        """The samples of epoch ``epoch`` this rank's skip budget is a share of: the whole
+        epoch's, a resumed one's too (a checkpoint consumes good keys only: the bad ones
+        met before it are read and skipped again, against the whole epoch's budget)."""
+        plan = self.plan
+        if epoch == plan.resume_epoch:
+            plan = dataclasses.replace(plan, consumed=None)
+        sizes = plan.sizes(epoch)
         return int(sum(sizes)) if self.shared_skips else sizes[self.plan.rank]
 
     def rows(self, task: int) -> tuple[int, dict[str, list]]:

@@ -97,6 +97,25 @@ def test_consumed_keys_leave_the_resumed_epoch_only():
         plans(lst, 1, resume_epoch=0, consumed=np.zeros(36, bool))
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_resumed_epochs_skip_budget_is_a_share_of_the_whole_epoch(shared):
+    """A checkpoint consumes good keys only, so a resumed epoch reads its bad keys again:
+    its budget is a share of the whole epoch, as the uninterrupted one's (it was of the
+    keys left, and a run resumed near an epoch's end broke it on data that passes)."""
+    from raypipe.plan.rankplan import RankTasks
+
+    lst = listing([5, 1, 9, 3, 12, 7])
+    consumed = np.zeros(37, bool)
+    consumed[:33] = True
+    for world in (1, 2, 3):
+        fresh, resumed = plans(lst, world), plans(lst, world, resume_epoch=0, consumed=consumed)
+        for a, b in zip(fresh, resumed, strict=True):
+            ta = RankTasks.of(lst, a, range(2), shared_skips=shared)
+            tb = RankTasks.of(lst, b, range(2), shared_skips=shared)
+            assert tb.samples(0) == ta.samples(0) and tb.samples(1) == ta.samples(1)
+            assert sum(b.sizes(0)) == 4  # what the resumed epoch reads: the keys left
+
+
 @pytest.mark.parametrize("per_task", [1, 4])
 def test_tasks_cover_the_rank_keys_and_hold_per_task_shard_pieces(per_task):
     lst = listing([5, 1, 9, 3, 12, 7])
