@@ -85,7 +85,7 @@ class EpochLedger:
         elif not 0 <= rank < world_size:
             problem = f"rank={rank} is not in 0..{world_size - 1}"
         elif rank in ranks:
-            problem = f"two ranks have rank={rank}"
+            problem = f"two ranks have rank={rank} (a rerun needs a new Pipeline.ledger())"
         elif ranks:
             first, theirs = next(iter(ranks.items()))
             differ = [k for k in sorted(set(theirs) | set(settings))
@@ -99,6 +99,10 @@ class EpochLedger:
         else:
             ranks[rank] = settings
         return self.joined(run)
+
+    def size(self) -> int:
+        """The world size the ledger was made for."""
+        return self.world_size
 
     def joined(self, run: str) -> tuple[int, BaseException | None]:
         """Ranks of ``run`` joined so far, and the error that stopped it (or None)."""

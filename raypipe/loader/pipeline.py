@@ -286,7 +286,15 @@ def _check_args(*, epochs, rank, world_size, ledger, prefetch_batches, progress_
             f"{world_size=} needs ledger=Pipeline.ledger({world_size}) for equal batches "
             "(or drop_last=False)"
         )
+    if world_size > 1 and drop_last and (made := _world_of(ledger)) != world_size:
+        raise ValueError(f"ledger= was made for {made} ranks, this run has {world_size=}")
     if progress_s is not None and not (isinstance(progress_s, (int, float)) and progress_s >= 0):
         raise ValueError(f"{progress_s=} must be seconds >= 0 (0: no progress lines)")
     if start is not None and not 0 <= start.epoch < epochs:
         raise ValueError(f"the resume state is at epoch {start.epoch}: {epochs=} leaves nothing")
+
+
+def _world_of(ledger) -> int:
+    import ray
+
+    return ray.get(ledger.size.remote())

@@ -17,17 +17,13 @@ from raypipe.loader.pipeline import Pipeline
 from raypipe.plan.shards import Listing
 from raypipe.skips.log import SkipLog
 from raypipe.train.checkpoint import EpochBatches, RunPosition
+from raypipe.train.ranks import start_id
 from raypipe.train.state import PipelineState
 
 
 def _group_id() -> str:
     """One id for this group of ranks, from rank 0 (a restarted group gets a new one)."""
-    import torch.distributed as dist
-
-    ids = [uuid.uuid4().hex]
-    if dist.is_available() and dist.is_initialized():
-        dist.broadcast_object_list(ids, src=0)
-    return ids[0]
+    return start_id() or uuid.uuid4().hex
 
 
 def _train_name(epoch: int) -> str:

@@ -31,6 +31,7 @@ __all__ = [
     "named_ledger",
     "resolve_world",
     "run_settings",
+    "start_id",
     "wait_for_ranks",
 ]
 assert __all__ == sorted(__all__)
@@ -44,8 +45,9 @@ def join_ranks(asked: Any, rank: int, world: int, *, group: str, settings: dict[
     if asked is None or isinstance(asked, str):
         name = asked if asked is not None else _broadcast_name(world)
         ledger, run, named = named_ledger(name, world), f"{name}/{group}", True
-    else:
-        ledger, run, named = asked, group, False
+    else:  # a handle outlives the ranks: a restarted group joins a run of its own in it
+        start = start_id()
+        ledger, run, named = asked, group if start is None else f"{group}/{start}", False
     wait_for_ranks(ledger, run, rank=rank, world_size=world, settings=settings,
                    timeout_s=timeout_s)  # fmt: skip
     return ledger, run, named
@@ -74,6 +76,18 @@ def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if not isinstance(rank, int) or not 0 <= rank < world:
         raise ValueError(f"{rank=} must be an integer in 0..{world - 1} (world_size={world})")
     return rank, world
+
+
+def start_id() -> str | None:
+    """One id for this start of the ranks, from rank 0 over torch.distributed (a group that
+    Ray Train restarts gets a new one); None without a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    ids = [uuid.uuid4().hex]
+    dist.broadcast_object_list(ids, src=0)
+    return ids[0]
 
 
 def _broadcast_name(world: int) -> str:

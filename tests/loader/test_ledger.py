@@ -115,6 +115,19 @@ def test_a_rank_waiting_on_a_peer_ends_when_it_closes(ray_session):
     assert isinstance(outcome[0], GateClosed)
 
 
+def test_a_ledger_made_for_another_world_size_is_refused_at_once(ray_session, datasets):
+    """``Pipeline.ledger(3)`` given to a 2-rank run: its ranks would wait forever on a third
+    (the other way round, a rank's report failed inside the actor)."""
+    from raypipe import Pipeline, PipelineConfig
+
+    config = PipelineConfig(source=str(datasets["parquet"]), image_size=8, batch_size=4)
+    for made, world in ((3, 2), (2, 3)):
+        with pytest.raises(
+            ValueError, match=f"made for {made} ranks, this run has world_size={world}"
+        ):
+            Pipeline(config, epochs=1, world_size=world, rank=0, ledger=Pipeline.ledger(made))
+
+
 def test_join_names_the_first_disagreement_and_fails_the_run():
     ledger = EpochLedger(2)
     same = {"batch_size": "4", "seed": "0"}

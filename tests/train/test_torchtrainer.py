@@ -22,6 +22,7 @@ B, AT = 4, 3  # batch size; rank 0 checkpoints after this step of epoch 0, then 
 
 def user_loop(cfg: dict) -> None:
     """A user's train function: the loader in a plain loop, its state in the checkpoints."""
+    import os
     import tempfile
 
     import ray.train
@@ -31,6 +32,8 @@ def user_loop(cfg: dict) -> None:
     from raypipe import Loader, PipelineConfig
 
     rank = ray.train.get_context().get_world_rank()
+    died = Path(cfg["out"], "died")  # cfg["die"]: rank 1 dies once, Ray Train restarts both
+    tag = f"{cfg['tag']}{int(died.exists())}" if cfg.get("die") else cfg["tag"]
     loader = Loader(PipelineConfig(**cfg["data"]), epochs=2, ledger=cfg["ledger"], device="cpu")
     if cfg.get("resume"):
         loader.load_state_dict(torch.load(Path(cfg["resume"], "loader.pt")))
@@ -45,8 +48,11 @@ def user_loop(cfg: dict) -> None:
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-                with (out / f"{cfg['tag']}-e{epoch}-r{rank}.jsonl").open("a") as f:
+                with (out / f"{tag}-e{epoch}-r{rank}.jsonl").open("a") as f:
                     f.write(json.dumps(batch["key"].tolist()) + "\n")
+                if cfg.get("die") and rank == 1 and (epoch, step) == (0, 2) and not died.exists():
+                    died.touch()
+                    os._exit(1)
                 if cfg.get("stop") and (epoch, step) == (0, AT):
                     state = loader.state_dict()  # a collective: every rank calls it
                     with tempfile.TemporaryDirectory() as tmp:
@@ -58,7 +64,7 @@ def user_loop(cfg: dict) -> None:
                     return  # as if the job died here
 
 
-def _fit(loop_config: dict, workers: int, storage: Path, name: str):
+def _fit(loop_config: dict, workers: int, storage: Path, name: str, max_failures: int = 0):
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -71,7 +77,11 @@ def _fit(loop_config: dict, workers: int, storage: Path, name: str):
         scaling_config=ray.train.ScalingConfig(
             num_workers=workers, resources_per_worker={"CPU": 0.5}
         ),  # fmt: skip
-        run_config=ray.train.RunConfig(name=name, storage_path=str(storage)),
+        run_config=ray.train.RunConfig(
+            name=name,
+            storage_path=str(storage),
+            failure_config=ray.train.FailureConfig(max_failures=max_failures),
+        ),  # fmt: skip
     )
     result = trainer.fit()
     assert result.error is None, result.error
@@ -110,6 +120,24 @@ def test_own_torchtrainer_shares_a_ledger_checkpoints_and_resumes(ray_session, d
     assert len(set(epoch0.tolist())) == len(epoch0) and 61 - len(epoch0) < B
     check_exactly_once_and_equal(_lines(out, "b", 1), batch_size=B, good=range(61),
                                  left_over=B - 1)  # fmt: skip
+
+
+def test_a_restarted_group_joins_its_shared_ledger_again(ray_session, datasets, tmp_path):
+    """docs/trainers.md: the ranks share one ``Pipeline.ledger`` handle from
+    ``train_loop_config``, and Ray Train restarts a group that lost a worker
+    (``FailureConfig``). The restarted ranks join that ledger again under their new process
+    group's id, and read both epochs exactly once; every retry was refused as "two ranks
+    have rank=0" of one run."""
+    out = tmp_path / "keys"
+    out.mkdir()
+    data = {"source": str(datasets["webdataset"]), "image_size": 8, "batch_size": B,
+            "actors": (1, 1), "actor_cpus": 0.5}  # fmt: skip
+    cfg = {"data": data, "out": str(out), "tag": "c", "die": True, "ledger": Pipeline.ledger(2)}
+    _fit(cfg, 2, tmp_path / "runs", "c", max_failures=1)
+    assert (out / "died").exists() and len(_lines(out, "c0", 0)) == 2  # the first attempt
+    for epoch in (0, 1):
+        check_exactly_once_and_equal(_lines(out, "c1", epoch), batch_size=B, good=range(61),
+                                     left_over=2 * B - 1)  # fmt: skip
 
 
 def test_gloo_and_nccl_keep_to_loopback_when_the_rendezvous_does():
