@@ -50,9 +50,15 @@ def _lmdb():
     return lmdb
 
 
-@functools.lru_cache(maxsize=64)
 def _env(path: str):
-    """The environment of a shard file, opened once per process (LMDB's rule)."""
+    """The environment of a shard file, opened once per process (LMDB's rule) and again
+    when the file is another (rebuilt: a new inode or modification time)."""
+    st = os.stat(path)
+    return _opened(path, st.st_ino, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _opened(path: str, inode: int, mtime_ns: int):
     lmdb = _lmdb()
     subdir = os.path.basename(path) == "data.mdb"
     where = os.path.dirname(path) if subdir else path

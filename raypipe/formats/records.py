@@ -40,8 +40,11 @@ def unknown_fields(what: str, fields: Collection[str], image: str, label: str,
 
 
 def as_label(value) -> int | None:
-    """An integer label from an int, a numpy integer or a one-element sequence of one."""
-    if isinstance(value, (list, tuple, np.ndarray)) and len(value) == 1:
+    """An integer label from an int, a numpy integer, a one-element array (0-d too) or a
+    one-element sequence of one."""
+    if isinstance(value, np.ndarray):
+        value = value.reshape(-1)[0] if value.size == 1 else None
+    elif isinstance(value, (list, tuple)) and len(value) == 1:
         value = value[0]
     if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
         return int(value)

@@ -154,6 +154,30 @@ def test_bad_input(tmp_path):
     assert "\n" not in str(e.value) and "memory-maps" in str(e.value)
 
 
+def test_lmdb_labels_as_arrays_and_an_environment_rebuilt_in_place(tmp_path):
+    """Labels pickled as 0-d or one-element NumPy arrays are labels (a 0-d one raised
+    TypeError, which lost the rest of the environment); an environment rebuilt at the same
+    path is read anew in a process that read it before (a notebook's driver, a pooled
+    worker), not from the old one it had open."""
+    import lmdb
+
+    def read(source):
+        listing = list_shards(PipelineConfig(source=str(source)))
+        return [(r.key, r.label, r.reason) for s in listing.shards
+                for r in listing.reader.read(s.path, s.first_key, -1)]  # fmt: skip
+
+    root = tmp_path / "db"
+    env = lmdb.open(str(root), map_size=1 << 24)
+    with env.begin(write=True) as txn:
+        for i, label in enumerate([np.array(3), np.array([4]), np.int64(5), [6]]):
+            txn.put(f"{i:08d}".encode(), pickle.dumps((png(i), label)))
+    env.close()
+    assert read(root) == [(0, 3, None), (1, 4, None), (2, 5, None), (3, 6, None)]
+    shutil.rmtree(root)
+    lmdb_env(root, [1, 1, 1, 1, 1])
+    assert [r[1] for r in read(root)] == [1] * 5
+
+
 def test_hdf5_from_object_storage_reads_as_its_local_copy(tmp_path):
     """Through a remote file system (fsspec's in-memory one here): ranged reads of the file."""
     import fsspec
