@@ -159,6 +159,8 @@ def test_lmdb_labels_as_arrays_and_an_environment_rebuilt_in_place(tmp_path):
     TypeError, which lost the rest of the environment); an environment rebuilt at the same
     path is read anew in a process that read it before (a notebook's driver, a pooled
     worker), not from the old one it had open."""
+    import shutil
+
     import lmdb
 
     def read(source):
