@@ -86,11 +86,11 @@ def reason_of(error: BaseException, data: bytes | None = None) -> str:
         return "decompression_bomb"
     if isinstance(error, UnidentifiedImageError):
         return "not_an_image"
+    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError)):
+        return "unreadable"  # before the message, which names the path
     message = str(error).lower()
     if "truncated" in message or "premature end" in message:
         return "truncated_image"
-    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError)):
-        return "unreadable"
     return "decode_error"
 
 

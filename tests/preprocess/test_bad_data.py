@@ -217,6 +217,17 @@ def test_both_decoders_fail_with_the_same_reason(name, decode):
     assert reason_of(e.value, data) == reason
 
 
+def test_a_file_that_cannot_be_read_is_unreadable_whatever_its_path_says():
+    """The reason comes from the error's kind before its message: a missing file under
+    ``truncated-crops/`` was reported as ``truncated_image``."""
+    for error in (FileNotFoundError(2, "No such file", "/data/truncated-crops/a.jpg"),
+                  PermissionError(13, "Permission denied", "/data/premature end/b.jpg")):  # fmt: skip
+        assert reason_of(error) == "unreadable"
+    assert (
+        reason_of(OSError("image file is truncated (3 bytes not processed)")) == "truncated_image"
+    )
+
+
 def make_unreadable(root: Path, how: str) -> str:
     """A file the listing finds but nobody can read; returns its name."""
     (root / "odd").mkdir(parents=True, exist_ok=True)
