@@ -18,6 +18,7 @@ with its world size and settings, and a rank that disagrees stops them all in on
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -83,6 +84,10 @@ class Loader:
         for name in ("rank", "world_size", "ledger", "group", "start", "listing", "epochs"):
             if name in options:
                 raise TypeError(f"Loader() sets {name}= itself")
+        if unknown := sorted(set(options) - set(inspect.signature(Pipeline).parameters)):
+            raise TypeError(f"Loader() got {unknown}, which raypipe.Pipeline does not take")
+        if not isinstance(options.get("drop_last", True), bool):
+            raise ValueError(f"drop_last={options['drop_last']!r} must be True or False")
         self.config, self.num_epochs = config, epochs
         self._asked = (rank, world_size, ledger)
         self._group, self._join_timeout_s, self._options = group, join_timeout_s, options
@@ -122,8 +127,8 @@ class Loader:
             self._build()
         epoch, batches = next(self._epochs)
         assert epoch == self._next, (epoch, self._next)
-        most = rank_batches(self.config, self.listing, self._pipeline.plan, epoch, True)
-        run = _Epoch(epoch, batches, self._base, most if self._drop_last else None)
+        most = rank_batches(self.config, self.listing, self._pipeline.plan, epoch, self._drop_last)
+        run = _Epoch(epoch, batches, self._base, most)  # Lightning stops at len(), not at the end
         self._next, self._base, self._running = epoch + 1, None, run
         return run
 

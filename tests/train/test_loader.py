@@ -84,6 +84,32 @@ def test_leaving_an_epoch_early_then_a_whole_next_epoch(ray_session, datasets):
     assert len(keys) == 56 and len(s0) == 7
 
 
+def test_a_loaders_options_are_checked_when_it_is_made(datasets):
+    """A misspelt option, or ``drop_last="no"`` (truthy: len() counted it as True), was
+    found only when the pool started, after the listing and the ranks' join."""
+    config = _config(datasets)
+    with pytest.raises(TypeError, match=r"\['prefetch'\], which raypipe.Pipeline does not take"):
+        Loader(config, epochs=1, prefetch=4)
+    with pytest.raises(ValueError, match="drop_last='no' must be True or False"):
+        Loader(config, epochs=1, drop_last="no")
+    Loader(config, epochs=1, prefetch_batches=4, drop_last=False, device="cpu")  # no work yet
+
+
+def test_after_len_batches_the_state_is_the_next_epochs_without_drop_last(ray_session, datasets):
+    """Lightning takes ``len()`` batches and checkpoints without reaching the end of the
+    iterator. With ``drop_last=False`` the state after them still named the epoch just
+    read, every key consumed: a resume gave an empty epoch and shifted every later one."""
+    config = _config(datasets)
+    with Loader(config, epochs=2, device="cpu", drop_last=False) as loader:
+        n = len(loader)
+        batches = iter(loader)
+        keys = [keys_of(next(batches)) for _ in range(n)]
+        state = loader.state_dict()
+    assert n == -(-61 // B) and sum(len(k) for k in keys) == 61
+    assert state["epoch"] == 1 and loader.epoch == 1
+    assert not PipelineState.from_bytes(state["state"].numpy().tobytes()).consumed.any()
+
+
 def test_resume_mid_epoch_from_state_dict_with_another_world_size(ray_session, datasets):
     """Two ranks stop after 3 batches of epoch 0; their states, ORed as the all_reduce of a
     process group would, resume one rank: the rest of epoch 0 once, then a whole epoch 1."""
