@@ -85,6 +85,12 @@ def _list_for(config: PipelineConfig, num_workers: int) -> Listing:
     return listing
 
 
+def run_storage(path: str) -> str:
+    """Where the run's folder goes: a storage URI as it is, a local path made absolute (``~``
+    expanded: it was a folder named ``~`` in the working directory)."""
+    return path if "://" in path else os.path.abspath(os.path.expanduser(path))
+
+
 def _eval_listing(eval_config: PipelineConfig, listing: Listing) -> Listing:
     """The held-out source's listing, before any Ray work. Its labels are numbered from
     its own classes (sorted folder names, a string column's values): a set without one of
@@ -160,8 +166,7 @@ def train_ddp(
         raise RuntimeError(f"raypipe cannot bind DDP's store to the node's address: {problem}")
     localnode.ensure()  # the skip logs live in an actor
     name = name or f"raypipe_{uuid.uuid4().hex[:12]}"
-    storage = storage_path or DEFAULT_STORAGE_PATH
-    storage = storage if "://" in storage else os.path.abspath(storage)
+    storage = run_storage(storage_path or DEFAULT_STORAGE_PATH)
     skips = SkipLog.create()
     skip_logs = {_train_name(e): skips.epoch(e) for e in range(epochs)}
     eval_skips = None

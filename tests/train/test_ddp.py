@@ -112,6 +112,17 @@ def test_a_held_out_set_is_checked_before_any_ray_work(datasets, tmp_path, monke
         train_ddp(config, lambda ctx: None, eval_config=config.replace(source=str(held)))
 
 
+def test_the_run_folder_expands_a_home_relative_path(monkeypatch, tmp_path):
+    import os
+
+    from raypipe.train.ddp import run_storage
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert run_storage("~/runs") == str(tmp_path / "runs")
+    assert run_storage("runs") == os.path.join(os.getcwd(), "runs")
+    assert run_storage("s3://bucket/runs") == "s3://bucket/runs"
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_keep_checkpoints_is_checked_before_work(datasets, bad):
     config = PipelineConfig(source=str(datasets["parquet"]), batch_size=4)
