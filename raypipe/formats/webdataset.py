@@ -26,9 +26,12 @@ LABEL_MEMBERS = ("cls", "json", "txt")  # where a sample's label is looked for, 
 def _wds_groups(members: list[tarfile.TarInfo],
                 need_image: bool = True) -> list[tuple[str, dict[str, tarfile.TarInfo]]]:  # fmt: skip
     """Group tar members into samples, in first-seen order, by webdataset's rule: a
-    member's key is its path up to the first dot of its base name, the rest its extension.
-    ``need_image``: only the groups with an image member are samples."""
-    groups: dict[str, dict[str, tarfile.TarInfo]] = {}
+    member's key is its path up to the first dot of its base name, the rest its extension;
+    a key met again with an extension its sample already has starts another sample (a tar
+    that repeats a key holds a sample for each). ``need_image``: only the groups with an
+    image member are samples."""
+    groups: list[tuple[str, dict[str, tarfile.TarInfo]]] = []
+    latest: dict[str, int] = {}  # key -> its newest group
     for m in members:
         if not m.isfile():
             continue
@@ -36,9 +39,13 @@ def _wds_groups(members: list[tarfile.TarInfo],
         if "." not in base:
             continue
         stem, ext = base.split(".", 1)
-        prefix = os.path.join(os.path.dirname(m.name), stem)
-        groups.setdefault(prefix, {})[ext.lower()] = m
-    return [(k, v) for k, v in groups.items() if not need_image or _image_member(v) is not None]
+        prefix, ext = os.path.join(os.path.dirname(m.name), stem), ext.lower()
+        i = latest.get(prefix)
+        if i is None or ext in groups[i][1]:
+            latest[prefix] = i = len(groups)
+            groups.append((prefix, {}))
+        groups[i][1][ext] = m
+    return [(k, v) for k, v in groups if not need_image or _image_member(v) is not None]
 
 
 def _image_member(parts: dict[str, tarfile.TarInfo]) -> str | None:

@@ -154,6 +154,26 @@ def test_webdataset_keys_follow_webdataset_grouping(tmp_path):
     assert ours == theirs and len(ours) == 12
 
 
+def test_a_tar_that_repeats_a_key_holds_a_sample_for_each(tmp_path):
+    """``0001.jpg 0001.cls 0001.jpg 0001.cls``: two samples, with their own images and
+    labels (the second overwrote the first, which was lost without a skip)."""
+    import io
+    import tarfile
+
+    path = tmp_path / "dup.tar"
+    with tarfile.open(path, "w") as tar:
+        for stem, label in (("0001", 2), ("0001", 3), ("0002", 4)):
+            for ext, data in (("jpg", png(label)), ("cls", str(label).encode())):
+                info = tarfile.TarInfo(f"{stem}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    listing = list_shards(PipelineConfig(source=str(path)))
+    raws = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
+    assert listing.num_samples == 3 and [r.label for r in raws] == [2, 3, 4]
+    assert raws[0].data == png(2) and raws[1].data == png(3)
+    assert [r.where.split(":", 1)[1] for r in raws] == ["0001", "0001", "0002"]
+
+
 def test_webdataset_label_settings_and_reasons(tmp_path):
     labels = labels_of(6, seed=5)
     root = wds_shards(tmp_path / "wds", labels, "json")
