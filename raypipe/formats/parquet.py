@@ -113,19 +113,24 @@ def read_parquet(storage: Storage, path: str, first_key: int, done: np.ndarray |
             yield RawSample(first_key + i, -1, None, f"{path}:row{i}", *why)
         return
     index = {name: i for i, name in enumerate(classes)}
-    key = first_key
+    others = [n for n in schema.names if n not in (image_column, label_column)] if extras else []
+    columns, key = [image_column, label_column, *others], first_key
     for g in range(file.num_row_groups):
         size = file.metadata.row_group(g).num_rows
-        if done is not None and done[key - first_key : key - first_key + size].all():
-            key += size
-            continue  # a consumed row group is not read
-        others = (
-            [n for n in schema.names if n not in (image_column, label_column)] if extras else []
-        )
-        batches = file.iter_batches(
-            batch_size=ROWS_PER_READ, row_groups=[g], columns=[image_column, label_column, *others]
-        )
-        for batch in batches:
+        if done is None or not done[key - first_key : key - first_key + size].all():
+            yield from _row_group(file, g, (key, key + size), path, first_key, done, columns, index)
+        key += size  # a consumed row group is not read
+
+
+def _row_group(file, g: int, keys: tuple[int, int], path: str, first_key: int, done,
+               columns: list[str], index: dict[str, int]) -> Iterator[RawSample]:  # fmt: skip
+    """The rows of row group ``g`` (keys ``keys[0]`` up to ``keys[1]``); a page that cannot be
+    read loses the rest of this group only, each row a skip naming it."""
+    import pyarrow as pa
+
+    key, others = keys[0], columns[2:]
+    try:
+        for batch in file.iter_batches(batch_size=ROWS_PER_READ, row_groups=[g], columns=columns):
             images, labels = _image_bytes(batch.column(0)), batch.column(1).to_pylist()
             more = {n: batch.column(n).to_pylist() for n in others}
             for i in range(batch.num_rows):
@@ -136,6 +141,11 @@ def read_parquet(storage: Storage, path: str, first_key: int, done: np.ndarray |
                         row = dataclasses.replace(row, extras={n: v[i] for n, v in more.items()})
                     yield row
                 key += 1
+    except (OSError, pa.ArrowException) as e:  # a damaged page
+        detail = f"row group {g}: {type(e).__name__}: {e}"
+        for k in range(key, keys[1]):
+            if done is None or not done[k - first_key]:
+                yield RawSample(k, -1, None, f"{path}:row{k - first_key}", detail, "unreadable")
 
 
 def _row(key: int, where: str, image, label, index: dict[str, int]) -> RawSample:

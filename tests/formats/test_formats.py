@@ -174,6 +174,28 @@ def test_a_tar_that_repeats_a_key_holds_a_sample_for_each(tmp_path):
     assert [r.where.split(":", 1)[1] for r in raws] == ["0001", "0001", "0002"]
 
 
+def test_a_damaged_parquet_page_loses_its_row_group_only(tmp_path):
+    """A page that cannot be read skips the rest of its row group, each row naming it; the
+    row groups after it are read (they were all lost with it, as one unreadable shard)."""
+    import pyarrow.parquet as pq
+
+    from tests.conftest import make_parquet
+
+    root = make_parquet(tmp_path / "pq", [32])  # 4 row groups of 8
+    (path,) = sorted(root.glob("*.parquet"))
+    chunk = pq.ParquetFile(path).metadata.row_group(1).column(0)
+    data = bytearray(path.read_bytes())
+    at = chunk.data_page_offset
+    data[at : at + 16] = b"\xff" * 16  # the page header of row group 1's images
+    path.write_bytes(bytes(data))
+    listing = list_shards(PipelineConfig(source=str(root)))
+    raws = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
+    assert [r.key for r in raws] == list(range(32))
+    bad = [r.key for r in raws if r.reason is not None]
+    assert bad == list(range(8, 16)) and {r.reason for r in raws if r.reason} == {"unreadable"}
+    assert "row group 1" in raws[8].error and all(r.data for r in raws if r.reason is None)
+
+
 def test_webdataset_label_settings_and_reasons(tmp_path):
     labels = labels_of(6, seed=5)
     root = wds_shards(tmp_path / "wds", labels, "json")
