@@ -158,6 +158,11 @@ def convert(config: ShardsConfig, *, log: TextIO | None = None) -> Summary:
     names = [shard_name(config.prefix, i, total, fmt) for i in range(total)]
     fingerprint = _fingerprint(config, parts)
     index = _load_index(out, fingerprint)
+    if index is None and (present := sorted(os.listdir(out))):
+        raise ValueError(
+            f"convert.out {out!r} holds files and no {INDEX} of a convert ({', '.join(present[:3])}"
+            f"{', ...' if len(present) > 3 else ''}): use an empty or new folder"
+        )
     entries = (
         index["shards"] if index else [_planned(nm, p) for nm, p in zip(names, parts, strict=True)]
     )

@@ -137,6 +137,20 @@ def test_plan_is_contiguous_and_sorted(folder):
         plan(ShardsConfig(source=str(folder), out="unused", shards=28))
 
 
+def test_a_folder_holding_other_files_is_not_written_into(tmp_path):
+    """Without an index of its own there, convert does not know the files in ``out``: a
+    Hugging Face export's ``train-00000-of-00001.parquet`` has the name convert would give
+    its first shard, and was replaced without a word."""
+    root = make_imagefolder(tmp_path / "data", {"a": 3}, seed=2)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "train-00000-of-00001.parquet").write_bytes(b"another dataset")
+    config = ShardsConfig(source=str(root), out=str(out), format="parquet")
+    with pytest.raises(ValueError, match="holds files and no index.json of a convert"):
+        convert(config)
+    assert (out / "train-00000-of-00001.parquet").read_bytes() == b"another dataset"
+
+
 def test_a_file_name_that_is_not_utf8_is_stored_escaped(tmp_path):
     """Every shard format stores each sample's name as text: a name that is not UTF-8 keeps
     its bytes escaped, and the plan's fingerprint takes it (both raised UnicodeEncodeError)."""
