@@ -1,25 +1,31 @@
 """Globs over object storage's flat keys, read as a local ``glob(recursive=True)`` reads
-them, so a remote source lists the shards (and gives the keys) a local copy does."""
+them, so a remote source lists the shards (and gives the keys) a local copy does; and the
+local walk of a folder, into its symlinked folders."""
 
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
+from collections.abc import Iterator
 
-__all__ = ["glob_regex", "globbed"]
+__all__ = ["glob_regex", "globbed", "local_files"]
 assert __all__ == sorted(__all__)
 
 
 def glob_regex(pattern: str) -> re.Pattern:
     """``pattern`` as the local ``glob(recursive=True)`` reads it: ``*``, ``?`` and ``[...]``
-    within one folder name, ``**`` across folders (``**/``: zero or more of them)."""
+    within one folder name, ``**`` across folders (``**/``: zero or more of them); a name
+    that starts with a dot (``._a.tar``, ``.cache/``) only where the pattern's part does."""
     out, i = [], 0
     while i < len(pattern):
+        if (i == 0 or pattern[i - 1] == "/") and not pattern.startswith((".", "**"), i):
+            out.append(r"(?!\.)")  # this part of the pattern names no hidden file
         if pattern.startswith("**/", i):
-            out.append("(?:[^/]*/)*")
+            out.append(r"(?:(?!\.)[^/]*/)*")
             i += 3
         elif pattern.startswith("**", i):
-            out.append(".*")
+            out.append(r"(?:(?!\.)[^/]*(?:/(?!\.)[^/]*)*)?")
             i += 2
         elif pattern[i] in "*?":
             out.append("[^/]*" if pattern[i] == "*" else "[^/]")
@@ -40,10 +46,26 @@ def globbed(files, pattern: str) -> list[str]:
     """The ``files`` (object keys, sorted) a local glob of ``pattern`` would reach: those
     it matches, and those under a folder it matches (a local source expands a matched
     folder into its files)."""
-    match = glob_regex(pattern.rstrip("/")).match
+    base = pattern.rstrip("/")
+    match = glob_regex(base).match
+    # "a/**" matches the folder "a/" itself too, which a local source expands whole
+    folder = glob_regex(base[:-3]).match if base.endswith("/**") else match
     out = []
     for uri in files:
         cuts = [i for i, c in enumerate(uri) if c == "/"]
-        if match(uri) or any(match(uri[:i]) for i in cuts):
+        if match(uri) or any(match(uri[:i]) or folder(uri[:i]) for i in cuts):
             out.append(uri)
     return out
+
+
+def local_files(root: str) -> Iterator[str]:
+    """Every file under ``root``, into symlinked folders too (a class folder linked from
+    another disk), each folder once (a link back up does not loop)."""
+    seen: set[tuple[int, int]] = set()
+    for folder, subs, names in os.walk(root, followlinks=True):
+        st = os.stat(folder)
+        if (st.st_dev, st.st_ino) in seen:
+            subs[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        yield from (os.path.join(folder, n) for n in names)

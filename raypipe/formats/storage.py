@@ -23,7 +23,7 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from raypipe.formats.globs import globbed
+from raypipe.formats.globs import globbed, local_files
 
 __all__ = ["Storage", "StorageError", "is_remote"]
 assert __all__ == sorted(__all__)
@@ -156,7 +156,7 @@ class Storage:
     def walk(self, root: str) -> Iterator[str]:
         """Every file under ``root``, recursively, in sorted order."""
         if not self.remote:  # sorted as whole paths, as a remote listing is
-            yield from sorted(os.path.join(d, n) for d, _, names in os.walk(root) for n in names)
+            yield from sorted(local_files(root))
             return
         import pyarrow.fs as pafs
 

@@ -192,15 +192,19 @@ def test_any_fsspec_uri(datasets):
 
 
 @pytest.mark.parametrize(
-    "pattern", ["*.tar", "**/*.tar", "s-[0-1].tar", "?-1.tar", "*/*.tar", "o*", "*", "s-[!0].tar"]
-)
+    "pattern",
+    ["*.tar", "**/*.tar", "s-[0-1].tar", "?-1.tar", "*/*.tar", "o*", "*", "s-[!0].tar", "**",
+     ".*.tar", ".cache/*.tar", "[.s]*", "old/**"],
+)  # fmt: skip
 def test_a_glob_on_object_storage_matches_what_it_matches_locally(tmp_path, pattern):
-    """``*`` stays within a folder, ``**`` crosses them, a matched folder gives its files:
-    the same shards, so the same keys, as in a local copy."""
+    """``*`` stays within a folder, ``**`` crosses them, a matched folder gives its files,
+    and a hidden name (macOS's ``._`` files, a ``.cache`` folder) only where the pattern names
+    it: the same shards, so the same keys, as in a local copy."""
     import fsspec
 
     mem = fsspec.filesystem("memory")
-    for name in ("s-0.tar", "s-1.tar", "s-2.tar", "old/s-1.tar", "old/deep/x.tar"):
+    for name in ("s-0.tar", "s-1.tar", "s-2.tar", "old/s-1.tar", "old/deep/x.tar", "._s-0.tar",
+                 ".cache/s-9.tar", "old/._x.tar", "old/.deep/y.tar"):  # fmt: skip
         (tmp_path / "local" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "local" / name).write_bytes(b"x")
         mem.pipe(f"/globs/{name}", b"x")

@@ -38,6 +38,20 @@ def test_a_file_name_that_is_not_utf8_is_listed_and_fingerprinted(tmp_path):
     assert list_shards(PipelineConfig(source=str(root))).fingerprint != before
 
 
+def test_symlinked_folders_are_listed_once_and_a_link_loop_ends(tmp_path):
+    """A class folder's images partly in a folder linked from elsewhere (another disk):
+    listed (os.walk left linked folders out); a link back up does not loop."""
+    from tests.conftest import make_imagefolder
+
+    root = make_imagefolder(tmp_path / "data", {"cat": 2, "dog": 2}, seed=1)
+    more = make_imagefolder(tmp_path / "elsewhere", {"x": 3}, seed=2) / "x"
+    (root / "cat" / "more").symlink_to(more, target_is_directory=True)
+    (root / "dog" / "loop").symlink_to(root / "dog", target_is_directory=True)
+    listing = list_shards(PipelineConfig(source=str(root)))
+    by_class = [sum(1 for s in listing.shards if s.label == c) for c in (0, 1)]
+    assert by_class == [5, 2] and listing.num_samples == 7
+
+
 def test_imagefolder_labels_follow_sorted_class_names(datasets):
     listing = list_shards(PipelineConfig(source=str(datasets["imagefolder"])))
     assert listing.classes == ("cat", "dog", "emu")
