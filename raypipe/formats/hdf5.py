@@ -115,8 +115,9 @@ def _rows(images, labels, lo: int, hi: int, first_key: int, file: str, done):
 
 
 def _run(images, labels, a: int, b: int, lo: int, first_key: int, file: str, done):
+    labelled = max(a, min(b, labels.shape[0]))  # a label dataset shorter than the images'
     try:
-        block, marks = images[a:b], np.asarray(labels[a:b]).reshape(b - a, -1)
+        block, marks = images[a:b], np.asarray(labels[a:labelled]).reshape(labelled - a, -1)
     except (OSError, ValueError) as e:
         for r in range(a, b):
             yield RawSample(
@@ -124,7 +125,12 @@ def _run(images, labels, a: int, b: int, lo: int, first_key: int, file: str, don
             )
         return
     for r in range(a, b):
-        if done is None or not done[r - lo]:
+        if done is not None and done[r - lo]:
+            continue
+        if r >= labelled:
+            yield RawSample(first_key + r - lo, -1, None, f"{file}:row{r}",
+                            f"no label: the labels hold {labels.shape[0]} rows", "missing_label")  # fmt: skip
+        else:
             yield _row(block[r - a], marks[r - a], first_key + r - lo, f"{file}:row{r}")
 
 
