@@ -59,12 +59,13 @@ def block_columns(bundles) -> Iterator[Columns]:
     import ray
 
     for bundle in bundles:
-        entries = [e for e in bundle.blocks if e.metadata.num_rows != 0]  # all-skipped tasks
-        if not entries:
-            continue
         slices = getattr(bundle, "slices", None) or [None] * len(bundle.blocks)
-        pieces = [s for e, s in zip(bundle.blocks, slices, strict=True) if e.metadata.num_rows]
-        for block, piece in zip(ray.get([e.ref for e in entries]), pieces, strict=True):
+        kept = [(e, s) for e, s in zip(bundle.blocks, slices, strict=True)
+                if e.metadata.num_rows != 0]  # all-skipped tasks; None: rows not counted  # fmt: skip
+        if not kept:
+            continue
+        pieces = [s for _, s in kept]
+        for block, piece in zip(ray.get([e.ref for e, _ in kept]), pieces, strict=True):
             columns = _columns(block)
             if piece is not None:
                 columns = {k: v[piece.start_offset : piece.end_offset] for k, v in columns.items()}

@@ -40,3 +40,22 @@ def test_dataset_columns_reads_every_row_once(ray_session, materialized):
     ds = ds.materialize() if materialized else ds
     ids = np.concatenate([c["id"] for c in dataset_columns(ds)])
     assert sorted(ids.tolist()) == list(range(100))
+
+
+def test_blocks_whose_row_count_is_unknown_keep_their_slices(ray_session):
+    """``BlockMetadata.num_rows`` is optional in Ray Data: a block that does not say how
+    many rows it has is read, and each kept block keeps its own slice (the blocks were
+    filtered by ``!= 0`` and their slices by truth, which paired them wrongly)."""
+    from types import SimpleNamespace as Bundle
+
+    import pyarrow as pa
+    import ray
+
+    from raypipe.loader.blocks import block_columns
+
+    tables = [pa.table({"key": np.arange(a, a + 4)}) for a in (0, 10, 20)]
+    blocks = [Bundle(ref=ray.put(t), metadata=Bundle(num_rows=n))
+              for t, n in zip(tables, (None, 0, 4), strict=True)]  # fmt: skip
+    slices = [None, None, Bundle(start_offset=1, end_offset=3)]
+    got = [c["key"].tolist() for c in block_columns([Bundle(blocks=blocks, slices=slices)])]
+    assert got == [[0, 1, 2, 3], [21, 22]]
