@@ -130,7 +130,7 @@ class Pipeline:
 
     @staticmethod
     def ledger(world_size: int):
-        """The shared handle ``world_size`` ranks of one run pass as ``ledger=``."""
+        """The handle ``world_size`` ranks of one run share as ``ledger=`` (one run only)."""
         return create_ledger(world_size)
 
     def epochs(self) -> Iterator[tuple[int, TorchBatches]]:
