@@ -50,12 +50,13 @@ class Bucketing:
 
 
 def lengths_of(column: np.ndarray) -> np.ndarray:
-    """Each row's length: the leading size of its array (a ragged column holds one array
-    per row; a fixed one is (rows, length, ...)); 1 for a scalar."""
+    """Each row's length: its array's longest side (tokens: their number; audio, which is
+    (channels, frames): its frames, where the leading size counted channels; features of
+    (frames, dims): their frames); 1 for a scalar. A ragged column holds one array per
+    row, a fixed one is (rows, ...)."""
     if column.dtype == object:
-        return np.array([np.shape(v)[0] if np.ndim(v) else 1 for v in column], dtype=np.int64)
-    size = column.shape[1] if column.ndim > 1 else 1
-    return np.full(len(column), size, dtype=np.int64)
+        return np.array([max(np.shape(v), default=1) for v in column], dtype=np.int64)
+    return np.full(len(column), max(column.shape[1:], default=1), dtype=np.int64)
 
 
 def bucket_ids(lengths: np.ndarray, buckets: int | tuple[int, ...]) -> np.ndarray:

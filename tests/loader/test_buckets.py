@@ -40,6 +40,9 @@ def test_bucket_ids_from_edges_or_a_count():
     assert set(bucket_ids(lengths, 1).tolist()) == {0}
     np.testing.assert_array_equal(lengths_of(ragged([3, 0, 2])), [3, 0, 2])
     np.testing.assert_array_equal(lengths_of(np.zeros((2, 7))), [7, 7])
+    clips = np.empty(3, dtype=object)  # audio is (channels, frames), features (frames, dims)
+    clips[:] = [np.zeros((2, 16000)), np.zeros((1, 90)), np.zeros((300, 80))]
+    np.testing.assert_array_equal(lengths_of(clips), [16000, 90, 300])  # not the channels
 
 
 def test_bucketed_keeps_every_row_and_cuts_exact_batches():
