@@ -16,6 +16,9 @@ def check_samples(c, bad) -> None:
     _check_pack(c, bad)
     if c.sample_rate is not None and (not is_int(c.sample_rate) or c.sample_rate < 1):
         raise bad("sample_rate", "must be an integer >= 1 (Hz), or None to keep the file's")
+    if c.sample_rate is not None and c.image_column is not None:
+        raise bad("sample_rate", "resamples the audio members of samples without an image "
+                  "(image_column=None); image samples' members are left as bytes")  # fmt: skip
 
 
 def _check_no_image(c, bad) -> None:

@@ -71,21 +71,28 @@ def _labelled(key: int, where: str, fields: dict, label_column: str | None, inde
 
 
 def column_values(column) -> list:
-    """One value per row: 1-D numpy arrays for lists of numbers (one flatten, no Python
-    objects per element), numpy scalars for numbers, Arrow's Python values otherwise."""
+    """One value per row: 1-D numpy arrays for lists of numbers (variable or fixed size: one
+    flatten, no Python objects per element), numpy scalars for numbers, Arrow's Python
+    values otherwise; None for a null row. Numbers keep the column's dtype whatever the
+    other rows hold (a null among int32 tokens made them int64, and the run stopped)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    t = column.type
-    if column.null_count == 0:
-        if (pa.types.is_list(t) or pa.types.is_large_list(t)) and _numeric(t.value_type):
-            flat = column.flatten()
-            if flat.null_count == 0:
-                lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
-                return np.split(flat.to_numpy(zero_copy_only=False), np.cumsum(lengths)[:-1])
-        if _numeric(t):
-            return list(column.to_numpy(zero_copy_only=False))
-    return column.to_pylist()
+    t, values = column.type, None
+    lists = pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+    if lists and _numeric(t.value_type):
+        flat = column.flatten()  # without the null rows' values
+        if flat.null_count == 0:
+            lengths = pc.list_value_length(column).fill_null(0).to_numpy(zero_copy_only=False)
+            values = np.split(flat.to_numpy(zero_copy_only=False), np.cumsum(lengths)[:-1])
+    elif _numeric(t):
+        values = list(column.fill_null(pa.scalar(0).cast(t)).to_numpy(zero_copy_only=False))
+    if values is None:
+        return column.to_pylist()
+    if column.null_count:
+        nulls = column.is_null().to_numpy(zero_copy_only=False)
+        values = [None if null else v for v, null in zip(values, nulls, strict=True)]
+    return values
 
 
 def _numeric(t) -> bool:

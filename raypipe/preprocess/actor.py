@@ -91,7 +91,7 @@ class Preprocessor:
         _limit_threads(config.actor_cpus)
         _yield_to_trainers()
         self.usermap = sample_map(config)  # None: the built-in crop
-        self.schema = Schema()  # the user transform's fields, for every task of this actor
+        self.schema = Schema(arrays_ragged=config.image_column is None)  # every task's rows
         self.samples = samples  # the epoch's samples to read, for the skip budget
         self.reader = reader if isinstance(reader, Reader) else Reader(reader)
         self.epoch, self.tasks = epoch, tasks

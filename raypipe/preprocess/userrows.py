@@ -16,18 +16,27 @@ assert __all__ == sorted(__all__)
 
 
 class Schema:
-    """The fields and dtypes of an actor's first row; every later row must match them."""
+    """The fields and dtypes of an actor's first row; every later row must match them.
 
-    def __init__(self) -> None:
+    ``arrays_ragged`` (samples without an image): every array field of one or more
+    dimensions is kept one array per row from the first row on, so each batch pads it with
+    its mask; decided by shape, the first blocks of a field mostly of one length (text
+    chunked to 512 tokens, clips cut to a length) stacked without a mask, the later ones
+    padded with one."""
+
+    def __init__(self, arrays_ragged: bool = False) -> None:
         self.fields: dict[str, tuple[str, int | None]] | None = None  # dtype, ndim
         self.ragged: set[str] = set()
         self.shapes: dict[str, tuple] = {}
+        self.arrays_ragged = arrays_ragged
 
     def check(self, row: dict[str, Any], key: int, where: str) -> None:
         spec = {k: _spec(v) for k, v in row.items()}
         if self.fields is None:
             self.fields = spec
             self.shapes = {k: np.shape(v) for k, v in row.items() if isinstance(v, np.ndarray)}
+            if self.arrays_ragged:
+                self.ragged = {k for k, shape in self.shapes.items() if shape}
             return
         if spec.keys() != self.fields.keys():
             diff = sorted(spec.keys() ^ self.fields.keys())

@@ -97,6 +97,71 @@ def test_a_table_of_floats(ray_session, tmp_path):
         np.testing.assert_array_equal(b["label"], b["key"] % 2)
 
 
+def test_every_batch_of_a_sample_field_has_its_mask_whatever_the_first_rows_held():
+    """Samples without an image: an array field is padded with its ``_mask`` in every
+    batch. Decided by shape, a field whose first rows had one length (text chunked to 512,
+    clips cut to a length) was stacked without a mask in the first batches, and padded
+    with one later: ``batch["tokens_mask"]`` failed mid-epoch."""
+    from raypipe.loader.collate import pad_collate
+    from raypipe.preprocess.userrows import Schema, rows_block
+
+    schema = Schema(arrays_ragged=True)
+    lengths = [[4, 4], [4, 2]]
+    blocks = []
+    for part in lengths:
+        rows = [{"tokens": np.arange(n, dtype=np.int32), "label": np.int64(1)} for n in part]
+        for k, row in enumerate(rows):
+            schema.check(row, k, "here")
+        blocks.append(pad_collate(rows_block(rows, schema.ragged)))
+    assert all("tokens_mask" in b for b in blocks) and "label_mask" not in blocks[0]
+    assert blocks[0]["tokens_mask"].all() and blocks[1]["tokens_mask"].sum() == 6
+    assert blocks[0]["tokens"].dtype == blocks[1]["tokens"].dtype  # int32 either way
+    stacked = Schema()  # image samples: a fixed-shape field stacks
+    stacked.check({"image": np.zeros((3, 2, 2), np.uint8)}, 0, "here")
+    assert stacked.ragged == set()
+
+
+def test_column_values_keep_their_dtypes_with_nulls_and_fixed_size_lists():
+    from raypipe.formats.fields import column_values
+
+    tokens = column_values(pa.array([[1, 2], None, [], [3]], pa.list_(pa.int32())))
+    assert tokens[1] is None and [tokens[0].tolist(), tokens[3].tolist()] == [[1, 2], [3]]
+    assert all(t.dtype == np.int32 for t in tokens if t is not None) and len(tokens[2]) == 0
+    x = column_values(pa.array([1.5, None, 2.5], pa.float32()))
+    assert x[1] is None and x[0].dtype == np.float32 and x[2] == 2.5
+    emb = column_values(pa.array([[1, 2], None, [3, 4]], pa.list_(pa.float32(), 2)))
+    assert emb[1] is None and emb[2].dtype == np.float32 and emb[2].tolist() == [3, 4]
+
+
+def test_a_null_row_is_a_skip_and_the_others_keep_their_dtypes(ray_session, tmp_path):
+    """One null row among int32 token lists, float32 numbers and float32 embeddings (a
+    fixed-size list, as Hugging Face writes ``Sequence(length=N)``): the null row is a
+    skip and every other row keeps the columns' dtypes (a null made the rows read with it
+    int64 / float64, and the worker's type check stopped the run; fixed-size lists were
+    always float64)."""
+    n = 40
+    table = pa.table({
+        "tokens": pa.array([None if i == 30 else list(range(i, i + 1 + i % 5)) for i in range(n)],
+                           pa.list_(pa.int32())),
+        "x": pa.array(np.arange(n, dtype=np.float32)),
+        "emb": pa.array([[i, i + 0.5] for i in range(n)], pa.list_(pa.float32(), 2)),
+        "label": pa.array(np.arange(n) % 2, pa.int64()),
+    })  # fmt: skip
+    pq.write_table(table, tmp_path / "t.parquet", row_group_size=n)
+    out, _ = run_ranks(config(tmp_path, batch_size=8), 1, 1, drop_last=False)
+    batches = out[0][0]
+    assert sorted(np.concatenate([b["key"] for b in batches]).tolist()) == [
+        k for k in range(n) if k != 30
+    ]
+    for b in batches:
+        assert (b["tokens"].dtype, b["x"].dtype, b["emb"].dtype) == (
+            np.int32,
+            np.float32,
+            np.float32,
+        )
+        np.testing.assert_array_equal(b["emb"][:, 0], b["key"])
+
+
 def write_audio(root, clips: dict[str, tuple[np.ndarray, int, str]], *, labels=True):
     """A WebDataset tar: each clip ``stem: (samples, rate, format)`` as ``stem.<format>``
     (written by soundfile), and ``stem.cls``."""
@@ -189,3 +254,34 @@ def test_npy_and_json_members_are_fields():
     np.testing.assert_array_equal(decode_member("ids.npy", buf.getvalue())["ids"], np.arange(5))
     assert decode_member("json", b'{"a": 1}') == {"json": {"a": 1}}
     assert decode_member("txt", b"hello") == {"txt": "hello"}
+
+
+def test_a_field_named_key_and_sample_rate_for_images_are_refused():
+    """A data column named ``key`` (an utterance id) was replaced by raypipe's sample key
+    without a word; ``sample_rate`` on image samples did nothing."""
+    from raypipe.formats.sample import RawSample
+    from raypipe.preprocess.samples.fields import FieldMap
+    from raypipe.preprocess.usermap import TransformOutputError
+
+    fields = FieldMap(None, seed=0, per_batch=False, sample_rate=None)
+    with pytest.raises(TransformOutputError, match="field named 'key'.*rename it"):
+        fields.sample(RawSample(5, 1, None, "t.parquet:row5", extras={"key": "utt-17", "x": 1.0}))
+    with pytest.raises(ValueError, match="PipelineConfig.sample_rate=16000: resamples"):
+        PipelineConfig(source="d", sample_rate=16000)
+    PipelineConfig(source="d", image_column=None, sample_rate=16000)
+
+
+def test_an_image_member_of_a_sample_without_an_image_keeps_max_image_pixels():
+    """``image_column=None``: a mask or picture member is decoded under the same limit as an
+    image sample's members (it had none: a huge PNG could take an actor's memory)."""
+    from raypipe.formats.sample import RawSample
+    from raypipe.preprocess.samples.fields import FieldMap
+    from tests.conftest import image_bytes
+
+    png = image_bytes(np.random.default_rng(0), "PNG", size=(40, 30))
+    small = FieldMap(None, seed=0, per_batch=False, sample_rate=None, max_image_pixels=1000)
+    with pytest.raises(BadSample, match="1200 pixels > max_image_pixels=1000"):
+        small.sample(RawSample(0, 1, None, "s.tar:0", extras={"mask.png": png}))
+    roomy = FieldMap(None, seed=0, per_batch=False, sample_rate=None, max_image_pixels=2000)
+    row = roomy.sample(RawSample(0, 1, None, "s.tar:0", extras={"mask.png": png}))
+    assert row["mask"].shape[:2] == (30, 40)

@@ -6,8 +6,8 @@
      and ``sample_rate`` (`raypipe.preprocess.samples.audio`), .npy → array, .json → parsed,
      .cls → int, .txt → str, images → numpy; Parquet values as they are
    ▼ the user's transform (seeded per sample, as for images), or the fields as they are
-   ▼ a row: numbers and fixed-shape arrays stack into blocks, variable-length ones stay
-     one array per row (`raypipe.preprocess.userrows`) for the rank's padding, buckets or packing
+   ▼ a row: numbers stack into blocks, arrays stay one per row (`raypipe.preprocess.userrows`)
+     for the rank's padding (a mask in every batch), buckets or packing
 ```
 """
 
@@ -20,7 +20,13 @@ import numpy as np
 
 from raypipe.config import resolve_callable
 from raypipe.preprocess.samples.audio import AUDIO_EXTS, decode_audio
-from raypipe.preprocess.usermap import SampleMap, _as_row, _decode_extra, _name
+from raypipe.preprocess.usermap import (
+    SampleMap,
+    TransformOutputError,
+    _as_row,
+    _decode_extra,
+    _name,
+)
 
 __all__ = ["FieldMap", "decode_member", "sample_map"]
 assert __all__ == sorted(__all__)
@@ -32,9 +38,11 @@ def sample_map(config) -> SampleMap | None:
     return FieldMap.of(config) if config.image_column is None else SampleMap.of(config)
 
 
-def decode_member(ext: str, data: Any, rate: int | None = None) -> dict[str, Any]:
+def decode_member(ext: str, data: Any, rate: int | None = None,
+                  max_pixels: int | None = None) -> dict[str, Any]:  # fmt: skip
     """The fields one member makes: ``{name: value}``, two for audio (the samples under
-    the member's name, or ``audio``, and ``sample_rate`` / ``<name>_sample_rate``)."""
+    the member's name, or ``audio``, and ``sample_rate`` / ``<name>_sample_rate``); an
+    image member under ``max_pixels`` (``max_image_pixels``)."""
     if not isinstance(data, (bytes, bytearray)):
         return {ext: data}  # a Parquet value, or a label already read
     stem, _, last = ext.rpartition(".")
@@ -46,30 +54,35 @@ def decode_member(ext: str, data: Any, rate: int | None = None) -> dict[str, Any
         return {stem or "npy": np.load(io.BytesIO(data), allow_pickle=False)}
     if last == "cls":
         return {ext: np.int64(int(data.decode().strip()))}
-    return {_name(ext): _decode_extra(ext, bytes(data))}
+    return {_name(ext): _decode_extra(ext, bytes(data), max_pixels)}
 
 
 class FieldMap(SampleMap):
     """`SampleMap` for samples with no image: the fields are the sample; with no
     transform they are the row as they are (``key`` added)."""
 
-    def __init__(self, transform, *, seed: int, per_batch: bool, sample_rate: int | None):
+    def __init__(self, transform, *, seed: int, per_batch: bool, sample_rate: int | None,
+                 max_image_pixels: int | None = None):  # fmt: skip
         super().__init__(transform, seed=seed, image_input="numpy", per_batch=per_batch,
-                         max_image_pixels=None)  # fmt: skip
+                         max_image_pixels=max_image_pixels)  # fmt: skip
         self.sample_rate = sample_rate
 
     @classmethod
     def of(cls, config) -> FieldMap:
         transform = resolve_callable(config.transform, "transform")
         return cls(transform, seed=config.seed, sample_rate=config.sample_rate,
-                   per_batch=config.transform_batch and transform is not None)  # fmt: skip
+                   per_batch=config.transform_batch and transform is not None,
+                   max_image_pixels=config.max_image_pixels)  # fmt: skip
 
     def sample(self, raw, image=None) -> dict[str, Any]:
         """The sample's fields, decoded, and its ``key``; a null field is a bad sample
         (``image``: `SampleMap.sample`'s; none here, these samples have no image)."""
         fields: dict[str, Any] = {}
         for ext, value in (raw.extras or {}).items():
-            fields.update(decode_member(ext, value, self.sample_rate))
+            fields.update(decode_member(ext, value, self.sample_rate, self.max_pixels))
+        if "key" in fields:  # the sample's key is raypipe's: the data's would be lost
+            raise TransformOutputError(f"the samples have a field named 'key' ({raw.where}), "
+                                       "which raypipe's sample key replaces: rename it")  # fmt: skip
         nulls = sorted(k for k, v in fields.items() if v is None)
         if nulls:
             from raypipe.skips.records import BadSample
