@@ -29,6 +29,10 @@ def test_the_documented_rendezvous_config_is_reached_from_the_package():
     code = "import raypipe; print(raypipe.train.rendezvous.BoundStoreTorchConfig.__name__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "BoundStoreTorchConfig", out.stderr
+    # and only then: a preprocessing worker, which imports raypipe, does not load torch
+    code = "import sys, raypipe.preprocess.actor; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
 
 
 @pytest.fixture(scope="module")
