@@ -27,21 +27,31 @@ import numpy as np
 
 from raypipe.train.state import STATE_FILE, PipelineState, merge_states
 
-__all__ = ["EpochBatches", "RunPosition", "any_rank", "load_checkpoint"]
+__all__ = ["EpochBatches", "RunPosition", "any_rank", "latest_state", "load_checkpoint",
+           "storage_uri"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 USER_STATE = "state.pt"
 
 
-def load_checkpoint(path: str | os.PathLike):
+def storage_uri(path: str | os.PathLike) -> str:
+    """A storage URI as it is; a local path made absolute, ``~`` expanded (a relative one
+    is no URI to Ray Train, and ``~/runs`` was a folder named ``~``)."""
+    path = os.fspath(path)
+    return path if "://" in path else os.path.abspath(os.path.expanduser(path))
+
+
+def load_checkpoint(path):
     """The pipeline state to resume from and its checkpoint (a ``ray.train.Checkpoint``,
     which keeps its filesystem): ``path`` itself when it holds one, else the latest
-    checkpoint of the Ray Train run folder ``path``; either a local path or a storage URI
-    (``s3://...``)."""
+    checkpoint of the Ray Train run folder ``path``; a local path, a storage URI
+    (``s3://...``), or a ``ray.train.Checkpoint`` (``result.checkpoint``)."""
     import ray.train
 
-    path = os.fspath(path)
-    checkpoint = ray.train.Checkpoint(path)
+    if isinstance(path, ray.train.Checkpoint):
+        checkpoint, path = path, path.path
+    else:
+        checkpoint = ray.train.Checkpoint(path := storage_uri(path))
     state = _read(checkpoint, STATE_FILE, PipelineState.load)
     if state is not None:
         return state, checkpoint
@@ -68,6 +78,12 @@ def _read(checkpoint, name: str, load: Callable[[str], Any]):
         local = os.path.join(tmp, name)
         pyarrow.fs.copy_files(where, local, source_filesystem=fs)
         return load(local)
+
+
+def latest_state(run_dir: str) -> PipelineState | None:
+    """The state of the latest checkpoint Ray Train registered in ``run_dir``, or None."""
+    found = _latest_in_run(run_dir)
+    return None if found is None else found[0]
 
 
 def _latest_in_run(run_dir: str):

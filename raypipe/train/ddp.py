@@ -18,7 +18,6 @@ equal when bad samples are skipped. Checkpoints carry the pipeline's position
 from __future__ import annotations
 
 import logging
-import os
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +28,7 @@ from raypipe.loader.ledger import create_ledger
 from raypipe.plan.rankplan import rank_pool
 from raypipe.plan.shards import Listing, list_shards
 from raypipe.skips.log import SkipLog, write_reports
-from raypipe.train.checkpoint import RunPosition, load_checkpoint
+from raypipe.train.checkpoint import RunPosition, latest_state, load_checkpoint, storage_uri
 from raypipe.train.context import TrainContext, _eval_name, _train_name
 
 log = logging.getLogger(__name__)
@@ -85,12 +84,6 @@ def _list_for(config: PipelineConfig, num_workers: int) -> Listing:
     return listing
 
 
-def run_storage(path: str) -> str:
-    """Where the run's folder goes: a storage URI as it is, a local path made absolute (``~``
-    expanded: it was a folder named ``~`` in the working directory)."""
-    return path if "://" in path else os.path.abspath(os.path.expanduser(path))
-
-
 def _eval_listing(eval_config: PipelineConfig, listing: Listing) -> Listing:
     """The held-out source's listing, before any Ray work. Its labels are numbered from
     its own classes (sorted folder names, a string column's values): a set without one of
@@ -132,7 +125,7 @@ def train_ddp(
     callbacks: list | None = None,
     checkpoint_every: int = 0,
     keep_checkpoints: int | None = 2,
-    resume_from: str | os.PathLike | None = None,
+    resume_from=None,
     ray_log_level: str = "INFO",
 ):
     """Run ``train_loop(ctx)`` on ``num_workers`` DDP workers fed by raypipe.
@@ -143,8 +136,11 @@ def train_ddp(
     latest checkpoint. ``checkpoint_every`` steps (and at each epoch's end), a checkpoint
     holds the pipeline's position and rank 0's ``state()`` given to ``ctx.epochs``; the
     latest ``keep_checkpoints`` are kept (None: every one, Ray Train's default).
-    ``resume_from`` (a checkpoint folder, or a run folder for its latest checkpoint)
-    starts mid-epoch where that run stopped, with any ``num_workers``.
+    ``resume_from`` (a checkpoint folder, or a run folder for its latest checkpoint: a
+    path, a storage URI, or ``result.checkpoint``) starts mid-epoch where that run
+    stopped, with any ``num_workers``; a rerun with the same ``name`` and
+    ``storage_path`` resumes from its own latest, both checked before work (the same
+    samples and seed).
     ``callbacks`` are ``ray.train.UserCallback`` objects run on the Train controller.
     The samples each dataset skipped (``on_error="skip"``) are written to
     ``skipped_samples.json`` in the run's folder (``result.path``). ``ray_log_level`` is
@@ -161,12 +157,14 @@ def train_ddp(
                checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints)  # fmt: skip
     listing = _list_for(config, num_workers)
     start, start_from = _resume_point(resume_from, listing, config.seed, epochs)
+    storage = storage_uri(storage_path or DEFAULT_STORAGE_PATH)
+    if name is not None and (again := latest_state(f"{storage}/{name}")) is not None:
+        again.check(listing, config.seed)  # a rerun resumes from it: the same data and seed
     eval_listing = None if eval_config is None else _eval_listing(eval_config, listing)
     if (problem := rendezvous.check_ray()) is not None:
         raise RuntimeError(f"raypipe cannot bind DDP's store to the node's address: {problem}")
     localnode.ensure()  # the skip logs live in an actor
     name = name or f"raypipe_{uuid.uuid4().hex[:12]}"
-    storage = run_storage(storage_path or DEFAULT_STORAGE_PATH)
     skips = SkipLog.create()
     skip_logs = {_train_name(e): skips.epoch(e) for e in range(epochs)}
     eval_skips = None

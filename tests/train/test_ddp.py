@@ -65,10 +65,8 @@ def test_demo_training_reaches_90_percent(ray_session, digits, tmp_path):
 def test_a_rerun_into_its_run_folder_on_changed_data_is_refused(ray_session, tmp_path):
     """A rerun with the run's ``name`` and ``storage_path`` resumes from its latest
     checkpoint (Ray Train's ``get_checkpoint``). On data that changed since (the same
-    count, a file renamed: another fingerprint) it is refused, as ``resume_from`` is; it
-    was resumed, its consumed keys now meaning other samples."""
-    import ray.train
-
+    count, a file renamed: another fingerprint) it is refused before work, as
+    ``resume_from`` is; it was resumed, its consumed keys now meaning other samples."""
     from tests.conftest import make_imagefolder
 
     source = make_imagefolder(tmp_path / "data", {"a": 8, "b": 8}, seed=1)
@@ -86,7 +84,7 @@ def test_a_rerun_into_its_run_folder_on_changed_data_is_refused(ray_session, tmp
     saved = [p.name for p in (tmp_path / "runs" / "rerun").glob("checkpoint_*") if p.is_dir()]
     assert len(saved) == 2, saved  # 3 taken (steps 2, 4, the epoch's end): the latest 2 kept
     (source / "a" / "0000.png").rename(source / "a" / "0000-renamed.png")
-    with pytest.raises(ray.train.TrainingFailedError, match="fingerprint"):
+    with pytest.raises(ValueError, match="fingerprint"):  # on the driver, before Ray Train
         train_ddp(config, loop, epochs=2, **kw)
 
 
@@ -119,12 +117,12 @@ def test_a_held_out_set_is_checked_before_any_ray_work(datasets, tmp_path, monke
 def test_the_run_folder_expands_a_home_relative_path(monkeypatch, tmp_path):
     import os
 
-    from raypipe.train.ddp import run_storage
+    from raypipe.train.checkpoint import storage_uri
 
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert run_storage("~/runs") == str(tmp_path / "runs")
-    assert run_storage("runs") == os.path.join(os.getcwd(), "runs")
-    assert run_storage("s3://bucket/runs") == "s3://bucket/runs"
+    assert storage_uri("~/runs") == str(tmp_path / "runs")
+    assert storage_uri("runs") == os.path.join(os.getcwd(), "runs")
+    assert storage_uri("s3://bucket/runs") == "s3://bucket/runs"
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])

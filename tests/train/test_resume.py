@@ -105,6 +105,25 @@ def test_a_checkpoint_in_object_storage_is_read_through_its_filesystem(tmp_path,
         ckpt.load_checkpoint(uri.replace(local.name, "checkpoint_000009"))
 
 
+def test_a_checkpoint_is_found_by_a_relative_or_home_path_or_itself(tmp_path, monkeypatch):
+    """``resume_from="runs/checkpoint_000001"`` (relative), ``"~/..."``, or the Checkpoint
+    ``result.checkpoint`` is: all load (a relative path is no URI to Ray Train's Checkpoint,
+    and was refused)."""
+    import ray.train
+
+    from raypipe.train.checkpoint import load_checkpoint
+
+    folder = tmp_path / "runs" / "checkpoint_000001"
+    folder.mkdir(parents=True)
+    _state(10).save(folder / "raypipe_state.bin")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for where in ("runs/checkpoint_000001", "~/runs/checkpoint_000001",
+                  ray.train.Checkpoint(str(folder))):  # fmt: skip
+        state, checkpoint = load_checkpoint(where)
+        assert state.num_samples == 10 and checkpoint.path == str(folder)
+
+
 def test_merge_is_the_or_of_ranks_and_base():
     base = np.zeros(20, bool)
     base[[0, 1]] = True
