@@ -36,7 +36,6 @@ def test_defaults_and_list_coercion(tmp_path):
         ("ratio", (0.5, float("inf"))),
         ("actor_cpus", -(10**400)),
         ("shuffle_buffer", -3),
-        ("prefetch_batches", 0),  # accepted, then refused by every rank's Pipeline
         ("lead_batches", -1),
         ("source", ""),
         ("source", ()),
@@ -55,10 +54,31 @@ def test_numpy_scalars_are_taken_as_numbers():
     "must be an integer"."""
     import numpy as np
 
+    from raypipe import LoaderConfig
+
     c = PipelineConfig(source="data", batch_size=np.int64(256), actor_cpus=np.float32(0.5),
-                       seed=np.uint8(3))  # fmt: skip
-    assert (c.batch_size, c.actor_cpus, c.seed) == (256, 0.5, 3)
+                       seed=np.uint8(3), actors=(np.int64(1), np.int64(2)), train=np.bool_(False))  # fmt: skip
+    assert (c.batch_size, c.actor_cpus, c.seed, c.actors, c.train) == (256, 0.5, 3, (1, 2), False)
     assert type(c.batch_size) is int and type(c.actor_cpus) is float and type(c.seed) is int
+    assert type(c.actors[0]) is int and type(c.train) is bool
+    assert type(LoaderConfig(batch_size=np.int64(8)).batch_size) is int
+
+
+def test_prefetch_batches_zero_is_the_dataset_paths_and_refused_before_a_pipelines_work(datasets):
+    """``iter_torch_batches`` and `LoaderConfig` take 0 (Ray's iterator does); a Pipeline
+    holds at least one batch, so ``train_ddp`` and ``Loader`` refuse 0 before any work
+    (``train_ddp`` found it in every rank, after Ray and the trainer had started)."""
+    from raypipe import Loader, LoaderConfig, train_ddp
+
+    config = PipelineConfig(source=str(datasets["parquet"]), batch_size=4, prefetch_batches=0)
+    assert LoaderConfig(prefetch_batches=0).prefetch_batches == 0
+    with pytest.raises(ValueError, match="prefetch_batches=0 must be an integer >= 1"):
+        train_ddp(config, lambda ctx: None)
+    for options in ({}, {"prefetch_batches": 0}):
+        with pytest.raises(ValueError, match="prefetch_batches=0 must be"):
+            Loader(config.replace(prefetch_batches=2 if options else 0), epochs=1, **options)
+    with pytest.raises(ValueError, match="pin_memory='yes'"):
+        Loader(config.replace(prefetch_batches=2), epochs=1, pin_memory="yes")
 
 
 def test_from_yaml_roundtrip_and_section(tmp_path):

@@ -10,7 +10,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_keys", "is_int", "is_num", "is_pair", "load_yaml", "resolve_callable"]
+__all__ = ["check_keys", "is_int", "is_num", "is_pair", "load_yaml", "python_scalars",
+           "resolve_callable"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 
@@ -42,6 +43,32 @@ def check_keys(data: Mapping[str, Any], known: list[str], *, where: str) -> None
         close = difflib.get_close_matches(str(key), known, n=1)
         hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     raise ValueError(f"{where}: unknown key(s) {', '.join(hints)}; known: {', '.join(known)}")
+
+
+def python_scalars(obj) -> None:
+    """Replace NumPy's scalars in a frozen dataclass's fields, and in its tuples, with
+    Python's (a sweep's ``np.int64`` batch size, ``np.bool_`` flag), before its checks."""
+    import dataclasses
+
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        plain = tuple(map(_plain, value)) if isinstance(value, tuple) else _plain(value)
+        if plain is not value:
+            object.__setattr__(obj, f.name, plain)
+
+
+def _plain(v: Any) -> Any:
+    import numbers
+
+    import numpy as np
+
+    if isinstance(v, np.bool_):
+        return bool(v)
+    if isinstance(v, numbers.Integral) and not isinstance(v, int):
+        return int(v)
+    if isinstance(v, numbers.Real) and not isinstance(v, (int, float)):
+        return float(v)
+    return v
 
 
 def is_int(v: Any) -> bool:

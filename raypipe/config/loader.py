@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from raypipe.config.checks import is_int, is_num
+from raypipe.config.checks import is_int, is_num, python_scalars
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "LoaderConfig"]
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "LoaderConfig", "rank_loader"]
 assert __all__ == sorted(__all__)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -49,10 +49,21 @@ class LoaderConfig:
         for name in ("mean", "std"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
+        python_scalars(self)
         check_loader(self, "LoaderConfig")
 
     def replace(self, **changes: Any) -> LoaderConfig:
         return dataclasses.replace(self, **changes)
+
+
+def rank_loader(config, **overrides: Any) -> LoaderConfig:
+    """A `raypipe.Pipeline` rank's settings: ``config.loader`` with the ``overrides`` that
+    are not None, checked; it holds at least one batch ready (``prefetch_batches`` >= 1;
+    the Dataset path's iterator takes 0)."""
+    loader = config.loader.replace(**{k: v for k, v in overrides.items() if v is not None})
+    if loader.prefetch_batches < 1:
+        raise ValueError(f"prefetch_batches={loader.prefetch_batches} must be an integer >= 1")
+    return loader
 
 
 def check_loader(c, where: str) -> None:
@@ -64,10 +75,9 @@ def check_loader(c, where: str) -> None:
 
     if not is_int(c.batch_size) or c.batch_size < 1:
         raise bad("batch_size", "must be an integer >= 1")
-    if not is_int(c.prefetch_batches) or c.prefetch_batches < 1:
-        raise bad("prefetch_batches", "must be an integer >= 1 (batches ready ahead)")
-    if not is_int(c.shuffle_buffer) or c.shuffle_buffer < 0:
-        raise bad("shuffle_buffer", "must be an integer >= 0")
+    for name in ("prefetch_batches", "shuffle_buffer"):  # a Pipeline's prefetch: at least 1
+        if not is_int(getattr(c, name)) or getattr(c, name) < 0:
+            raise bad(name, "must be an integer >= 0")
     for name in ("pin_memory", "normalize", "channels_last", "drop_last"):
         if hasattr(c, name) and not isinstance(getattr(c, name), bool):
             raise bad(name, "must be true or false")

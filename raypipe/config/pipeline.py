@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from raypipe.config.checks import check_keys, load_yaml
+from raypipe.config.checks import check_keys, load_yaml, python_scalars
 from raypipe.config.loader import IMAGENET_MEAN, IMAGENET_STD, LoaderConfig
 from raypipe.config.validate import validate
 
@@ -206,12 +205,7 @@ class PipelineConfig:
             value = getattr(self, name)
             if isinstance(value, list):
                 fix(name, tuple(value))
-        for f in dataclasses.fields(self):  # NumPy's scalars (a sweep's np.int64) as Python's
-            value = getattr(self, f.name)
-            if isinstance(value, numbers.Integral) and not isinstance(value, int):
-                fix(f.name, int(value))
-            elif isinstance(value, numbers.Real) and not isinstance(value, (int, float)):
-                fix(f.name, float(value))
+        python_scalars(self)
         validate(self)
 
     @classmethod

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from raypipe import localnode
-from raypipe.config import PipelineConfig
+from raypipe.config import PipelineConfig, rank_loader
 from raypipe.loader.blocks import execute
 from raypipe.loader.buckets import Bucketing
 from raypipe.loader.collate import collate_for
@@ -94,14 +94,11 @@ class Pipeline:
                  progress_s: float | None = None, drop_last: bool = True):  # fmt: skip
         if not isinstance(config, PipelineConfig):
             raise TypeError(f"config must be a PipelineConfig, got {type(config).__name__}")
-        overrides = {"pin_memory": pin_memory, "prefetch_batches": prefetch_batches,
-                     "normalize": normalize, "channels_last": channels_last}  # fmt: skip
-        loader = config.loader.replace(
-            device=device, **{k: v for k, v in overrides.items() if v is not None}
-        )
+        loader = rank_loader(config, device=device, pin_memory=pin_memory,
+                             prefetch_batches=prefetch_batches, normalize=normalize,
+                             channels_last=channels_last)  # fmt: skip
         _check_args(epochs=epochs, rank=rank, world_size=world_size, ledger=ledger,
-                    prefetch_batches=loader.prefetch_batches, progress_s=progress_s,
-                    start=start, drop_last=drop_last)  # fmt: skip
+                    progress_s=progress_s, start=start, drop_last=drop_last)  # fmt: skip
         self.config, self.num_epochs, self.rank, self.world_size = config, epochs, rank, world_size
         self.drop_last = drop_last
         self.listing = listing or list_shards(config)
@@ -270,11 +267,9 @@ def _starter(ds, follower):
     return None if ds is None else functools.partial(execute, ds, follower)
 
 
-def _check_args(*, epochs, rank, world_size, ledger, prefetch_batches, progress_s, start,
-                drop_last):  # fmt: skip
+def _check_args(*, epochs, rank, world_size, ledger, progress_s, start, drop_last):
     """`Pipeline`'s own arguments (the config checked itself); ValueError naming one."""
-    for name, value, low in (("epochs", epochs, 1), ("world_size", world_size, 1),
-                             ("prefetch_batches", prefetch_batches, 1)):  # fmt: skip
+    for name, value, low in (("epochs", epochs, 1), ("world_size", world_size, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name}={value!r} must be an integer >= {low}")
     if not isinstance(rank, int) or not 0 <= rank < world_size:

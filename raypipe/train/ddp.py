@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from raypipe import localnode
-from raypipe.config import PipelineConfig
+from raypipe.config import PipelineConfig, rank_loader
 from raypipe.loader.ledger import create_ledger
 from raypipe.plan.rankplan import rank_pool
 from raypipe.plan.shards import Listing, list_shards
@@ -155,6 +155,9 @@ def train_ddp(
 
     _check_run(num_workers=num_workers, epochs=epochs, cpus_per_worker=cpus_per_worker,
                checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints)  # fmt: skip
+    for c in (config, eval_config):  # what each rank's Pipeline takes, before any work
+        if c is not None:
+            rank_loader(c)
     listing = _list_for(config, num_workers)
     start, start_from = _resume_point(resume_from, listing, config.seed, epochs)
     storage = storage_uri(storage_path or DEFAULT_STORAGE_PATH)

@@ -90,7 +90,7 @@ def test_a_loaders_options_are_checked_when_it_is_made(datasets):
     config = _config(datasets)
     with pytest.raises(TypeError, match=r"\['prefetch'\], which raypipe.Pipeline does not take"):
         Loader(config, epochs=1, prefetch=4)
-    with pytest.raises(ValueError, match="drop_last='no' must be True or False"):
+    with pytest.raises(ValueError, match="drop_last='no': must be true or false"):
         Loader(config, epochs=1, drop_last="no")
     Loader(config, epochs=1, prefetch_batches=4, drop_last=False, device="cpu")  # no work yet
 
