@@ -117,7 +117,8 @@ def _rows(images, labels, lo: int, hi: int, first_key: int, file: str, done):
 def _run(images, labels, a: int, b: int, lo: int, first_key: int, file: str, done):
     labelled = max(a, min(b, labels.shape[0]))  # a label dataset shorter than the images'
     try:
-        block, marks = images[a:b], np.asarray(labels[a:labelled]).reshape(labelled - a, -1)
+        block, marks = images[a:b], np.asarray(labels[a:labelled])
+        marks = marks.reshape(labelled - a, -1) if labelled > a else marks  # a run past them
     except (OSError, ValueError) as e:
         for r in range(a, b):
             yield RawSample(

@@ -181,19 +181,19 @@ def test_lmdb_labels_as_arrays_and_an_environment_rebuilt_in_place(tmp_path):
 
 
 def test_hdf5_rows_past_a_shorter_label_dataset_are_missing_labels_only(tmp_path):
-    """100 images and 90 labels: rows 90..99 are ``missing_label`` skips; the rows before
+    """192 images and 90 labels: rows 90..191 are ``missing_label`` skips; the rows before
     them keep their labels (a read run that crossed the end lost all its rows, labelled
-    ones too, under a NumPy reshape message)."""
+    ones too, under a NumPy reshape message; so did a run wholly past it)."""
     import h5py
 
     with h5py.File(tmp_path / "short.h5", "w") as f:
-        images = f.create_dataset("images", (100,), h5py.vlen_dtype(np.uint8), chunks=(4,))
-        for i in range(100):
+        images = f.create_dataset("images", (192,), h5py.vlen_dtype(np.uint8), chunks=(4,))
+        for i in range(192):
             images[i] = np.frombuffer(png(i % 5), np.uint8)
         f.create_dataset("labels", data=np.arange(90, dtype=np.int64) % 5)
     listing = list_shards(PipelineConfig(source=str(tmp_path / "short.h5")))
     raws = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
-    assert [r.key for r in raws] == list(range(100))
+    assert [r.key for r in raws] == list(range(192))
     assert [r.label for r in raws[:90]] == [i % 5 for i in range(90)]
     assert {r.reason for r in raws[90:]} == {"missing_label"} and "90 rows" in raws[95].error
 
