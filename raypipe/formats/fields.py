@@ -23,15 +23,13 @@ from raypipe.formats.storage import Storage
 __all__ = ["column_values", "read_parquet_fields", "read_tar_fields"]
 assert __all__ == sorted(__all__)
 
-ROWS_PER_READ = 256
-
 
 def read_parquet_fields(storage: Storage, path: str, first_key: int, done: np.ndarray | None, *,
                         label_column: str = "label",
                         classes: tuple[str, ...] = ()) -> Iterator[RawSample]:  # fmt: skip
     """Every row of a Parquet file as fields; a consumed row group is not read."""
 
-    from raypipe.formats.parquet import _label_kind, open_file
+    from raypipe.formats.parquet import _label_kind, open_file, read_groups
 
     file, unreadable = open_file(storage, path, first_key)
     if file is None:
@@ -40,20 +38,16 @@ def read_parquet_fields(storage: Storage, path: str, first_key: int, done: np.nd
     schema = file.schema_arrow
     has_label = label_column in schema.names and _label_kind(schema.field(label_column).type)
     index = {name: i for i, name in enumerate(classes)}
-    key = first_key
-    for g in range(file.num_row_groups):
-        size = file.metadata.row_group(g).num_rows
-        if done is not None and done[key - first_key : key - first_key + size].all():
-            key += size
-            continue
-        for batch in file.iter_batches(batch_size=ROWS_PER_READ, row_groups=[g]):
-            values = {name: column_values(batch.column(name)) for name in batch.schema.names}
-            for i in range(batch.num_rows):
-                if done is None or not done[key - first_key]:
-                    fields = {name: v[i] for name, v in values.items()}
-                    yield _labelled(key, f"{path}:row{key - first_key}", fields,
-                                    label_column if has_label else None, index)  # fmt: skip
-                key += 1
+
+    def rows(batch, key: int) -> Iterator[RawSample]:
+        values = {name: column_values(batch.column(name)) for name in batch.schema.names}
+        for i in range(batch.num_rows):
+            if done is None or not done[key + i - first_key]:
+                fields = {name: v[i] for name, v in values.items()}
+                yield _labelled(key + i, f"{path}:row{key + i - first_key}", fields,
+                                label_column if has_label else None, index)  # fmt: skip
+
+    yield from read_groups(file, path, first_key, done, None, rows)
 
 
 def _labelled(key: int, where: str, fields: dict, label_column: str | None, index) -> RawSample:

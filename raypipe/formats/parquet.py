@@ -29,6 +29,7 @@ __all__ = [
     "open_file",
     "parquet_labels",
     "read",
+    "read_groups",
     "read_parquet",
     "write",
 ]
@@ -114,38 +115,52 @@ def read_parquet(storage: Storage, path: str, first_key: int, done: np.ndarray |
         return
     index = {name: i for i, name in enumerate(classes)}
     others = [n for n in schema.names if n not in (image_column, label_column)] if extras else []
-    columns, key = [image_column, label_column, *others], first_key
-    for g in range(file.num_row_groups):
-        size = file.metadata.row_group(g).num_rows
-        if done is None or not done[key - first_key : key - first_key + size].all():
-            yield from _row_group(file, g, (key, key + size), path, first_key, done, columns, index)
-        key += size  # a consumed row group is not read
+
+    def rows(batch, key: int) -> Iterator[RawSample]:
+        images, labels = _image_bytes(batch.column(0)), batch.column(1).to_pylist()
+        more = {n: batch.column(n).to_pylist() for n in others}
+        for i in range(batch.num_rows):
+            if done is None or not done[key + i - first_key]:
+                where = f"{path}:row{key + i - first_key}"
+                row = _row(key + i, where, images[i].as_py(), labels[i], index)
+                if others and row.reason is None:
+                    row = dataclasses.replace(row, extras={n: v[i] for n, v in more.items()})
+                yield row
+
+    yield from read_groups(file, path, first_key, done, [image_column, label_column, *others],
+                           rows)  # fmt: skip
 
 
-def _row_group(file, g: int, keys: tuple[int, int], path: str, first_key: int, done,
-               columns: list[str], index: dict[str, int]) -> Iterator[RawSample]:  # fmt: skip
-    """The rows of row group ``g`` (keys ``keys[0]`` up to ``keys[1]``); a page that cannot be
-    read loses the rest of this group only, each row a skip naming it."""
+def read_groups(file, path: str, first_key: int, done: np.ndarray | None,
+                columns: list[str] | None, rows) -> Iterator[RawSample]:  # fmt: skip
+    """The samples of every row group not wholly consumed, ``ROWS_PER_READ`` rows at a time:
+    ``rows(batch, key)`` yields a batch's (its first row's key ``key``), leaving out the
+    consumed ones. A page that cannot be read loses the rest of its row group only, each
+    row an ``unreadable`` skip naming it; the groups after it are read."""
     import pyarrow as pa
 
-    key, others = keys[0], columns[2:]
-    try:
-        for batch in file.iter_batches(batch_size=ROWS_PER_READ, row_groups=[g], columns=columns):
-            images, labels = _image_bytes(batch.column(0)), batch.column(1).to_pylist()
-            more = {n: batch.column(n).to_pylist() for n in others}
-            for i in range(batch.num_rows):
-                if done is None or not done[key - first_key]:
-                    where = f"{path}:row{key - first_key}"
-                    row = _row(key, where, images[i].as_py(), labels[i], index)
-                    if others and row.reason is None:
-                        row = dataclasses.replace(row, extras={n: v[i] for n, v in more.items()})
-                    yield row
-                key += 1
-    except (OSError, pa.ArrowException) as e:  # a damaged page
-        detail = f"row group {g}: {type(e).__name__}: {e}"
-        for k in range(key, keys[1]):
-            if done is None or not done[k - first_key]:
-                yield RawSample(k, -1, None, f"{path}:row{k - first_key}", detail, "unreadable")
+    key = first_key
+    for g in range(file.num_row_groups):
+        end = key + file.metadata.row_group(g).num_rows
+        if done is not None and done[key - first_key : end - first_key].all():
+            key = end
+            continue
+        batches = file.iter_batches(batch_size=ROWS_PER_READ, row_groups=[g], columns=columns)
+        while True:
+            try:
+                batch = next(batches, None)
+                samples = [] if batch is None else list(rows(batch, key))
+            except (OSError, pa.ArrowException) as e:  # a damaged page
+                detail = f"row group {g}: {type(e).__name__}: {e}"
+                yield from (RawSample(k, -1, None, f"{path}:row{k - first_key}", detail,
+                                      "unreadable")
+                            for k in range(key, end) if done is None or not done[k - first_key])  # fmt: skip
+                break
+            if batch is None:
+                break
+            yield from samples
+            key += batch.num_rows
+        key = end
 
 
 def _row(key: int, where: str, image, label, index: dict[str, int]) -> RawSample:

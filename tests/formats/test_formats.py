@@ -188,12 +188,14 @@ def test_a_damaged_parquet_page_loses_its_row_group_only(tmp_path):
     at = chunk.data_page_offset
     data[at : at + 16] = b"\xff" * 16  # the page header of row group 1's images
     path.write_bytes(bytes(data))
-    listing = list_shards(PipelineConfig(source=str(root)))
-    raws = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
-    assert [r.key for r in raws] == list(range(32))
-    bad = [r.key for r in raws if r.reason is not None]
-    assert bad == list(range(8, 16)) and {r.reason for r in raws if r.reason} == {"unreadable"}
-    assert "row group 1" in raws[8].error and all(r.data for r in raws if r.reason is None)
+    for image_column in ("image", None):  # image samples, and samples as their fields
+        listing = list_shards(PipelineConfig(source=str(root), image_column=image_column))
+        raws = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
+        assert [r.key for r in raws] == list(range(32))
+        bad = [r.key for r in raws if r.reason is not None]
+        assert bad == list(range(8, 16)) and {r.reason for r in raws if r.reason} == {"unreadable"}
+        assert "row group 1" in raws[8].error
+        assert all(r.data or r.extras for r in raws if r.reason is None)
 
 
 def test_webdataset_label_settings_and_reasons(tmp_path):
