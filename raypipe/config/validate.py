@@ -13,7 +13,17 @@ from raypipe.config.samples import check_samples
 if TYPE_CHECKING:
     from raypipe.config.pipeline import PipelineConfig
 
-__all__ = ["CACHE", "CACHE_BLOCK", "COMPUTE", "DECODE", "FORMATS", "INPUTS", "ON_ERROR", "validate"]
+__all__ = [
+    "CACHE",
+    "CACHE_BLOCK",
+    "CACHE_HEADER",
+    "COMPUTE",
+    "DECODE",
+    "FORMATS",
+    "INPUTS",
+    "ON_ERROR",
+    "validate",
+]
 assert __all__ == sorted(__all__)
 
 FORMATS = ("imagefolder", "webdataset", "parquet", "tfrecord", "lmdb", "hdf5")
@@ -23,6 +33,7 @@ INPUTS = ("numpy", "pil", "torch")  # what a user transform's image is
 DECODE = ("cpu", "gpu")
 CACHE = ("memory", "disk")  # or None: no decoded cache
 CACHE_BLOCK = 4096  # a cache entry's file takes whole pages of shared memory, or disk blocks
+CACHE_HEADER = 512  # an entry's header before its pixels (about 240 bytes with a short path)
 
 
 def validate(c: PipelineConfig) -> None:
@@ -151,7 +162,7 @@ def _check_cache(c: PipelineConfig, bad: _Bad) -> None:
         raise bad("cache", "keeps decoded images: it needs image_column, decode='cpu' and a "
                   "per-sample transform (or none)")  # fmt: skip
     rows, side = c.rows_per_block or c.batch_size, c.cache_max_side
-    block = rows * -(-3 * side * side // CACHE_BLOCK) * CACHE_BLOCK  # whole pages an image
+    block = rows * -(-(3 * side * side + CACHE_HEADER) // CACHE_BLOCK) * CACHE_BLOCK
     if c.cache_budget is not None and c.cache_budget < block:
         raise bad("cache_budget", f"is below one block: {rows} rows of up to {side}x{side}x3 "
                   f"bytes in {CACHE_BLOCK}-byte pages = {block} bytes")  # fmt: skip

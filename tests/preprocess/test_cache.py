@@ -609,6 +609,9 @@ def test_bad_cache_settings_fail_in_one_line(tmp_path):
         "is below one block": dict(  # the pixels' bytes, but not the pages their files take
             cache="memory", batch_size=8, cache_max_side=100, cache_budget=8 * 3 * 100 * 100
         ),  # fmt: skip
+        "in 4096-byte pages": dict(  # 75 pages of pixels at 320, and the header's page
+            cache="memory", batch_size=8, cache_budget=8 * 3 * 320 * 320
+        ),  # fmt: skip
         "must be a node-local directory": dict(cache="disk"),
         "is not a directory": dict(cache="disk", cache_dir=str(tmp_path / "file" / "sub")),
         "cache_max_side=0": dict(cache="memory", cache_max_side=0),
@@ -621,6 +624,9 @@ def test_bad_cache_settings_fail_in_one_line(tmp_path):
     PipelineConfig(source=src, cache="disk", cache_dir=str(tmp_path / "new" / "dir"))
     PipelineConfig(source=src, cache="memory", batch_size=8, cache_max_side=100,
                    cache_budget=8 * disk_cache.footprint(3 * 100 * 100))  # fmt: skip
+    entry = parts(Entry.image(IDENT, str(tmp_path / "a.jpg"), 0.01, pixels(shape=(320, 320, 3))))
+    one = disk_cache.footprint(sum(map(len, entry)))
+    PipelineConfig(source=src, cache="memory", batch_size=8, cache_budget=8 * one)
 
 
 def test_an_unwritable_cache_dir_is_refused(tmp_path, monkeypatch):
