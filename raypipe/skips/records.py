@@ -86,8 +86,10 @@ def reason_of(error: BaseException, data: bytes | None = None) -> str:
         return "decompression_bomb"
     if isinstance(error, UnidentifiedImageError):
         return "not_an_image"
-    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError)):
-        return "unreadable"  # before the message, which names the path
+    if isinstance(error, (TimeoutError, ConnectionError)) or (
+        isinstance(error, OSError) and (error.errno is not None or error.filename is not None)
+    ):  # the system's error reading the file (not a decoder's): before the message, its path
+        return "unreadable"
     message = str(error).lower()
     if "truncated" in message or "premature end" in message:
         return "truncated_image"

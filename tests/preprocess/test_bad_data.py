@@ -220,9 +220,14 @@ def test_both_decoders_fail_with_the_same_reason(name, decode):
 def test_a_file_that_cannot_be_read_is_unreadable_whatever_its_path_says():
     """The reason comes from the error's kind before its message: a missing file under
     ``truncated-crops/`` was reported as ``truncated_image``."""
-    for error in (FileNotFoundError(2, "No such file", "/data/truncated-crops/a.jpg"),
-                  PermissionError(13, "Permission denied", "/data/premature end/b.jpg")):  # fmt: skip
-        assert reason_of(error) == "unreadable"
+    import errno
+
+    where = "/data/truncated-crops/a.jpg"
+    for error in (FileNotFoundError(2, "No such file", where),
+                  PermissionError(13, "Permission denied", "/data/premature end/b.jpg"),
+                  NotADirectoryError(errno.ENOTDIR, "Not a directory", where),
+                  OSError(errno.EIO, f"I/O error reading {where}"), TimeoutError(where)):  # fmt: skip
+        assert reason_of(error) == "unreadable", error
     assert (
         reason_of(OSError("image file is truncated (3 bytes not processed)")) == "truncated_image"
     )
