@@ -158,7 +158,7 @@ def convert(config: ShardsConfig, *, log: TextIO | None = None) -> Summary:
     names = [shard_name(config.prefix, i, total, fmt) for i in range(total)]
     fingerprint = _fingerprint(config, parts)
     index = _load_index(out, fingerprint)
-    if index is None and (present := sorted(os.listdir(out))):
+    if index is None and (present := _foreign(out)):
         raise ValueError(
             f"convert.out {out!r} holds files and no {INDEX} of a convert ({', '.join(present[:3])}"
             f"{', ...' if len(present) > 3 else ''}): use an empty or new folder"
@@ -254,6 +254,12 @@ def _fingerprint(config: ShardsConfig, parts: list[list[Sample]]) -> str:
             size = os.path.getsize(s.path) if os.path.isfile(s.path) else -1
             h.update(f"{s.name}:{s.label}:{size};".encode())
     return h.hexdigest()
+
+
+def _foreign(out: str) -> list[str]:
+    """The files in ``out`` a convert would not have made (hidden ones and ``lost+found``,
+    which file systems and desktops add, aside)."""
+    return sorted(n for n in os.listdir(out) if not n.startswith(".") and n != "lost+found")
 
 
 def _load_index(out: str, fingerprint: str) -> dict[str, Any] | None:

@@ -92,7 +92,8 @@ def _eval_listing(eval_config: PipelineConfig, listing: Listing) -> Listing:
     if held.classes and listing.classes and held.classes != listing.classes:
         raise ValueError(
             f"eval_config.source {eval_config.source!r} has the classes {list(held.classes)}, "
-            f"the training source {list(listing.classes)}: its labels would mean other classes"
+            f"the training source {list(listing.classes)}: its labels would mean other classes "
+            "(an image folder: an empty folder for each missing class)"
         )
     return held
 

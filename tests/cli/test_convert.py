@@ -149,6 +149,13 @@ def test_a_folder_holding_other_files_is_not_written_into(tmp_path):
     with pytest.raises(ValueError, match="holds files and no index.json of a convert"):
         convert(config)
     assert (out / "train-00000-of-00001.parquet").read_bytes() == b"another dataset"
+    from raypipe.cli import convert as convert_module
+
+    empty = tmp_path / "empty"  # a folder holding only what file systems and desktops add
+    (empty / "lost+found").mkdir(parents=True)
+    (empty / ".DS_Store").write_bytes(b"")
+    assert convert_module._foreign(str(empty)) == []
+    assert convert_module._foreign(str(out)) == ["train-00000-of-00001.parquet"]
 
 
 def test_a_file_name_that_is_not_utf8_is_stored_escaped(tmp_path):
