@@ -28,12 +28,22 @@ from raypipe import rayapi
 from raypipe.rayapi import RAY_VERSION
 
 __all__ = ["CLUSTER_VAR", "LOOPBACK", "RAY_VERSION", "TLS_FILES", "check_ray", "check_tls",
-           "ensure", "is_loopback", "start"]  # fmt: skip
+           "ensure", "is_loopback", "start", "started_here"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 CLUSTER_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a new node's address is loopback
 LOOPBACK = "127.0.0.1"
 TLS_FILES = ("RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")
+
+
+_STARTED = []  # this process started a new local Ray (one node: nothing adds more)
+
+
+def started_here() -> bool:
+    """Whether the Ray this process runs on is a local one it started (`start`)."""
+    import ray
+
+    return bool(_STARTED) and ray.is_initialized()
 
 
 def start(address: str | None = None, **kwargs) -> None:
@@ -42,6 +52,9 @@ def start(address: str | None = None, **kwargs) -> None:
     import ray
 
     check_tls()
+    _STARTED.clear()
+    if address == "local" or (address is None and _nothing_to_join()):
+        _STARTED.append(True)
     if not _on_loopback(address):
         ray.init(address=address, **kwargs)
         return
@@ -103,6 +116,14 @@ def check_ray() -> str | None:
     """Why `start` cannot steer this Ray's choice of address (None: it can)."""
     problems = rayapi.check(("localnode",))
     return f"{'; '.join(problems)}: the Ray whose address choice it steers" if problems else None
+
+
+def _nothing_to_join() -> bool:
+    """Plain ``ray.init()`` starts a new Ray: no ``RAY_ADDRESS``, no cluster `ray start` left."""
+    try:
+        return rayapi.address_from_environment(None) is None
+    except Exception:
+        return False
 
 
 def _on_loopback(address: str | None) -> bool:

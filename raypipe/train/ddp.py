@@ -34,10 +34,11 @@ from raypipe.train.context import TrainContext, _eval_name, _train_name
 log = logging.getLogger(__name__)
 
 
-def _warn_if_short_of_cpus(config, eval_config, num_workers: int, cpus_per_worker: float):
+def _check_cpus(config, eval_config, num_workers: int, cpus_per_worker: float):
     """Say so when the workers and the smallest pools cannot all start on today's cluster
-    (the run would wait for the autoscaler, or forever): every rank's pool holds its CPUs
-    for the whole run."""
+    (every rank's pool holds its CPUs for the whole run: the run waits for the autoscaler);
+    refuse it when the Train workers alone do not fit a local Ray this process started,
+    which nothing adds nodes to (Ray Train waited for them forever)."""
     import ray
 
     def pools(actors) -> int:  # the ranks' smallest pools, together
@@ -48,14 +49,16 @@ def _warn_if_short_of_cpus(config, eval_config, num_workers: int, cpus_per_worke
     if eval_config is not None:  # a warm held-out pool per rank as well
         need += pools(eval_config.actors) * eval_config.actor_cpus
     have = ray.cluster_resources().get("CPU", 0)
-    if need > have:
-        log.warning(
-            "raypipe: this run needs at least %.2f CPUs (%d workers x %.2f + %d actor(s) "
-            "in the rank pools x %.2f%s) and the cluster has %.2f now: it waits for more "
-            "nodes; lower cpus_per_worker, actors or actor_cpus to fit", need, num_workers,
-            cpus_per_worker, lo, config.actor_cpus,
-            " + the held-out pools" if eval_config is not None else "", have,
-        )  # fmt: skip
+    if need <= have:
+        return
+    why = (f"this run needs at least {need:.2f} CPUs ({num_workers} workers x "
+           f"{cpus_per_worker:.2f} + {lo} actor(s) in the rank pools x {config.actor_cpus:.2f}"
+           f"{' + the held-out pools' if eval_config is not None else ''}) and the cluster "
+           f"has {have:.2f}")  # fmt: skip
+    fix = "lower num_workers, cpus_per_worker, actors or actor_cpus to fit"
+    if localnode.started_here() and num_workers * cpus_per_worker > have:
+        raise ValueError(f"{why}: this local Ray gets no more nodes; {fix}")
+    log.warning("raypipe: %s now: it waits for more nodes; %s", why, fix)
 
 
 def _check_run(*, num_workers, epochs, cpus_per_worker, checkpoint_every,
@@ -177,7 +180,7 @@ def train_ddp(
         skip_logs.update({_eval_name(e): eval_skips.epoch(e) for e in range(epochs)})
     progress = RunPosition(seed=config.seed, num_samples=listing.num_samples,
                         fingerprint=listing.fingerprint, start=start, start_from=start_from)  # fmt: skip
-    _warn_if_short_of_cpus(config, eval_config, num_workers, cpus_per_worker)
+    _check_cpus(config, eval_config, num_workers, cpus_per_worker)
     ledger = create_ledger(num_workers) if num_workers > 1 else None
     ctx = TrainContext(config, eval_config, dict(loop_config or {}), epochs,
                        checkpoint_every=checkpoint_every, progress=progress, listing=listing,

@@ -132,6 +132,18 @@ def test_keep_checkpoints_is_checked_before_work(datasets, bad):
         train_ddp(config, lambda ctx: None, keep_checkpoints=bad)
 
 
+def test_a_run_bigger_than_the_local_ray_this_process_started_is_refused(ray_session, datasets):
+    """The session's Ray is a local one started here (4 CPUs): nothing adds nodes to it, so
+    a run whose Train workers alone need more fails at once, naming num_workers among the
+    fixes; it warned "it waits for more nodes", and Ray Train waited forever."""
+    from raypipe import localnode
+
+    assert localnode.started_here()
+    config = PipelineConfig(source=str(datasets["parquet"]), batch_size=2)
+    with pytest.raises(ValueError, match="this local Ray gets no more nodes; lower num_workers"):
+        train_ddp(config, lambda ctx: None, num_workers=8, cpus_per_worker=1)
+
+
 def test_batch_larger_than_a_rank_share_is_refused(datasets):
     config = PipelineConfig(source=str(datasets["parquet"]), batch_size=40)
     with pytest.raises(ValueError, match="larger than one rank's share"):
