@@ -171,10 +171,13 @@ def _epoch_printer():
 def check_classes(run_cfg: RunConfig, config_path) -> tuple[str, ...]:
     """The training set's classes (sources listed: a bad one fails here, before Ray), the
     same as the held-out set's: labels are class indexes, so other folders mean others."""
-    classes = list_shards(run_cfg.data).classes
+    listing = list_shards(run_cfg.data)
+    classes = listing.classes
     if not classes:
         raise ValueError(
-            f"{config_path}: the classifier job needs an image folder (class sub-folders)"
+            f"{config_path}: the classifier job needs named classes (an image folder's class "
+            f"folders, shards raypipe convert wrote, or string labels); data.source is "
+            f"{listing.format} with integer labels only"
         )
     held_out = list_shards(run_cfg.eval).classes if run_cfg.eval is not None else classes
     if held_out != classes:

@@ -18,14 +18,15 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from types import MappingProxyType
 
 from raypipe import localnode, rayapi
 
-__all__ = ["LOCAL_SYSTEM_CONFIG", "process_tree", "ray_descendants", "shutdown", "start",
-           "stop_leftovers"]  # fmt: skip
+__all__ = ["LOCAL_SYSTEM_CONFIG", "plain_prefixes", "process_tree", "ray_descendants",
+           "shutdown", "start", "stop_leftovers"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 # A local Ray raypipe starts drops the per-handler timing every Ray process (raylet, GCS,
@@ -39,10 +40,18 @@ def start(address: str = "local", *, system_config: dict | None = None, **kwargs
     """`raypipe.localnode.start` (a new local Ray listens on loopback only); a new local
     Ray (``address="local"``) gets `LOCAL_SYSTEM_CONFIG` and ``system_config`` over it,
     which Ray refuses when joining (so both are left out then)."""
+    plain_prefixes(sys.stdout)
     if address == "local":  # a copy: ray.init adds its spilling settings to the dict
         config = {**LOCAL_SYSTEM_CONFIG, **(system_config or {})}
         kwargs = {**rayapi.system_config(config), **kwargs}
     localnode.start(address, **kwargs)
+
+
+def plain_prefixes(stream) -> None:
+    """Workers' lines reach ``stream`` without Ray's colour codes when it is no terminal (a
+    log file, a pipe): ``RAY_COLOR_PREFIX=0``, which Ray's driver reads as it prints."""
+    if not stream.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
 def shutdown(grace_s: float = 10.0) -> list[int]:

@@ -27,10 +27,17 @@ def _verbose_flag(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand; ``args.command`` names the one given (an alias as typed)."""
+    from raypipe import __version__
+
     parser = argparse.ArgumentParser(
         prog="raypipe",
         description="Elastic Ray Data preprocessing for PyTorch DDP training.",
+        epilog="examples:\n  raypipe demo-data\n  raypipe inspect demo-data/digits/train\n"
+        "  raypipe run jobs/configs/digits.yaml --epochs 1\n"
+        "  raypipe submit jobs/configs/digits.yaml --address http://127.0.0.1:8265",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"raypipe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("demo-data", help="write the demo datasets (digits, photos)",
@@ -115,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     _verbose_flag(p)
 
     p = sub.add_parser("bench", help="measure ingest throughput against torch DataLoader",
+                       usage="raypipe bench [-h] [-- ARGS]",
                        description="Run benchmarks/ingest.py of the source checkout; arguments "
                        "after `--` go to it unchanged, e.g. raypipe bench -- --size small.")  # fmt: skip
     p.set_defaults(bench_args=[])

@@ -29,7 +29,11 @@ def list_images(paths: list[str], storage: Storage) -> tuple[list[tuple[str, int
     root = paths[0]
     classes = storage.dirs(root)
     if not classes:
-        raise ValueError(f"image folder {root!r} has no class sub-folders")
+        loose = [f for f in storage.walk(root) if f.lower().endswith(IMAGE_EXTS)]
+        if not loose:
+            raise ValueError(f"image folder {root!r} has no class sub-folders and no images")
+        raise ValueError(f"image folder {root!r} holds {len(loose)} images but no class "
+                         f"sub-folders: move them into {root}/<class>/ (e.g. {root}/cat/)")  # fmt: skip
     files: list[tuple[str, int]] = []
     for label, name in enumerate(classes):
         files.extend(

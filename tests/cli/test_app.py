@@ -156,6 +156,40 @@ def test_wrong_kind_of_config(capsys, tmp_path, folder, run_config):
     assert "neither a run config" in _error_line(capsys, ["submit", str(empty)])
 
 
+def test_workers_lines_come_without_colour_codes_into_a_file(monkeypatch, tmp_path):
+    import io
+
+    from raypipe.cli.localray import plain_prefixes
+
+    monkeypatch.delenv("RAY_COLOR_PREFIX", raising=False)
+    plain_prefixes(io.StringIO())  # a file or pipe, as `raypipe run > run.log` has
+    assert os.environ["RAY_COLOR_PREFIX"] == "0"
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "1")  # the user's own choice stands
+    plain_prefixes(io.StringIO())
+    assert os.environ["RAY_COLOR_PREFIX"] == "1"
+
+
+def test_version_and_examples_in_the_help(capsys):
+    import raypipe
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert (
+        done.value.code == 0 and capsys.readouterr().out.strip() == f"raypipe {raypipe.__version__}"
+    )
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "examples:\n  raypipe demo-data" in capsys.readouterr().out
+
+
+def test_the_classifier_job_says_it_needs_named_classes(capsys, tmp_path, datasets):
+    """A WebDataset of integer labels is refused before Ray, saying what the job needs (it
+    said "an image folder", though converted shards and string labels serve too)."""
+    cfg = _write(tmp_path / "wds.yaml", f"data: {{source: {datasets['webdataset']}}}\n")
+    line = _error_line(capsys, ["run", str(cfg)])
+    assert "needs named classes" in line and "webdataset with integer labels only" in line
+
+
 def test_submit_to_an_unreachable_head(capsys, run_config, tmp_path):
     url = f"http://127.0.0.1:{_free_port()}"
     argv = ["submit", str(run_config), "--address", url, "--working-dir", str(tmp_path)]

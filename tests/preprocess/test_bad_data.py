@@ -581,6 +581,9 @@ def bad_source(root: Path, case: str) -> str:
         (root / "cat" / "notes.txt").write_text("x")
     elif case == "no class folders":
         (root / "notes.txt").write_text("x")
+    elif case == "images without class folders":
+        for name in ("a.png", "b.png"):
+            (root / name).write_bytes(image_bytes(np.random.default_rng(0), "PNG"))
     elif case == "empty dataset":
         make_parquet(root, [0, 0])
     return str(root)
@@ -592,7 +595,8 @@ def bad_source(root: Path, case: str) -> str:
         ("missing path", r"PipelineConfig.source: path '.*missing' does not exist"),
         ("glob matching nothing", r"PipelineConfig.source: glob .* matches nothing"),
         ("no images found", r"no images \(.*\) found under"),
-        ("no class folders", "has no class sub-folders"),
+        ("no class folders", "has no class sub-folders and no images"),
+        ("images without class folders", r"holds 2 images but no class sub-folders: move them"),
         ("empty dataset", "hold no samples"),
     ],
 )
