@@ -91,8 +91,12 @@ def test_from_yaml_roundtrip_and_section(tmp_path):
 
 
 def test_unknown_key_suggests_closest(tmp_path):
-    with pytest.raises(ValueError, match=r"'batchsize' \(did you mean 'batch_size'\?\)"):
+    """A guess for each unknown key is the line; the fifty known keys only when one has none."""
+    with pytest.raises(ValueError, match=r"'batchsize' \(did you mean 'batch_size'\?\)") as e:
         PipelineConfig.from_dict({"source": "/x", "batchsize": 3})
+    assert "known:" not in str(e.value)
+    with pytest.raises(ValueError, match=r"'zzz'; known: source, .*batch_size"):
+        PipelineConfig.from_dict({"source": "/x", "zzz": 3})
 
 
 @pytest.mark.parametrize(

@@ -45,7 +45,9 @@ def _run(args: argparse.Namespace) -> int:
     m = result.metrics or {}
     rows = [("time", f"{time.perf_counter() - t0:.1f} s")]
     if "samples" in m:
-        rows.append(("samples", f"{int(m['samples'])} in the last epoch, all ranks"))
+        left = (m.get("dataset_samples") or 0) - int(m["samples"]) - int(m.get("skipped", 0))
+        by_drop = f" ({left} left out by drop_last: equal full batches)" if left > 0 else ""
+        rows.append(("samples", f"{int(m['samples'])} in the last epoch, all ranks{by_drop}"))
     if "samples_per_s" in m:
         rows.append(("samples/s", f"{m['samples_per_s']:.1f}"))
     if "wait_fraction" in m:

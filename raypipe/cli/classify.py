@@ -116,6 +116,7 @@ def classify_loop(ctx: TrainContext) -> None:
             "wait_fraction": wait / ctx.world_size,
             "steps_per_rank": steps,
             "skipped": sum(it["skipped"].values()),  # the epoch's, over all ranks
+            "dataset_samples": ctx.listing.num_samples if ctx.listing is not None else None,
             "bound": it["bound"],  # rank 0's stall view
             "actors": int(actors),  # the preprocessing pools' actors as the epoch ended
         }

@@ -38,11 +38,13 @@ def check_keys(data: Mapping[str, Any], known: list[str], *, where: str) -> None
     unknown = [k for k in data if k not in known]
     if not unknown:
         return
-    hints = []
+    hints, guessed = [], True
     for key in unknown:
         close = difflib.get_close_matches(str(key), known, n=1)
         hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    raise ValueError(f"{where}: unknown key(s) {', '.join(hints)}; known: {', '.join(known)}")
+        guessed = guessed and bool(close)
+    known_list = "" if guessed else f"; known: {', '.join(known)}"  # a guess for each: enough
+    raise ValueError(f"{where}: unknown key(s) {', '.join(hints)}{known_list}")
 
 
 def python_scalars(obj) -> None:
