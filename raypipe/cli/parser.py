@@ -27,8 +27,12 @@ def _verbose_flag(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand; ``args.command`` names the one given (an alias as typed)."""
-    from raypipe import __version__
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        installed = version("raypipe")
+    except PackageNotFoundError:  # run from a source tree that pip did not install
+        installed = "(not installed)"
     parser = argparse.ArgumentParser(
         prog="raypipe",
         description="Elastic Ray Data preprocessing for PyTorch DDP training.",
@@ -37,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  raypipe submit jobs/configs/digits.yaml --address http://127.0.0.1:8265",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"raypipe {__version__}")
+    parser.add_argument("--version", action="version", version=f"raypipe {installed}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("demo-data", help="write the demo datasets (digits, photos)",
