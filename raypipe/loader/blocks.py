@@ -64,8 +64,7 @@ def block_columns(bundles) -> Iterator[Columns]:
                 if e.metadata.num_rows != 0]  # all-skipped tasks; None: rows not counted  # fmt: skip
         if not kept:
             continue
-        pieces = [s for _, s in kept]
-        for block, piece in zip(ray.get([e.ref for e, _ in kept]), pieces, strict=True):
+        for block, (_, piece) in zip(ray.get([e.ref for e, _ in kept]), kept, strict=True):
             columns = _columns(block)
             if piece is not None:
                 columns = {k: v[piece.start_offset : piece.end_offset] for k, v in columns.items()}
