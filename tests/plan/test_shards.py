@@ -95,3 +95,18 @@ def test_empty_image_folder(tmp_path):
     (tmp_path / "a" / "notes.txt").write_text("x")
     with pytest.raises(ValueError, match="no images"):
         list_shards(PipelineConfig(source=str(tmp_path), format="imagefolder"))
+
+
+def test_a_root_above_its_splits_is_refused_and_split_named_classes_are_not(tmp_path):
+    """``data/`` holding ``train/<class>/`` and ``val/<class>/`` read as an image folder
+    trained on two classes, "train" and "val"; it is refused with the split to point at.
+    Classes that happen to carry split names but hold their images are read as named."""
+    from tests.conftest import make_imagefolder
+
+    make_imagefolder(tmp_path / "data" / "train", {"cat": 2, "dog": 1}, seed=1)
+    make_imagefolder(tmp_path / "data" / "val", {"cat": 1, "dog": 1}, seed=2)
+    with pytest.raises(ValueError, match=r"splits \(train, val\) as classes.*data/train'"):
+        list_shards(PipelineConfig(source=str(tmp_path / "data")))
+    assert list_shards(PipelineConfig(source=str(tmp_path / "data" / "train"))).num_samples == 3
+    flat = make_imagefolder(tmp_path / "flat", {"test": 2, "train": 3}, seed=3)
+    assert list_shards(PipelineConfig(source=str(flat))).classes == ("test", "train")
