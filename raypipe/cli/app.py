@@ -33,6 +33,7 @@ def _run(args: argparse.Namespace) -> int:
     from raypipe.cli.classify import RunConfig, check_classes, run
 
     _expect_kind(args.config, "train")
+    jobspec.check_sources(args.config, args.data_root)
     with tempfile.TemporaryDirectory(prefix="raypipe-") as tmp:
         config = jobspec.write_resolved(args.config, args.data_root, tmp)
         classes = check_classes(RunConfig.from_yaml(config), args.config)  # before Ray
@@ -65,6 +66,7 @@ def _convert(args: argparse.Namespace) -> int:
     from raypipe.cli.convert import ShardsConfig, convert, plan
 
     _expect_kind(args.config, "convert")
+    jobspec.check_sources(args.config, args.data_root)
     raw = jobspec.resolve_paths(args.config, args.data_root)
     cfg = ShardsConfig.from_dict(raw[jobspec.convert_section(raw)])
     plan(cfg)  # fail on a bad folder before starting Ray

@@ -79,6 +79,26 @@ def resolve_paths(path: str | Path, root: str | Path) -> dict[str, Any]:
     return raw
 
 
+def check_sources(path: str | Path, root: str | Path) -> None:
+    """Refuse a relative local ``source`` of the config at ``path`` that is not under
+    ``root``, in one line naming the config, the folder and ``--data-root``."""
+    import glob
+
+    raw = load_yaml(path)
+    for section in ("data", "eval", *CONVERT_SECTIONS):
+        body = raw.get(section)
+        sources = body.get("source") if isinstance(body, dict) else None
+        for value in sources if isinstance(sources, list) else [sources]:
+            if not isinstance(value, str) or resolve(root, value) == value or value[:1] == "~":
+                continue  # absolute, a URL, or no path: checked where it is listed
+            if not glob.has_magic(value) and not os.path.exists(resolve(root, value)):
+                raise ValueError(
+                    f"{path}: {section}.source {value!r} is relative to "
+                    f"{os.path.abspath(root)} (the current folder, or --data-root), which "
+                    "does not hold it: run from the folder that does, or pass --data-root"
+                )
+
+
 def write_resolved(path: str | Path, root: str | Path, out_dir: str | Path) -> Path:
     """Write the resolved config into ``out_dir``; returns the new file's path."""
     import yaml

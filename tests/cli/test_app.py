@@ -123,9 +123,17 @@ def test_unknown_keys_are_named_with_a_suggestion(capsys, tmp_path, folder):
 def test_bad_values_and_paths(capsys, tmp_path, folder):
     cfg = _write(tmp_path / "r.yaml", "data:\n  source: no/such/folder\n")
     line = _error_line(capsys, ["run", str(cfg), "--data-root", str(tmp_path)])
-    assert f"'{tmp_path}/no/such/folder' does not exist" in line
+    assert line.endswith(
+        f"{cfg}: data.source 'no/such/folder' is relative to {tmp_path} (the current folder, "
+        "or --data-root), which does not hold it: run from the folder that does, or pass "
+        "--data-root"
+    )
     cfg = _write(tmp_path / "p.yaml", "preprocess:\n  source: missing\n  out: o\n")
-    assert "does not exist" in _error_line(capsys, ["preprocess", str(cfg)])
+    assert "preprocess.source 'missing' is relative to" in _error_line(
+        capsys, ["preprocess", str(cfg)]
+    )
+    cfg = _write(tmp_path / "a.yaml", f"data:\n  source: {tmp_path}/gone\n")
+    assert f"path '{tmp_path}/gone' does not exist" in _error_line(capsys, ["run", str(cfg)])
     cfg = _write(tmp_path / "f.yaml", f"preprocess:\n  source: {folder}\n  out: o\n  format: zip\n")
     assert "convert.format='zip'" in _error_line(capsys, ["preprocess", str(cfg)])
     cfg = _write(tmp_path / "n.yaml", "nothing: 1\n")
