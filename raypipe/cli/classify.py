@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from raypipe.config import PipelineConfig, check_keys, load_yaml
-from raypipe.plan.shards import list_shards
-from raypipe.train.ddp import TrainContext, train_ddp
+from raypipe.train.ddp import TrainContext, list_sources, train_ddp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,21 +169,16 @@ def _epoch_printer():
 
 
 def check_classes(run_cfg: RunConfig, config_path) -> tuple[str, ...]:
-    """The training set's classes (sources listed: a bad one fails here, before Ray), the
-    same as the held-out set's: labels are class indexes, so other folders mean others."""
-    listing = list_shards(run_cfg.data)
-    classes = listing.classes
-    if not classes:
+    """The training set's classes, its sources listed and checked as `train_ddp` checks
+    them (`list_sources`: a bad source, batch or held-out set fails here, before Ray)."""
+    listing, _ = list_sources(run_cfg.data, run_cfg.trainer.num_workers, run_cfg.eval)
+    if not listing.classes:
         raise ValueError(
             f"{config_path}: the classifier job needs named classes (an image folder's class "
             f"folders, shards raypipe convert wrote, or string labels); data.source is "
             f"{listing.format} with integer labels only"
         )
-    held_out = list_shards(run_cfg.eval).classes if run_cfg.eval is not None else classes
-    if held_out != classes:
-        raise ValueError(f"{config_path}: the eval set's classes {_few(held_out)} are not the "
-                         f"training set's {_few(classes)}: give both the same class folders")  # fmt: skip
-    return classes
+    return listing.classes
 
 
 def run(config_path: str | Path, *, epochs: int | None = None, storage_path: str | None = None,
@@ -212,8 +206,3 @@ def run(config_path: str | Path, *, epochs: int | None = None, storage_path: str
     if result.error:
         raise result.error
     return result
-
-
-def _few(classes: tuple[str, ...]) -> str:
-    shown = ", ".join(classes[:6]) + (", ..." if len(classes) > 6 else "")
-    return f"({len(classes)}: {shown})"

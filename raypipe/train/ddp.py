@@ -74,8 +74,14 @@ def _check_run(*, num_workers, epochs, cpus_per_worker, checkpoint_every,
         raise ValueError(f"{cpus_per_worker=} must be > 0")
 
 
-def _list_for(config: PipelineConfig, num_workers: int) -> Listing:
-    """The source's listing, once on the driver; refuses a batch no rank could fill."""
+def list_sources(config: PipelineConfig, num_workers: int,
+                 eval_config: PipelineConfig | None = None) -> tuple[Listing, Listing | None]:  # fmt: skip
+    """The training and held-out sources' listings, on the driver before any Ray work.
+
+    Refuses a batch no rank could fill, and a held-out set whose classes are not the
+    training set's: its labels are numbered from its own classes (sorted folder names, a
+    string column's values), so a set without one of them would number the rest otherwise.
+    """
     listing = list_shards(config)
     per_rank = listing.num_samples // num_workers
     if per_rank < config.batch_size:
@@ -84,21 +90,19 @@ def _list_for(config: PipelineConfig, num_workers: int) -> Listing:
             f"({listing.num_samples} samples / {num_workers} workers = {per_rank}): "
             "no rank would get a full batch"
         )
-    return listing
-
-
-def _eval_listing(eval_config: PipelineConfig, listing: Listing) -> Listing:
-    """The held-out source's listing, before any Ray work. Its labels are numbered from
-    its own classes (sorted folder names, a string column's values): a set without one of
-    the training classes would number the rest otherwise, so it is refused."""
-    held = list_shards(eval_config)
-    if held.classes and listing.classes and held.classes != listing.classes:
+    held = None if eval_config is None else list_shards(eval_config)
+    if held is not None and held.classes and listing.classes and held.classes != listing.classes:
         raise ValueError(
-            f"eval_config.source {eval_config.source!r} has the classes {list(held.classes)}, "
-            f"the training source {list(listing.classes)}: its labels would mean other classes "
+            f"eval_config.source {eval_config.source!r} has the classes {_few(held.classes)}, "
+            f"the training source {_few(listing.classes)}: its labels would mean other classes "
             "(an image folder: an empty folder for each missing class)"
         )
-    return held
+    return listing, held
+
+
+def _few(classes: tuple[str, ...]) -> str:
+    shown = ", ".join(classes[:6]) + (", ..." if len(classes) > 6 else "")
+    return f"({len(classes)}: {shown})"
 
 
 def _resume_point(resume_from, listing: Listing, seed: int, epochs: int):
@@ -162,12 +166,11 @@ def train_ddp(
     for c in (config, eval_config):  # what each rank's Pipeline takes, before any work
         if c is not None:
             rank_loader(c)
-    listing = _list_for(config, num_workers)
+    listing, eval_listing = list_sources(config, num_workers, eval_config)
     start, start_from = _resume_point(resume_from, listing, config.seed, epochs)
     storage = storage_uri(storage_path or DEFAULT_STORAGE_PATH)
     if name is not None and (again := latest_state(f"{storage}/{name}")) is not None:
         again.check(listing, config.seed)  # a rerun resumes from it: the same data and seed
-    eval_listing = None if eval_config is None else _eval_listing(eval_config, listing)
     if (problem := rendezvous.check_ray()) is not None:
         raise RuntimeError(f"raypipe cannot bind DDP's store to the node's address: {problem}")
     localnode.ensure()  # the skip logs live in an actor

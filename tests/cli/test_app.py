@@ -143,9 +143,26 @@ def test_bad_values_and_paths(capsys, tmp_path, folder):
 def test_an_eval_set_with_other_classes_is_refused_before_ray(capsys, tmp_path):
     train = make_imagefolder(tmp_path / "train", {"cat": 2, "dog": 2, "fox": 2})
     val = make_imagefolder(tmp_path / "val", {"cat": 1, "fox": 1})  # fox would be label 1
-    cfg = _write(tmp_path / "r.yaml", f"data:\n  source: {train}\neval:\n  source: {val}\n")
+    cfg = _write(
+        tmp_path / "r.yaml", f"data:\n  source: {train}\n  batch_size: 2\neval:\n  source: {val}\n"
+    )
     line = _error_line(capsys, ["run", str(cfg)])
-    assert "eval set's classes (2: cat, fox)" in line and "(3: cat, dog, fox)" in line
+    assert "has the classes (2: cat, fox), the training source (3: cat, dog, fox)" in line
+
+
+def test_a_batch_no_rank_can_fill_is_refused_before_ray(capsys, monkeypatch, tmp_path):
+    """8 images over 2 workers cannot fill a batch of 8: refused in the command, before it
+    starts (or joins) a Ray, as train_ddp would refuse it after."""
+    train = make_imagefolder(tmp_path / "train", {"cat": 4, "dog": 4})
+    cfg = _write(tmp_path / "r.yaml", f"data:\n  source: {train}\n  batch_size: 8\n"
+                 "trainer:\n  num_workers: 2\n")  # fmt: skip
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started before the batch size was checked")
+
+    monkeypatch.setattr(cli, "_ray_session", no_ray)
+    line = _error_line(capsys, ["run", str(cfg)])
+    assert "batch_size=8 is larger than one rank's share (8 samples / 2 workers = 4)" in line
 
 
 def test_bench_and_submit_find_the_checkout_from_anywhere(monkeypatch, tmp_path):
@@ -193,7 +210,9 @@ def test_version_and_examples_in_the_help(capsys):
 def test_the_classifier_job_says_it_needs_named_classes(capsys, tmp_path, datasets):
     """A WebDataset of integer labels is refused before Ray, saying what the job needs (it
     said "an image folder", though converted shards and string labels serve too)."""
-    cfg = _write(tmp_path / "wds.yaml", f"data: {{source: {datasets['webdataset']}}}\n")
+    cfg = _write(
+        tmp_path / "wds.yaml", f"data: {{source: {datasets['webdataset']}, batch_size: 2}}\n"
+    )
     line = _error_line(capsys, ["run", str(cfg)])
     assert "needs named classes" in line and "webdataset with integer labels only" in line
 
