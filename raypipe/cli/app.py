@@ -103,8 +103,9 @@ def _inspect(args: argparse.Namespace) -> int:
     else:
         _summary(f"inspect {args.source}", format_survey(report), done=False)
     if report["good"] == 0:
-        print("raypipe inspect: every sample looked at would be skipped: check the format and "
-              "the label settings above", file=sys.stderr)  # fmt: skip
+        fix = (f"try raypipe inspect {args.source} {report['hint']}" if report["hint"]
+               else "check the format and the label settings above")  # fmt: skip
+        print(f"raypipe inspect: every sample looked at would be skipped: {fix}", file=sys.stderr)
         return 1
     return 0
 

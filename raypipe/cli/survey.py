@@ -64,6 +64,7 @@ def survey(config: PipelineConfig, *, samples: int = 32) -> dict[str, Any]:
         "skipped_by_reason": dict(collections.Counter(s["reason"] for s in skipped)),
         "jpeg_decoding": "region" if region.available() else "whole",
         "crop_plans": "compiled" if plans_compiled() else "numpy",
+        "hint": _column_hint(listing, config) if skipped else None,
     }
 
 
@@ -130,6 +131,31 @@ def _spread(listing: Listing, n: int):
                 break
             taken += 1
             yield raw
+
+
+def _column_hint(listing: Listing, config: PipelineConfig) -> str | None:
+    """The ``--image-column``/``--label-column`` options that name a Parquet source's own
+    columns, where the configured ones are missing and one column of each kind is there."""
+    if listing.format != "parquet":
+        return None
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with listing.reader.storage.open(split_piece(listing.shards[0].path)[0]) as f:
+        schema = pq.read_schema(f)
+    kinds = {
+        "image": lambda t: pa.types.is_binary(t) or pa.types.is_large_binary(t)
+        or (pa.types.is_struct(t) and t.get_field_index("bytes") >= 0),
+        "label": lambda t: pa.types.is_integer(t) or pa.types.is_string(t)
+        or pa.types.is_large_string(t) or pa.types.is_dictionary(t),
+    }  # fmt: skip
+    options = []
+    for kind, fits in kinds.items():
+        name = getattr(config, f"{kind}_column")
+        found = [f.name for f in schema if fits(f.type)]
+        if name is not None and name not in schema.names and len(found) == 1:
+            options.append(f"--{kind}-column {found[0]}")
+    return " ".join(options) or None
 
 
 def _size(data: bytes) -> str:

@@ -315,3 +315,15 @@ def test_inspect_reports_format_labels_and_skips(tmp_path, capsys):
 
     assert main(["inspect", str(root), "--image-column", "picture"]) == 1
     assert "skip: missing_column" in capsys.readouterr().out
+
+
+def test_inspect_names_the_columns_a_parquet_source_has(tmp_path, capsys):
+    """Hugging Face shards whose image and label columns have other names: every sample is
+    skipped, and the command says which options name the files' own columns, which work."""
+    root = hf_parquet(tmp_path / "hf", labels_of(8, seed=3), shards=1, image="photo",
+                      label="target")  # fmt: skip
+    assert main(["inspect", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert f"try raypipe inspect {root} --image-column photo --label-column target" in err
+    assert main(["inspect", str(root), "--image-column", "photo", "--label-column", "target"]) == 0
+    assert "8 good, 0 would be skipped" in capsys.readouterr().out
