@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from raypipe.config import PipelineConfig, rank_loader
+from raypipe.config import LoaderConfig, PipelineConfig, rank_loader
 from raypipe.loader.pipeline import Pipeline, rank_batches, rank_plan
 from raypipe.plan.rankplan import RankPlan
 from raypipe.plan.shards import Listing, list_shards
@@ -35,7 +35,6 @@ from raypipe.train.state import PipelineState, merge_states
 __all__ = ["Loader"]
 assert __all__ == sorted(__all__)
 
-LOADER = ("device", "pin_memory", "prefetch_batches", "normalize", "channels_last", "drop_last")
 MISUSE = (
     "a Loader gives one epoch at a time: an iterator of it was used after a later iter() "
     "(the same Loader iterated twice at once: nested or zipped loops?)"
@@ -87,7 +86,8 @@ class Loader:
                 raise TypeError(f"Loader() sets {name}= itself")
         if unknown := sorted(set(options) - set(inspect.signature(Pipeline).parameters)):
             raise TypeError(f"Loader() got {unknown}, which raypipe.Pipeline does not take")
-        rank_loader(config, **{k: v for k, v in options.items() if k in LOADER})  # checked now
+        fields = {f.name for f in dataclasses.fields(LoaderConfig)}  # checked now, as by a Pipeline
+        rank_loader(config, **{k: v for k, v in options.items() if k in fields})
         self.config, self.num_epochs = config, epochs
         self._asked = (rank, world_size, ledger)
         self._group, self._join_timeout_s, self._options = group, join_timeout_s, options
