@@ -145,21 +145,16 @@ def read_groups(file, path: str, first_key: int, done: np.ndarray | None,
         if done is not None and done[key - first_key : end - first_key].all():
             key = end
             continue
-        batches = file.iter_batches(batch_size=ROWS_PER_READ, row_groups=[g], columns=columns)
-        while True:
-            try:
-                batch = next(batches, None)
-                samples = [] if batch is None else list(rows(batch, key))
-            except (OSError, pa.ArrowException) as e:  # a damaged page
-                detail = f"row group {g}: {type(e).__name__}: {e}"
-                yield from (RawSample(k, -1, None, f"{path}:row{k - first_key}", detail,
-                                      "unreadable")
-                            for k in range(key, end) if done is None or not done[k - first_key])  # fmt: skip
-                break
-            if batch is None:
-                break
-            yield from samples
-            key += batch.num_rows
+        try:
+            batches = file.iter_batches(batch_size=ROWS_PER_READ, row_groups=[g], columns=columns)
+            for batch in batches:
+                samples = list(rows(batch, key))  # a whole batch, or none of it, is yielded
+                yield from samples
+                key += batch.num_rows
+        except (OSError, pa.ArrowException) as e:  # a damaged page
+            detail = f"row group {g}: {type(e).__name__}: {e}"
+            yield from (RawSample(k, -1, None, f"{path}:row{k - first_key}", detail, "unreadable")
+                        for k in range(key, end) if done is None or not done[k - first_key])  # fmt: skip
         key = end
 
 
