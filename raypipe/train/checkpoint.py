@@ -188,14 +188,19 @@ class RunPosition:
         return _read(checkpoint, USER_STATE, lambda path: torch.load(path, weights_only=False))
 
 
-def any_rank(consumed: np.ndarray, device=None) -> np.ndarray:
+def any_rank(consumed: np.ndarray, device=None, world_size: int | None = None) -> np.ndarray:
     """OR of every rank's mask in one all_reduce: BOR of the packed bits (N/8 bytes) on
     gloo; NCCL has no bitwise ops, so MAX of one byte per key there, on ``device`` (None:
-    Ray Train's device of this worker). A collective: every rank calls it together."""
+    Ray Train's device of this worker). A collective: every rank calls it together.
+
+    ``world_size``: the ranks the masks are parts of (None: the process group's); another
+    number than the group's size (a loader of its own on each rank): this rank's mask."""
     import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return consumed
+    if world_size is not None and world_size != dist.get_world_size():
         return consumed
     if dist.get_backend() == "nccl":
         if device is None:

@@ -180,9 +180,9 @@ class Loader:
         one), and ``state``, the `raypipe.train.state.PipelineState` that `train_ddp`
         checkpoints (the keys handed out so far), as the bytes of its file in a tensor.
 
-        With torch.distributed initialized this is a collective: every rank calls it
-        together (Lightning does, on every rank, when it checkpoints). Without it, a rank
-        of several holds only its own keys: OR the ranks' ``consumed`` before resuming."""
+        With torch.distributed initialized over this Loader's ranks it is a collective:
+        every rank calls it together (Lightning does, when it checkpoints). Else a rank of
+        several holds only its own keys: OR the ranks' ``consumed`` before resuming."""
         import torch
 
         run = self._running
@@ -192,7 +192,7 @@ class Loader:
             epoch, keys, base = self._next, [], self._base
         n = self.listing.num_samples
         mine = merge_states([{"keys": keys}], n, base)
-        consumed = any_rank(mine, device=self._collective_device())
+        consumed = any_rank(mine, self._collective_device(), self._rank_world()[1])
         state = PipelineState(epoch, self.config.seed, n, self.listing.fingerprint, consumed)
         return {"epoch": epoch, "state": torch.frombuffer(bytearray(state.to_bytes()),
                                                           dtype=torch.uint8)}  # fmt: skip
