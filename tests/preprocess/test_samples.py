@@ -232,6 +232,39 @@ def test_an_audio_member_that_does_not_decode_is_bad_audio():
     assert decode_member("tokens", [1, 2]) == {"tokens": [1, 2]}
 
 
+def test_hugging_face_audio_and_image_columns_are_decoded(ray_session, tmp_path):
+    """Parquet as Hugging Face writes ``Audio()`` and ``Image()`` columns (``{bytes, path}``
+    structs; a path may be None): decoded and resampled as WebDataset members are; they came
+    as the raw dicts, ``sample_rate`` left unused."""
+    soundfile = pytest.importorskip("soundfile")
+    from PIL import Image
+
+    rng = np.random.default_rng(5)
+    clips, audio, images = [pcm16(rng, 700 + 10 * i) for i in range(6)], [], []
+    for i, clip in enumerate(clips):
+        buf = io.BytesIO()
+        soundfile.write(buf, clip, 8000, format="WAV", subtype="PCM_16")
+        audio.append({"bytes": buf.getvalue(), "path": f"c{i}.wav" if i % 2 else None})
+        png = io.BytesIO()
+        Image.fromarray(np.full((3, 4, 3), i, np.uint8)).save(png, "PNG")
+        images.append({"bytes": png.getvalue(), "path": None})
+    table = pa.table({"audio": audio, "photo": images, "label": list(range(6)),
+                      "meta": [{"speaker": i} for i in range(6)]})  # fmt: skip
+    tmp_path.mkdir(exist_ok=True)
+    pq.write_table(table, tmp_path / "train-00000-of-00001.parquet")
+    out, _ = run_ranks(config(tmp_path, sample_rate=16000, batch_size=3), 1, 1, drop_last=False)
+    batches = out[0][0]
+    assert sorted(np.concatenate([b["key"] for b in batches]).tolist()) == list(range(6))
+    for b in batches:
+        assert (b["audio_sample_rate"] == 16000).all() and b["audio"].dtype == np.float32
+        np.testing.assert_array_equal(
+            b["audio_mask"].sum(1), [2 * (700 + 10 * k) for k in b["key"]]
+        )
+        for key, image, meta in zip(b["key"], b["photo"], b["meta"], strict=True):
+            np.testing.assert_array_equal(image, np.full((3, 4, 3), key, np.uint8))
+            assert meta == {"speaker": key}  # a struct of other fields stays as it is
+
+
 def test_a_field_whose_type_changes_stops_the_run(ray_session, tmp_path):
     """The fields are checked per preprocessing process: one actor reads both files here
     (with compute="tasks" two pooled workers may read one each, each seeing one type)."""

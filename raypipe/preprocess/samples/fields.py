@@ -21,6 +21,7 @@ import numpy as np
 from raypipe.config import resolve_callable
 from raypipe.preprocess.samples.audio import AUDIO_EXTS, decode_audio
 from raypipe.preprocess.usermap import (
+    _IMAGE_EXTS,
     SampleMap,
     TransformOutputError,
     _as_row,
@@ -43,6 +44,8 @@ def decode_member(ext: str, data: Any, rate: int | None = None,
     """The fields one member makes: ``{name: value}``, two for audio (the samples under
     the member's name, or ``audio``, and ``sample_rate`` / ``<name>_sample_rate``); an
     image member under ``max_pixels`` (``max_image_pixels``)."""
+    if isinstance(data, dict) and (kind := _struct_kind(data)) is not None:
+        return decode_member(f"{ext}.{kind}", data["bytes"], rate, max_pixels)
     if not isinstance(data, (bytes, bytearray)):
         return {ext: data}  # a Parquet value, or a label already read
     stem, _, last = ext.rpartition(".")
@@ -55,6 +58,24 @@ def decode_member(ext: str, data: Any, rate: int | None = None,
     if last == "cls":
         return {ext: np.int64(int(data.decode().strip()))}
     return {_name(ext): _decode_extra(ext, bytes(data), max_pixels)}
+
+
+def _struct_kind(value: dict) -> str | None:
+    """The extension of a Hugging Face ``Audio()`` or ``Image()`` value (``{"bytes": ...,
+    "path": ...}``): its path's, else one its bytes begin like; None: not one of them."""
+    data, path = value.get("bytes"), value.get("path")
+    if not isinstance(data, (bytes, bytearray)) or set(value) - {"bytes", "path"}:
+        return None
+    last = path.rsplit(".", 1)[-1].lower() if isinstance(path, str) and "." in path else ""
+    if last in AUDIO_EXTS or last in _IMAGE_EXTS:
+        return last
+    if data[:4] == b"RIFF":
+        return {b"WAVE": "wav", b"WEBP": "webp"}.get(bytes(data[8:12]))
+    return next((kind for magic, kind in _MAGIC if data[: len(magic)] == magic), None)
+
+
+_MAGIC = ((b"fLaC", "flac"), (b"OggS", "ogg"), (b"ID3", "mp3"), (b"\xff\xfb", "mp3"),
+          (b"\xff\xf3", "mp3"), (b"\x89PNG", "png"), (b"\xff\xd8\xff", "jpg"))  # fmt: skip
 
 
 class FieldMap(SampleMap):
