@@ -112,13 +112,31 @@ class FileDataset:
     def __len__(self) -> int:
         return len(self.shards)
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, item):
+        """``item``: ``(epoch, index)`` from `EpochOrder` (a persistent worker's copy of
+        the dataset never sees the main process's later epochs), or an index."""
         import torch
 
+        epoch, i = item if isinstance(item, tuple) else (self.epoch, item)
         s = self.shards[i]
         data = Path(s.path).read_bytes()
-        image = np.ascontiguousarray(self.fn(data, IMAGE, chooser(s.first_key, self.epoch)))
+        image = np.ascontiguousarray(self.fn(data, IMAGE, chooser(s.first_key, epoch)))
         return {"image": torch.from_numpy(image), "label": s.label, "key": s.first_key}
+
+
+class EpochOrder:
+    """A DataLoader sampler: a seeded shuffle of ``n`` indices per epoch, each item
+    ``(epoch, index)``, so that workers crop with the epoch's plan, as raypipe does."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+        return ((self.epoch, int(i)) for i in order)
 
 
 def run_epochs(make_iter, epochs: int, pause_s: float = 0.0) -> dict:
@@ -174,14 +192,13 @@ def dataloader(shards, transform: str, epochs: int, settings: list[dict]) -> dic
 
     results = []
     for s in settings:
-        ds = FileDataset(shards, transform)
-        loader = DataLoader(ds, batch_size=BATCH, shuffle=True, drop_last=True,
-                            generator=torch.Generator().manual_seed(SEED),
+        ds, order = FileDataset(shards, transform), EpochOrder(len(shards), SEED)
+        loader = DataLoader(ds, batch_size=BATCH, sampler=order, drop_last=True,
                             pin_memory=torch.cuda.is_available(),
                             worker_init_fn=one_thread, **s)  # fmt: skip
 
-        def epoch_iter(epoch, ds=ds, loader=loader):
-            ds.epoch = epoch  # persistent workers keep epoch 0's plan; the cost is the same
+        def epoch_iter(epoch, order=order, loader=loader):
+            order.epoch = epoch  # the sampler runs here: its items carry the epoch
             return iter(loader)
 
         r = run_epochs(epoch_iter, epochs)
