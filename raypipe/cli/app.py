@@ -126,6 +126,7 @@ def _submit(args: argparse.Namespace) -> int:
         args.config,
         address=args.address,
         working_dir=args.working_dir,
+        data_root=args.data_root,
         wait=not args.no_wait,
         token_file=args.token_file,
         submission_id=args.submission_id,

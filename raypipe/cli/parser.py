@@ -105,8 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Submit a config to a Ray head as a Ray job: the working dir "
                        "is shipped with it, the job's log is streamed here, and the exit code "
                        "is the job's outcome: 0 when it SUCCEEDED, 1 when it FAILED or was "
-                       "STOPPED, 2 when it could not be submitted, 3 when it still ran after "
-                       "its log stream kept closing (see: ray job status ID).")  # fmt: skip
+                       "STOPPED, 2 when it could not be submitted, 3 when it was submitted but "
+                       "its end was not seen here (its log stream kept closing or was lost; see: "
+                       "ray job status ID), 130 when you stopped following it (Ctrl-C; the job "
+                       "goes on). Relative data paths in the config are resolved against "
+                       "--data-root, which the head must see at the same path.")  # fmt: skip
     p.add_argument("config", help="run or convert config YAML inside the working dir")
     p.add_argument("--address", default=None,
                    help="the head's job API (dashboard) URL, not its GCS address (default: "
@@ -114,12 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wait", action="store_true",
                    help="return once the job is submitted instead of following it")  # fmt: skip
     p.add_argument("--working-dir", default=None,
-                   help="folder shipped with the job (default: the raypipe source checkout)")  # fmt: skip
+                   help="folder shipped with the job, less environments, data and secrets "
+                   "(.venv, .env, keys, credentials; default: the raypipe source checkout)")  # fmt: skip
+    p.add_argument("--data-root", default=".",
+                   help="resolve relative data paths in the config against this folder, as "
+                   "the head sees it (default: the current one)")  # fmt: skip
     p.add_argument("--token-file", default=None,
                    help="file holding the head's auth token (token authentication); "
                    "default: with RAY_AUTH_MODE=token, Ray's RAY_AUTH_TOKEN(_PATH) or "
                    "~/.ray/auth_token; with RAY_AUTH_MODE unset, the token Ray finds here, "
-                   "sent only to a loopback or https address")  # fmt: skip
+                   "sent only to a head on this machine (a loopback address)")  # fmt: skip
     p.add_argument("--submission-id", default=None,
                    help="job id to use (default: raypipe_{train|convert}_ and 12 random hex "
                    "digits)")  # fmt: skip

@@ -31,21 +31,19 @@ from raypipe.cli.quiet import QUIET_ENV
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 EXCLUDES = [
-    ".venv/",
-    "demo-data/",
-    ".git/",
-    "__pycache__/",
-    "*.egg-info/",
-    ".pytest_cache/",
-    ".ruff_cache/",
-    "benchmarks/out/",
-    "*.key",  # secrets never travel with a job: a CA's or TLS key, a token
-    "*.pem",
-    "auth_token",
-]
+    ".venv/", "venv/", ".conda/", ".tox/", "node_modules/",  # environments: the head has its own
+    "demo-data/", "benchmarks/out/", "wandb/", "lightning_logs/",  # data and run outputs
+    ".git/", "__pycache__/", "*.egg-info/", ".pytest_cache/", ".ruff_cache/",
+    # secrets never travel with a job: keys, tokens, cloud and SSH credentials
+    "*.key", "*.pem", "*.p12", "*.pfx", "auth_token", ".env", ".env.*", ".netrc",
+    ".git-credentials", ".aws/", ".ssh/", ".gnupg/", ".config/gcloud/", ".kube/", "id_rsa*",
+    "id_ecdsa*", "id_ed25519*",
+]  # fmt: skip
 ENTRY = {"train": "run", "convert": "convert"}
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
-STILL_RUNNING = 3  # exit code: the log stream kept closing while the job ran on
+STILL_RUNNING = (
+    3  # exit code: submitted, its end not seen (the log stream kept closing or was lost)
+)
 REATTACH = 5  # log streams opened again in a row that bring no new line, at most
 SETTLE = 10  # status polls after a stream ends: the status may lag the log a moment
 POLL_S = 0.5
@@ -97,6 +95,7 @@ def submit(
     *,
     address: str | None = None,
     working_dir: str | Path | None = None,
+    data_root: str | Path = ".",
     wait: bool = True,
     token_file: str | Path | None = None,
     submission_id: str | None = None,
@@ -110,7 +109,7 @@ def submit(
     working_dir = Path(working_dir) if working_dir else _repo_root()
     if not working_dir.is_dir():
         raise ValueError(f"working dir {str(working_dir)!r} is not a directory")
-    command, kind = entrypoint(config, working_dir, Path.cwd(), verbose)
+    command, kind = entrypoint(config, working_dir, Path(data_root), verbose)
     url = job_address(address)
     client = _client(url, token_file)
     runtime_env = {"working_dir": str(working_dir), "excludes": list(EXCLUDES)}
@@ -124,13 +123,10 @@ def submit(
         return 0
     try:
         info = _follow(client, url, job_id, out)
-    except SubmitError:
-        raise
-    except Exception as e:  # aiohttp and websocket errors: the job itself may be fine
-        raise SubmitError(
-            f"lost the log stream of job {job_id} ({type(e).__name__}: {e}); it may still run: "
-            f"ray job status {job_id} --address {url}"
-        ) from None
+    except Exception as e:  # the head unreachable for a moment: the job itself may be fine
+        print(f"lost job {job_id} ({_gist(str(e)) if isinstance(e, SubmitError) else type(e).__name__}"
+              f"); it may still run: ray job status {job_id} --address {url}", file=out, flush=True)  # fmt: skip
+        return STILL_RUNNING  # submitted: never 2, which says it was not
     except KeyboardInterrupt:
         print(
             f"\nstopped following; job {job_id} goes on. Stop it with: "
@@ -171,7 +167,10 @@ def _follow(client, url: str, job_id: str, out: TextIO):
     again, up to `REATTACH` times in a row without a new line."""
     seen, idle = 0, 0
     while True:
-        now = asyncio.run(_stream(client, job_id, out, skip=seen))
+        try:
+            now = asyncio.run(_stream(client, job_id, out, skip=seen))
+        except Exception:  # a connection dropped mid-stream: opened again, as a closed one
+            now = seen
         idle = idle + 1 if now <= seen else 0
         seen = max(seen, now)
         info = _call(url, lambda: client.get_job_info(job_id))
@@ -214,16 +213,16 @@ def _token(token_file: str | Path | None, url: str) -> str | None:
 
     With ``RAY_AUTH_MODE`` set, Ray's client decides alone (``token``: it sends
     ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``; ``disabled``:
-    nothing). Unset, raypipe does what ``ray.init`` does when it joins a cluster: it
-    sends the token Ray finds here, if any, but only to a loopback or https URL: a
-    plain-http head elsewhere gets no token unless asked for (the header travels in clear).
+    nothing). Unset, the token Ray finds here, if any, goes to a head on this machine
+    (a loopback URL) only: a head elsewhere, https or not, gets it only when asked for
+    (``--token-file``), so a mistyped or foreign address never receives it.
     """
     if token_file is not None:
         path = Path(token_file).expanduser()
         if not path.is_file():
             raise ValueError(f"token file {str(path)!r} not found")
         return path.read_text().strip()
-    if os.environ.get("RAY_AUTH_MODE") or not _private(url):
+    if os.environ.get("RAY_AUTH_MODE") or not _loopback(url):
         return None
     from raypipe import rayapi
 
@@ -233,12 +232,11 @@ def _token(token_file: str | Path | None, url: str) -> str | None:
     return loader.get_raw_token(ignore_auth_mode=True)
 
 
-def _private(url: str) -> bool:
-    """Whether a header sent to ``url`` stays on this machine or is encrypted."""
+def _loopback(url: str) -> bool:
+    """Whether ``url`` names a head on this machine."""
     from raypipe.localnode import is_loopback
 
-    parsed = urlparse(url)
-    return parsed.scheme == "https" or is_loopback(parsed.hostname or "")
+    return is_loopback(urlparse(url).hostname or "")
 
 
 def _call(url: str, fn):
@@ -289,6 +287,10 @@ def _gist(message: str) -> str:
 
 
 def _repo_root() -> Path:
-    """The source checkout raypipe runs from (it holds jobs/ and configs), else the cwd."""
+    """The source checkout raypipe runs from (it holds jobs/ and configs); an installed
+    raypipe has none, and the folder to ship is the user's to name."""
     root = Path(__file__).resolve().parents[2]
-    return root if (root / "pyproject.toml").is_file() else Path.cwd()
+    if not (root / "pyproject.toml").is_file():
+        raise ValueError("raypipe is installed, not run from its source checkout: pass "
+                         "--working-dir, the folder to ship with the job (it must hold the config)")  # fmt: skip
+    return root

@@ -38,14 +38,17 @@ def _headers(monkeypatch, url: str, token_file=None) -> dict | None:
 
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:8265", "http://localhost:8265",
-                                 "http://[::1]:8265", "https://head.example.com"])  # fmt: skip
-def test_the_local_token_goes_to_loopback_and_https(monkeypatch, local_token, url):
+                                 "http://[::1]:8265", "https://127.0.0.1:8443"])  # fmt: skip
+def test_the_local_token_goes_to_a_head_on_this_machine(monkeypatch, local_token, url):
     assert _headers(monkeypatch, url) == {"Authorization": "Bearer local"}
 
 
-@pytest.mark.parametrize("url", ["http://203.0.113.9:8265", "http://head.example.com:8265"])
-def test_the_local_token_never_goes_to_another_host_over_http(monkeypatch, local_token, url,
-                                                              tmp_path):  # fmt: skip
+@pytest.mark.parametrize("url", ["http://203.0.113.9:8265", "http://head.example.com:8265",
+                                 "https://head.example.com"])  # fmt: skip
+def test_the_local_token_never_goes_to_another_host_unless_asked(monkeypatch, local_token, url,
+                                                                  tmp_path):  # fmt: skip
+    """Not over https either: TLS keeps the token from the road, not from a mistyped or
+    foreign head that the address names."""
     assert _headers(monkeypatch, url) is None
     token = tmp_path / "head.token"
     token.write_text("theirs\n")  # asked for: sent
@@ -136,8 +139,9 @@ def test_submit_help_says_what_the_code_does():
     (submit,) = [action.choices["submit"] for action in build_parser()._actions if action.choices]
     text = " ".join(submit.format_help().split())
     assert "Ray picks" not in text and "raypipe_{train|convert}_" in text
-    assert "only to a loopback or https address" in text
-    assert "3 when it still ran" in text and "RAY_API_SERVER_ADDRESS" in text
+    assert "sent only to a head on this machine (a loopback address)" in text
+    assert "3 when it was submitted but its end was not seen here" in text
+    assert "130 when you stopped following it" in text and "RAY_API_SERVER_ADDRESS" in text
 
 
 def test_secrets_in_the_working_dir_never_travel_with_a_job(tmp_path):
@@ -147,12 +151,47 @@ def test_secrets_in_the_working_dir_never_travel_with_a_job(tmp_path):
 
     from raypipe.cli import submit
 
-    for name in ("ca.key", "certs/node.key", "tls.pem", "auth_token", "train.py", "ca.crt",
-                 "jobs/configs/run.yaml"):  # fmt: skip
+    secret = ("ca.key", "certs/node.key", "tls.pem", "auth_token", ".env", ".env.local",
+              ".aws/credentials", ".ssh/id_ed25519", "id_rsa", ".netrc", ".git-credentials",
+              ".config/gcloud/application_default_credentials.json", "venv/lib/libtorch.so",
+              "wandb/run-1/files/config.yaml")  # fmt: skip
+    kept = ("train.py", "ca.crt", "jobs/configs/run.yaml", "environment.yml", "src/env.py")
+    for name in secret + kept:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("x")
     excluded = _get_excludes(tmp_path, list(submit.EXCLUDES))
-    left = {p for p in ("ca.key", "certs/node.key", "tls.pem", "auth_token")
-            if excluded(tmp_path / p)}  # fmt: skip
-    assert left == {"ca.key", "certs/node.key", "tls.pem", "auth_token"}
-    assert not any(excluded(tmp_path / p) for p in ("train.py", "ca.crt", "jobs/configs/run.yaml"))
+    assert [p for p in secret if not excluded(tmp_path / p)] == []
+    assert [p for p in kept if excluded(tmp_path / p)] == []
+
+
+def test_an_installed_raypipe_asks_which_folder_to_ship(monkeypatch, tmp_path):
+    """Outside a source checkout the working dir was the current folder (a home folder
+    went whole, data and secrets with it): it must be named."""
+    monkeypatch.setattr(sub, "__file__", str(tmp_path / "site-packages/raypipe/cli/submit.py"))
+    (tmp_path / "run.yaml").write_text("data:\n  source: .\n")
+    with pytest.raises(ValueError, match="pass --working-dir, the folder to ship"):
+        sub.submit(tmp_path / "run.yaml", address=sub.DEFAULT_ADDRESS)
+
+
+def test_a_job_whose_status_cannot_be_read_after_submission_exits_3(monkeypatch, tmp_path):
+    """Submitted, then the head unreachable for the status: 3 (its end not seen), never 2
+    (not submitted), which a wrapper could take as a cue to submit it again."""
+
+    class Unreachable(FakeClient):
+        def get_job_info(self, job_id):
+            raise requests.exceptions.ConnectionError("connection reset")
+
+    client = Unreachable([["epoch 0\n"]])
+    code, out = _submit(monkeypatch, tmp_path, client)
+    assert code == sub.STILL_RUNNING == 3 and "submission_id" in client.kwargs
+    assert f"it may still run: ray job status {client.kwargs['submission_id']}" in out
+
+
+def test_submit_resolves_data_paths_against_its_data_root(monkeypatch, tmp_path):
+    client = FakeClient([["done\n"]])
+    monkeypatch.setattr(sub, "_client", lambda url, token_file: client)
+    monkeypatch.setattr(sub, "time", SimpleNamespace(sleep=lambda s: None))
+    (tmp_path / "run.yaml").write_text("data:\n  source: .\n")
+    code = sub.submit(tmp_path / "run.yaml", working_dir=tmp_path, data_root="/shared/data",
+                      address=sub.DEFAULT_ADDRESS, out=io.StringIO())  # fmt: skip
+    assert code == 0 and client.kwargs["entrypoint"].endswith("--data-root /shared/data")
