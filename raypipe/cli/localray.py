@@ -120,10 +120,20 @@ def _start_time(pid: int) -> int | None:
 
 
 def _is_ray(pid: int) -> bool:
+    """A ``ray::`` worker, or a program of the installed ``ray`` package (raylet, GCS,
+    dashboard, log monitor): not any command that merely has ``/ray/`` in a path."""
     try:
         cmd = (
             Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         )
     except OSError:
         return False
-    return cmd.startswith("ray::") or "/ray/" in cmd  # workers; raylet, GCS, Ray's scripts
+    return cmd.startswith("ray::") or any(folder in cmd for folder in _ray_package())
+
+
+def _ray_package() -> set[str]:
+    """The ``ray`` package's folder, as imported and with links resolved."""
+    import ray
+
+    folder = os.path.dirname(ray.__file__)
+    return {os.path.join(f, "") for f in (folder, os.path.realpath(folder))}

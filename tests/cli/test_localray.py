@@ -57,6 +57,18 @@ def test_a_ray_worker_still_there_after_the_grace_is_killed_and_nothing_else(chi
     assert other.poll() is None
 
 
+def test_ray_programs_are_told_by_rays_package_not_by_a_folder_named_ray(children):
+    """The raylet and Ray's Python services run from the installed package; a user's
+    program under a folder named ``ray`` (``/home/ray/...`` in Ray's images) is not Ray's,
+    and `shutdown` killed it."""
+    import ray
+
+    raylet = children(os.path.join(os.path.dirname(ray.__file__), "core/src/ray/raylet/raylet"))
+    user = children("/home/ray/project/.venv/bin/python train.py")
+    noted = _noted(raylet.pid)
+    assert user.pid not in noted
+
+
 def test_a_worker_that_ends_in_the_grace_or_whose_pid_was_reused_is_left_alone(children):
     worker = children("ray::IDLE")
     noted = _noted(worker.pid)
