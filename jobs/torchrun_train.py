@@ -7,7 +7,12 @@ preprocessing pools on an existing Ray cluster; no Ray Train.
         --address 127.0.0.1:6379 --checkpoint demo-data/torchrun.pt
 
 Without ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` Ray turns ``--node-ip-address=127.0.0.1``
-into the machine's address and the head listens there (docs/security.md).
+into the machine's address and the head listens there (docs/security.md). With the head or
+torchrun's ``MASTER_ADDR`` on loopback, gloo's and NCCL's sockets are kept there too
+(``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME=lo``, unless set). torchrun's own rendezvous
+store is not: it listens on every interface (port 29500 by default), so on a machine others
+can reach, keep that port behind a firewall or run torchrun in a network namespace of its
+own (as tests/torchrun_head.py does).
 
 Each rank joins the cluster as a Ray driver, takes its rank and world size from
 torch.distributed, and reads its share of every epoch through a `raypipe.Loader`; the ranks
@@ -37,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     spec = yaml.safe_load(Path(args.config).read_text())
     config, trainer = PipelineConfig.from_dict(spec["data"]), spec["trainer"]
     localnode.start(args.address, log_to_driver=False)  # this rank joins as a driver
+    _loopback_only(args.address)
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
@@ -103,6 +109,16 @@ def _write_state(path: Path, state: dict) -> None:
 def _log(folder: str, rank: int, epoch: int, step: int, keys: list[int]) -> None:
     with open(os.path.join(folder, f"e{epoch}-r{rank}.jsonl"), "a") as f:
         f.write(json.dumps({"step": step, "keys": keys}) + "\n")
+
+
+def _loopback_only(address: str | None) -> None:
+    """gloo's and NCCL's sockets on loopback where the Ray head or torchrun's MASTER_ADDR
+    is (one machine), unless the user set them."""
+    from raypipe.train.rendezvous import loopback_sockets
+
+    for addr in ((address or "").rsplit(":", 1)[0], os.environ.get("MASTER_ADDR", "")):
+        for name, value in loopback_sockets(addr).items():
+            os.environ.setdefault(name, value)
 
 
 def _parser() -> argparse.ArgumentParser:
