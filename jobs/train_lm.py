@@ -1,7 +1,11 @@
 """Ray job entry point: a small causal language model trained by DDP on packed tokens.
 
-python jobs/train_lm.py --make-data demo-data/tokens
-ray job submit --working-dir . -- python jobs/train_lm.py jobs/configs/tokens-lm.yaml
+    python jobs/train_lm.py --make-data demo-data/tokens
+    python jobs/train_lm.py jobs/configs/tokens-lm.yaml    # on a local Ray
+
+As a Ray job (``ray job submit --working-dir . -- python jobs/train_lm.py CONFIG``) the
+config's data paths must name where the head sees the data: relative ones are read in the
+job's copy of the working dir, which ``.gitignore``'d ``demo-data/`` is not shipped into.
 """
 
 import argparse
