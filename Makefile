@@ -37,11 +37,11 @@ lint: $(STAMP)
 test: SHELL := /bin/bash
 test: .SHELLFLAGS := -o pipefail -c
 test: lint  # on a failure, Ray's fatal log lines, then pytest's verdict again, end the output
-	rm -f .pytest.current; RAYPIPE_TEST_CURRENT=.pytest.current $(BIN)/python -m pytest -q -rsfE --durations=15 2>&1 \
+	rm -f .pytest.current; touch .pytest.start; RAYPIPE_TEST_CURRENT=.pytest.current $(BIN)/python -m pytest -q -rsfE --durations=15 2>&1 \
 	    | tee .pytest.log || { status=$$?; bash .ci/ray-logs .pytest.log; exit $$status; }
 
 bench: $(STAMP) $(DEMO_DIR)/.done
 	$(BIN)/python benchmarks/ingest.py --size small
 
 clean:
-	rm -rf $(VENV) $(DEMO_DIR) build .pytest_cache .ruff_cache .pytest.log .pytest.current raypipe/preprocess/*.so
+	rm -rf $(VENV) $(DEMO_DIR) build .pytest_cache .ruff_cache .pytest.log .pytest.current .pytest.start raypipe/preprocess/*.so
