@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The local autoscaling cluster (cluster/local-autoscaling.yaml) started and stopped by pid.
+#
+#   cluster/local.sh up      # a head on 127.0.0.1:${PORT:-6379}, its job API on
+#                            # http://127.0.0.1:${DASHBOARD_PORT:-8265}; fake CPU nodes come and go
+#   cluster/local.sh down    # stops it, its fake nodes and their workers, and nothing else
+#
+# The autoscaler starts each fake node as a raylet that outlives the head's own processes,
+# and `ray stop` would stop every Ray of this user on the machine (a `raypipe run`, a test
+# suite). So `up` gives the cluster a temp dir of its own and `down` stops the `ray start`
+# it ran, then the processes whose command line names that dir or that hold a file in it
+# open (the fake nodes' raylets and workers), by pid, and removes the dir.
+# RAY (default: ray on PATH) and STATE (default: /tmp/raypipe-local-$USER) may be set.
+set -euo pipefail
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0  # 127.0.0.1 stays 127.0.0.1 (docs/security.md)
+ray=${RAY:-ray}
+state=${STATE:-/tmp/raypipe-local-${USER:-$(id -u)}}
+here=$(cd "$(dirname "$0")" && pwd)
+
+pids_in() {  # processes of this user naming $1 on their command line, or holding a file under it
+    local dir=$1 p
+    for p in /proc/[0-9]*; do
+        [ "${p#/proc/}" = "$$" ] && continue
+        if tr '\0' ' ' < "$p/cmdline" 2>/dev/null | grep -qF -- "$dir" \
+           || ls -l "$p/fd" 2>/dev/null | grep -qF -- "$dir"; then
+            echo "${p#/proc/}"
+        fi
+    done
+}
+
+case "${1:-}" in
+up)
+    if [ -s "$state" ]; then
+        echo "a local cluster is up already ($(cat "$state")): cluster/local.sh down first" >&2
+        exit 1
+    fi
+    port=${PORT:-6379} dash=${DASHBOARD_PORT:-8265}
+    dir=$(mktemp -d /tmp/rpl-XXXXXX)  # short: Ray's socket paths live under it
+    sed "s/^provider:$/provider:\n  gcs_address: 127.0.0.1:$port/" \
+        "$here/local-autoscaling.yaml" > "$dir/autoscaling.yaml"
+    RAY_FAKE_CLUSTER=1 setsid "$ray" start --head --block \
+        --node-ip-address=127.0.0.1 --port="$port" --num-cpus=1 --dashboard-host=127.0.0.1 \
+        --dashboard-port="$dash" \
+        --autoscaling-config="$dir/autoscaling.yaml" --temp-dir="$dir" --disable-usage-stats \
+        > "$dir/head.log" 2>&1 &
+    echo "$! $dir" > "$state"
+    for _ in $(seq 240); do  # up once its job API answers on loopback
+        if (exec 3<> "/dev/tcp/127.0.0.1/$dash") 2> /dev/null; then
+            echo "up: RAY_ADDRESS=127.0.0.1:$port, job API http://127.0.0.1:$dash (ray's own" \
+                 "commands need RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 to reach it on loopback;" \
+                 "log: $dir/head.log; stop: cluster/local.sh down)"
+            exit 0
+        fi
+        kill -0 "$!" 2> /dev/null || break
+        sleep 0.5
+    done
+    echo "the head did not come up; its log: $dir/head.log" >&2
+    exit 1
+    ;;
+down)
+    [ -s "$state" ] || { echo "no local cluster is up (no $state)" >&2; exit 1; }
+    read -r pid dir < "$state"
+    if kill -TERM -- "-$pid" 2> /dev/null; then  # ray start --block and its session
+        for _ in $(seq 60); do kill -0 "$pid" 2> /dev/null || break; sleep 1; done
+        kill -KILL -- "-$pid" 2> /dev/null || true
+    fi
+    for _ in $(seq 50); do  # the fake nodes, outside that session: by the dir they use
+        left=$(pids_in "$dir")
+        [ -z "$left" ] && break
+        kill -KILL $left 2> /dev/null || true
+        sleep 0.2
+    done
+    rm -rf -- "$dir" "$state"
+    echo "down: stopped the cluster in $dir"
+    ;;
+*)
+    sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+    exit 2
+    ;;
+esac

@@ -1,0 +1,61 @@
+"""cluster/local.sh: the local autoscaling cluster, started, grown by the real autoscaler
+by a fake CPU node, and stopped by pid: the node too (it outlives the head's processes),
+and no other Ray (this test session's own) with it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.pool.test_elastic import BIN, ROOT, _env, _free_ports, _pids_naming
+
+pytestmark = pytest.mark.slow
+DRIVER = """
+import sys, time, ray
+from ray.autoscaler.sdk import request_resources
+ray.init(address=sys.argv[1])
+request_resources(num_cpus=3)  # the head has 1: a fake node of 2 comes
+deadline = time.monotonic() + 120
+while sum(1 for n in ray.nodes() if n["Alive"]) < 2 and time.monotonic() < deadline:
+    time.sleep(0.5)
+print("nodes", sum(1 for n in ray.nodes() if n["Alive"]))
+"""
+
+
+def test_local_cluster_up_grows_a_node_and_down_stops_it_all_by_pid(ray_session, tmp_path):
+    import ray
+
+    gcs, dash = _free_ports(2)
+    env = _env(PORT=str(gcs), DASHBOARD_PORT=str(dash), STATE=str(tmp_path / "state"),
+               RAY=str(BIN / "ray"))  # fmt: skip
+    script = str(ROOT / "cluster" / "local.sh")
+    up = subprocess.run([script, "up"], env=env, capture_output=True, text=True, timeout=300)
+    assert up.returncode == 0, up.stdout + up.stderr
+    temp_dir = (tmp_path / "state").read_text().split()[1]
+    try:
+        grown = subprocess.run([sys.executable, "-c", DRIVER, f"127.0.0.1:{gcs}"], env=env,
+                               capture_output=True, text=True, timeout=200)  # fmt: skip
+        assert "nodes 2" in grown.stdout, grown.stdout[-2000:] + grown.stderr[-2000:]
+        fake_nodes = [p for p in _pids_naming(temp_dir) if b"raylet" in _cmdline(p)]
+        assert len(fake_nodes) >= 2  # the head's raylet and the fake node's
+    finally:
+        down = subprocess.run([script, "down"], env=env, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+    assert down.returncode == 0, down.stdout + down.stderr
+    deadline = time.monotonic() + 10
+    while _pids_naming(temp_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _pids_naming(temp_dir) == [] and not os.path.exists(temp_dir)
+    assert ray.is_initialized() and ray.cluster_resources().get("CPU", 0) > 0  # ours lives on
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
