@@ -86,6 +86,7 @@ def _actor_pool(source, actors: tuple[int, int]) -> PipelineConfig:
 
 @pytest.mark.slow
 def test_pool_grows_toward_max_when_the_transform_is_slower(ray_session, slow_folder):
+    _wait_for_free_cpus()  # room for the pool to grow, whatever ran before
     config = _actor_pool(slow_folder, (1, 3))
     with PoolWatch(interval_s=0.25, new_only=True) as watch:
         keys, _, stats = _consume(build_dataset(config), watch)
@@ -97,15 +98,55 @@ def test_pool_grows_toward_max_when_the_transform_is_slower(ray_session, slow_fo
 
 @pytest.mark.slow
 def test_idle_actors_are_released_while_a_slow_consumer_is_still_busy(ray_session, tmp_path):
+    """The pool grows to three (each task waits until three actors ran it), the epoch's
+    inputs are all handed out early, and the pool lets its actors go while the slow
+    consumer still has batches to take. It failed now and then when the pool never grew
+    (the CPUs held by what ran before), or grew and shrank between two samples."""
+    import functools
+
+    from tests.user_transforms import after_three_actors
+
+    _wait_for_free_cpus()
     data = slow_images(tmp_path, 96, side=512)
-    config = _actor_pool(data, (1, 3))
-    with PoolWatch(interval_s=0.25, new_only=True) as watch:
-        keys, actors, stats = _consume(build_dataset(config), watch, pause_s=1.0)
+    config = _actor_pool(data, (1, 3)).replace(
+        transform=functools.partial(after_three_actors, str(tmp_path))
+    )
+    keys, dropped_at = [], None
+    watch = PoolWatch(interval_s=0.1, new_only=True)
+    with watch, iter_torch_batches(build_dataset(config), batch_size=8, drop_last=False,
+                                   watch=watch) as batches:  # fmt: skip
+        for n, batch in enumerate(batches, 1):
+            keys.extend(batch["key"].tolist())
+            if n == 2:  # the consumer is slow: it waits here until the pool lets go
+                dropped_at = _wait_for_release(watch)
+        stats = batches.stats()
     _exactly_once(keys, 96)
-    assert max(actors) >= 1, actors
-    # every input was handed out long before the consumer's last batch: the pool let go
-    assert actors[-1] < max(actors), actors
+    assert len(set((tmp_path / "pids").read_text().split())) == 3
+    assert watch.summary()["actors_max"] == 3, watch.summary()["series"]
+    assert dropped_at is not None, watch.summary()["series"]  # with 10 batches still to take
     assert stats["pool"]["actors_now"] < stats["pool"]["actors_max"]
+
+
+def _wait_for_free_cpus(timeout_s: float = 60.0) -> None:
+    """Until every CPU of the session's Ray is free (what earlier tests held is let go)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"]:
+        assert time.monotonic() < deadline, ray.available_resources()
+        time.sleep(0.2)
+
+
+def _wait_for_release(watch: PoolWatch, timeout_s: float = 60.0) -> float | None:
+    """The time the watched pool fell below the most actors it had, or None by the
+    deadline."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        summary = watch.summary()
+        if summary.get("actors_max", 0) > summary.get("actors_now", 0):
+            return summary["series"][-1][0]
+        time.sleep(0.1)
+    return None
 
 
 def test_pool_watch_owns_one_thread_that_close_stops(ray_session):
