@@ -10,10 +10,13 @@ Each of ``--rounds`` interleaved rounds runs, in an order that rotates from roun
       ingest.py's sweep winner on the 2-core machine; prefetch 2, persistent workers), the
       same seeded crop, with Ray shut down while it runs (as its users run it: not beside
       an idle Ray's workers and preallocated store), and started again after;
+  (e) the same DataLoader running raypipe's own decoder and crop (``fast``): what the
+      cache gains over decoding every epoch with the same decoder, without Ray;
 
 each for ``--epochs`` epochs of random-resized-crop 224 + flip, batches of 256, uint8 on the
 host. Reported: the later epochs' rate (median of epochs 1+ within a run, then the median
-over rounds, with the range), epoch 0's rate, the ratios taken within each round, each
+over rounds, with the range), epoch 0's rate, the ratios taken within each round (their
+median over rounds: the one statistic RESULTS quotes), each
 later epoch of the memory cache over its round's uncached later rate (the first epochs
 after the first pay a worker's first reads of the entries another one wrote), and the
 cache's hits and misses; the raw file also has each run's CPU per epoch by process. Then
@@ -23,7 +26,7 @@ between a crop from the capped image and the same crop from the full image; the 
 ``cache_encoding="jpeg"`` (the re-encoded bytes, and the crop from the pixels they decode
 to).
 
-    python benchmarks/cache.py --size small --rounds 5 --epochs 4
+    python benchmarks/cache.py --size small --rounds 5 --epochs 5
 
 ``--photo WxH`` (e.g. 1600x1200) swaps the corpus for --images photos of that size (crops
 of the same sample photos, quality 90, as ``decode.py`` makes them): where the photos are
@@ -126,9 +129,9 @@ def disk_run(config: PipelineConfig, listing, epochs: int, root: Path, pause_s: 
         shutil.rmtree(directory, ignore_errors=True)
 
 
-RUNS = ("uncached", "cached", "jpeg", "pillow", "disk")
-KEPT = ("epoch_img_s", "steady_img_s", "first_epoch_img_s", "cpu_s_per_epoch", "img_per_cpu_s",
-        "cpu_s_by_process")  # of each run, in the raw file  # fmt: skip
+RUNS = ("uncached", "cached", "jpeg", "pillow", "fast", "disk")
+KEPT = ("epoch_img_s", "steady_img_s", "steady_run_img_s", "first_epoch_img_s", "cpu_s_per_epoch",
+        "img_per_cpu_s", "cpu_s_by_process")  # of each run, in the raw file  # fmt: skip
 
 
 def one_round(i: int, config, listing, shards, epochs: int, root: Path, only=RUNS,
@@ -137,17 +140,18 @@ def one_round(i: int, config, listing, shards, epochs: int, root: Path, only=RUN
     memory = config.replace(cache="memory")
     jpeg = memory.replace(cache_encoding="jpeg")
 
-    def pillow():
+    def loader(transform: str):
         with down():
             return ingest.dataloader(
-                shards, "pillow", epochs, [PILLOW | {"num_workers": pillow_workers}]
+                shards, transform, epochs, [PILLOW | {"num_workers": pillow_workers}]
             )["best"]
 
     runs = {
         "uncached": lambda: run(config, listing, epochs, pause_s),
         "cached": lambda: cached_run(memory, listing, epochs, pause_s, run),
         "jpeg": lambda: cached_run(jpeg, listing, epochs, pause_s, run),
-        "pillow": pillow,
+        "pillow": lambda: loader("pillow"),
+        "fast": lambda: loader("fast"),
         "disk": lambda: disk_run(config, listing, epochs, root, pause_s, run),
     }
     names = [n for n in runs if n in only]
@@ -223,7 +227,7 @@ def summary(rounds: list[dict]) -> dict:
         return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
     ratio = lambda a, b, key: statistics.median(r[a][key] / r[b][key] for r in rounds)  # noqa: E731
-    names = [n for n in ("uncached", "cached", "jpeg", "disk", "pillow") if n in rounds[0]]
+    names = [n for n in ("uncached", "cached", "jpeg", "disk", "pillow", "fast") if n in rounds[0]]
     out = {
         "later_img_s": {n: med(n, "steady_img_s") for n in names},
         "epoch0_img_s": {n: med(n, "first_epoch_img_s") for n in names},
@@ -232,7 +236,8 @@ def summary(rounds: list[dict]) -> dict:
     pairs = [("later", "disk", "uncached"), ("later", "disk", "pillow"),
              ("later", "jpeg", "uncached"), ("epoch0", "jpeg", "uncached"),
              ("epoch0", "disk", "uncached"), ("later", "cached", "pillow"),
-             ("later", "cached", "uncached"), ("epoch0", "cached", "uncached")]  # fmt: skip
+             ("later", "cached", "uncached"), ("epoch0", "cached", "uncached"),
+             ("later", "cached", "fast"), ("later", "uncached", "fast")]  # fmt: skip
     for when, a, b in pairs:
         if a in names and b in names:
             key = "steady_img_s" if when == "later" else "first_epoch_img_s"
@@ -251,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=list(ingest.SIZES), default="small")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--actors", type=int, default=2,
                    help="the pool's workers, and the Pillow DataLoader's")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
@@ -284,7 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
     only = tuple(args.runs.split(","))
     if not only or set(only) - set(RUNS):
         p.error(f"--runs: a comma-separated choice of {', '.join(RUNS)}, not {args.runs!r}")
-    if args.step_ms < 0 or (args.step_ms and "pillow" in only):
+    if args.step_ms < 0 or (args.step_ms and {"pillow", "fast"} & set(only)):
         p.error("--step-ms: a duration >= 0, with --runs naming raypipe's paths only")
     args.out.mkdir(parents=True, exist_ok=True)
     # one OpenCV and torch thread here before anything decodes: a DataLoader worker forked
