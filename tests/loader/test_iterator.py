@@ -83,10 +83,11 @@ def _images_by_key(ds) -> dict[int, bytes]:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_same_seed_same_keys_and_augmentation(ray_session, datasets, fmt):
     config = PipelineConfig(source=str(datasets[fmt]), image_size=12, seed=5, rows_per_block=7)
-    a = _images_by_key(build_dataset(config, epoch=1))
-    b = _images_by_key(build_dataset(config.replace(actors=(2, 2)), epoch=1))
-    assert sorted(a) == sorted(b) == list(range(N))
-    assert a == b, "augmentation of a key changed with the actor pool"
+    a = _images_by_key(build_dataset(config.replace(actors=(1, 1)), epoch=1))
+    for pool in ({"actors": (3, 3)}, {"actors": (2, 2), "compute": "actors"}):
+        b = _images_by_key(build_dataset(config.replace(**pool), epoch=1))
+        assert sorted(a) == sorted(b) == list(range(N))
+        assert a == b, f"augmentation of a key changed with the pool ({pool})"
     c = _images_by_key(build_dataset(config, epoch=2))
     assert sorted(c) == list(range(N))
     assert sum(a[k] != c[k] for k in a) > N // 2, "a new epoch should re-augment"
