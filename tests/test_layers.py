@@ -57,16 +57,27 @@ def modules() -> list[tuple[str, Path]]:
 
 
 def raypipe_imports(path: Path, name: str) -> set[str]:
-    """Every raypipe module ``path`` imports, at the top or inside a function."""
+    """Every raypipe module ``path`` (the module ``name``) imports, at the top or inside a
+    function: absolute, relative (``from ..train import x``) or by ``importlib``."""
     found = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("raypipe"))
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "raypipe":  # `from raypipe import x`: x is a module or a name
-                found.update(f"raypipe.{a.name}" for a in node.names)
-            elif node.module.startswith("raypipe"):
-                found.add(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # relative: against the module's own package
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                module = f"{base}.{module}" if module else base
+            if module == "raypipe" or (node.level and not node.module):
+                # `from raypipe import x` / `from . import x`: x is a module or a name
+                found.update(f"{module}.{a.name}" for a in node.names)
+            elif module.startswith("raypipe"):
+                found.add(module)
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", ""))
+              == "import_module" and node.args and isinstance(node.args[0], ast.Constant)
+              and str(node.args[0].value).startswith("raypipe")):  # fmt: skip
+            found.add(node.args[0].value)
     return found
 
 
@@ -91,6 +102,17 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     bad.write_text("def f():\n    from raypipe.train.ddp import train_ddp\n")
     assert raypipe_imports(bad, "raypipe.preprocess.m") == {"raypipe.train.ddp"}
     assert layer_of("raypipe.train.ddp") > layer_of("raypipe.preprocess.m")
+
+
+def test_the_checker_sees_relative_and_importlib_imports(tmp_path):
+    bad = tmp_path / "m.py"
+    bad.write_text("from ..train.ddp import train_ddp\nfrom . import region\nimport importlib\n"
+                   "importlib.import_module('raypipe.loader.pipeline')\n")  # fmt: skip
+    found = raypipe_imports(bad, "raypipe.preprocess.m")
+    assert found == {"raypipe.train.ddp", "raypipe.preprocess.region", "raypipe.loader.pipeline"}
+    init = tmp_path / "__init__.py"
+    init.write_text("from .decode import crop_chw\n")
+    assert raypipe_imports(init, "raypipe.preprocess") == {"raypipe.preprocess.decode"}
 
 
 def test_an_import_from_the_package_front_door_is_an_upward_import(tmp_path):
