@@ -67,9 +67,12 @@ def mask_shards(root, n: int) -> None:
         for i in range(n):
             mask = np.zeros((12, 16), np.uint8)
             mask[:, :8] = i % 7 + 1  # left half labelled: a flip moves it right
-            m = io.BytesIO()
+            image = np.full((12, 16, 3), 200, np.uint8)
+            image[:, :8] = 40 + i  # the image's left half too: its own value, the key's
+            m, p = io.BytesIO(), io.BytesIO()
             Image.fromarray(mask, "L").save(m, "PNG")
-            sink.write({"__key__": f"s{i:04d}", "jpg": png(40 + i), "mask.png": m.getvalue(),
+            Image.fromarray(image, "RGB").save(p, "PNG")
+            sink.write({"__key__": f"s{i:04d}", "jpg": p.getvalue(), "mask.png": m.getvalue(),
                         "cls": i % 3, "json": {"source": f"cam{i % 2}"}})  # fmt: skip
 
 
@@ -79,13 +82,18 @@ def test_image_and_mask_batch_together(ray_session, tmp_path):
                             transform=f"{T}:with_mask")  # fmt: skip
     (batches,) = run(config, normalize=False)
     assert len(batches) == 3
+    flipped = []
     for b in batches:
         assert b["image"].shape == (6, 3, 8, 8) and b["mask"].shape == (6, 8, 8)
         assert b["meta"] == [f"cam{k % 2}" for k in b["key"].tolist()]  # a list of strings
-        for k, mask in zip(b["key"].tolist(), b["mask"].numpy(), strict=True):
-            left, right = mask[:, :4], mask[:, 4:]
-            assert {int(left.max()), int(right.max())} == {0, k % 7 + 1}  # flipped together
-            assert (left.any() and not right.any()) or (right.any() and not left.any())
+        for k, image, mask in zip(b["key"].tolist(), b["image"].numpy(), b["mask"].numpy(),
+                                  strict=True):  # fmt: skip
+            labelled = mask.any(axis=0)  # the mask's labelled columns
+            assert labelled.sum() == 4 and set(mask[:, labelled].ravel()) == {k % 7 + 1}
+            # the image's own row, flipped with its mask: its key's value where labelled
+            assert (image[:, :, labelled] == 40 + k).all() and (image[:, :, ~labelled] == 200).all()
+            flipped.append(bool(labelled[4:].all()))
+    assert 0 < sum(flipped) < len(flipped)  # both ways occur
 
 
 def test_ragged_outputs_pad_with_a_correct_mask(ray_session, datasets):
