@@ -14,12 +14,13 @@ def keys_of(batch) -> np.ndarray:
 
 
 def check_exactly_once_and_equal(
-    ranks: Sequence[Sequence], *, batch_size: int, good: Iterable[int], left_over: int | None = None
+    ranks: Sequence[Sequence], *, batch_size: int, good: Iterable[int], left_over: int
 ) -> np.ndarray:
     """Guarantees 1 and 2 of one epoch: ``ranks[r]`` is rank r's batches (dicts with
     ``key``, or arrays of keys). Every rank got the same number of batches, every batch
-    ``batch_size`` rows, no key twice, only keys in ``good``; with ``left_over``, at most
-    that many good keys were not delivered. Returns the delivered keys."""
+    ``batch_size`` rows, no key twice, only keys in ``good``, and at most ``left_over`` of
+    them not delivered (``world × batch_size - 1`` when ``drop_last`` alone leaves keys out:
+    without it, ranks that delivered nothing would pass). Returns the delivered keys."""
     counts = [len(r) for r in ranks]
     assert len(set(counts)) == 1, f"ranks got different batch counts {counts}"
     sizes = {len(keys_of(b)) for r in ranks for b in r}
@@ -28,8 +29,7 @@ def check_exactly_once_and_equal(
     assert len(np.unique(keys)) == len(keys), "a key was delivered twice"
     good = set(good)
     assert set(keys.tolist()) <= good, "a key that is not a good sample"
-    if left_over is not None:
-        assert len(good) - len(keys) <= left_over, f"{len(good) - len(keys)} good keys lost"
+    assert len(good) - len(keys) <= left_over, f"{len(good) - len(keys)} good keys lost"
     return keys
 
 

@@ -4,7 +4,8 @@ every run.
 
 ``python -m tests.seed_driver SOURCE OUT``: for each run in RUNS (world size, actors, a
 slow rank), every epoch of every rank through `raypipe.Pipeline`; writes
-``{run name: [[keys of rank r in epoch e, in order] ...]}`` and the stats as JSON to OUT.
+``{run name: {"keys": [[keys of rank r in epoch e, in order] ...], "crcs": the same shape,
+each key's image's CRC-32, "stats": ...}}`` as JSON to OUT.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import json
 import sys
 import time
+import zlib
 
+import numpy as np
 import ray
 
 from raypipe import PipelineConfig, SkipLog
@@ -48,8 +51,10 @@ def run(config: PipelineConfig, world: int, pauses: tuple[float, ...]) -> dict:
     out, stats = run_ranks(config, world, EPOCHS, pause_s=pauses, skips=SkipLog.create(),
                            normalize=False)  # fmt: skip
     keys = [[[b["key"].tolist() for b in epoch] for epoch in rank] for rank in out]
+    crcs = [[[[zlib.crc32(np.asarray(image).tobytes()) for image in b["image"]] for b in epoch]
+             for epoch in rank] for rank in out]  # fmt: skip
     stats = [[{k: v for k, v in s.items() if k != "stalls"} for s in rank] for rank in stats]
-    return {"keys": keys, "stats": stats}
+    return {"keys": keys, "crcs": crcs, "stats": stats}
 
 
 def main(source: str, out: str) -> None:
@@ -58,8 +63,7 @@ def main(source: str, out: str) -> None:
              runtime_env={"worker_process_setup_hook": jitter})  # fmt: skip
     ray.data.DataContext.get_current().enable_progress_bars = False
     config = PipelineConfig(source=source, image_size=8, batch_size=BATCH, seed=7,
-                            files_per_task=6, rows_per_block=4, actor_cpus=0.5,
-                            max_skipped=None)  # fmt: skip
+                            files_per_task=6, rows_per_block=4, actor_cpus=0.5)  # fmt: skip
     report = {}
     try:
         for name, (world, actors, pauses) in RUNS.items():

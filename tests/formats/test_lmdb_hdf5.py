@@ -106,7 +106,9 @@ def test_large_lmdb_and_hdf5_in_pieces_over_two_ranks(ray_session, tmp_path, mon
             assert all(int(s.path.split("#")[1].split("+")[0]) % 4 == 0 for s in listing.shards)
         out, _ = run_ranks(config, 2, 2, listing=listing)
         for epoch in range(2):
-            check_exactly_once_and_equal([r[epoch] for r in out], batch_size=3, good=range(36))
+            check_exactly_once_and_equal(
+                [r[epoch] for r in out], batch_size=3, good=range(36), left_over=0
+            )  # 36: six batches a rank
             got = {int(k): int(v) for r in out for b in r[epoch]
                    for k, v in zip(b["key"], b["label"], strict=True)}  # fmt: skip
             assert got == dict(enumerate(labels)) and len(got) == 36

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from raypipe import PipelineConfig
+from raypipe import PipelineConfig, SkipLog
 from raypipe.preprocess.cache import disk as disk_cache
 from raypipe.preprocess.cache import node, shm
 from raypipe.preprocess.cache.capped import decode_capped
@@ -25,7 +25,7 @@ from raypipe.preprocess.cache.disk import DiskStore
 from raypipe.preprocess.cache.entryfile import parts
 from raypipe.preprocess.cache.store import Entry
 from tests.conftest import checks_jpeg, image_bytes, make_imagefolder
-from tests.preprocess.test_bad_data import FOLDER_SKIPS, mixed_source
+from tests.preprocess.test_bad_data import FOLDER_SKIPS, MIXED_FOLDER, mixed_source
 from tests.properties import check_exactly_once_and_equal
 from tests.ranks import run_ranks
 
@@ -681,17 +681,18 @@ def settled(pipe_config, want: int, timeout_s: float = 30.0) -> dict:
 
 
 def test_memory_cache_exactly_once_equal_and_bad_samples_remembered(ray_session, tmp_path):
-    source, expected = mixed_source(tmp_path / "data", "imagefolder")  # 150 good of 158
+    source, expected = mixed_source(tmp_path / "data", "imagefolder")
     config = PipelineConfig(source=str(source), image_size=8, batch_size=6, actors=(2, 2),
-                            files_per_task=9, rows_per_block=4, max_skipped=None,
-                            cache="memory", cache_max_side=12)  # fmt: skip
-    out, stats = run_ranks(config, 2, 3, normalize=False)
-    total, bad = 158, sum(expected.values())
+                            files_per_task=9, rows_per_block=4, cache="memory",
+                            cache_max_side=12)  # fmt: skip
+    out, stats = run_ranks(config, 2, 3, normalize=False, skips=SkipLog.create())
+    total, bad = MIXED_FOLDER, sum(expected.values())
     for epoch in range(3):
         good_rows = [stats[r][epoch]["good"] for r in range(2)]
         assert sum(good_rows) == total - bad
         keys = check_exactly_once_and_equal([r[epoch] for r in out], batch_size=6,
-                                            good=range(total))  # fmt: skip
+                                            good=range(total),
+                                            left_over=total - 12 * (min(good_rows) // 6))  # fmt: skip
         assert len(keys) == 2 * 6 * (min(good_rows) // 6)
     s = settled(config, 3 * total)
     assert s["hits"] + s["misses"] == 3 * total
@@ -742,7 +743,7 @@ def test_a_node_cache_that_dies_mid_run_costs_decodes_not_samples(ray_session, t
     out, stats = run_ranks(config, 2, 3, pause_s=(kill_once,), normalize=False)
     for epoch in range(3):
         keys = check_exactly_once_and_equal([r[epoch] for r in out], batch_size=5,
-                                            good=range(55))  # fmt: skip
+                                            good=range(55), left_over=2 * 5 - 1)  # fmt: skip
         assert len(keys) == 50  # 5 batches of 5 per rank, 5 samples left over
         assert all(stats[r][epoch]["cache"]["mode"] == "memory" for r in range(2))
     now = node.lookup(config)

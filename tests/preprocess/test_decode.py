@@ -7,6 +7,7 @@ from PIL import Image
 from raypipe.preprocess import decode
 from raypipe.preprocess.augment import Box, Plan, plan, sample_rng
 from raypipe.preprocess.pillow import pillow_decode_crop
+from raypipe.skips.records import reason_of
 from tests.conftest import checks_jpeg, image_bytes
 
 
@@ -129,8 +130,9 @@ def test_plan_is_drawn_once_even_when_decoding_fails():
         calls.append((w, h))
         return Plan(Box(0, 0, w, h), False)
 
-    with pytest.raises(Exception):  # noqa: B017 - either decoder's error is a bad sample
+    with pytest.raises(OSError) as e:  # the truncated file, as Pillow reports it
         decode.decode_crop(data[: len(data) // 3], 16, choose)
+    assert reason_of(e.value) == "truncated_image"
     assert len(calls) <= 1
     calls.clear()
     decode.decode_crop(data, 16, choose)

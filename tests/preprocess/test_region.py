@@ -12,6 +12,7 @@ from PIL import Image
 
 from raypipe.preprocess import decode, region
 from raypipe.preprocess.augment import Box, Plan, plan, sample_rng
+from raypipe.skips.records import reason_of
 
 HEADERS = any(os.path.exists(f"{d}/jpeglib.h") for d in ("/usr/include", "/usr/local/include"))
 needs_region = pytest.mark.skipif(
@@ -144,12 +145,13 @@ def test_a_truncated_jpeg_is_refused_whatever_its_crop_needs(keep, monkeypatch):
     cut = data[: int(len(data) * keep)]
     top = lambda w, h: Plan(Box(0, 0, w, 16), False)  # noqa: E731
     region.decode_box(data, 1, 300, 200, Box(0, 0, 300, 16))  # the whole file decodes
-    with pytest.raises(Exception) as with_region:  # noqa: B017 - whichever decoder refuses
+    with pytest.raises(OSError) as with_region:
         decode.decode_crop(cut, 32, top)
     monkeypatch.setattr(region, "_jpegregion", None)
-    with pytest.raises(Exception) as without:  # noqa: B017
+    with pytest.raises(OSError) as without:
         decode.decode_crop(cut, 32, top)
     assert type(with_region.value) is type(without.value)
+    assert reason_of(with_region.value) == reason_of(without.value) == "truncated_image"
 
 
 @needs_region

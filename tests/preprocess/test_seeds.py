@@ -33,7 +33,7 @@ def drive(source: Path, out: Path) -> dict:
 def test_same_seed_same_keys_per_rank_whatever_the_timing(tmp_path):
     """On a source with bad samples (the harder case: which rank meets a bad file first
     depends on timing unless the plan fixes it); clean sources: tests/loader."""
-    source, expected = mixed_source(tmp_path / "data", "imagefolder")  # 150 good of 158
+    source, expected = mixed_source(tmp_path / "data", "imagefolder")
     bad = sum(expected.values())
     report = drive(source, tmp_path / "report.json")
     for world in (1, 2):
@@ -54,4 +54,12 @@ def test_same_seed_same_keys_per_rank_whatever_the_timing(tmp_path):
                     assert report[name]["keys"][r][epoch] == first["keys"][r][epoch], (
                         f"{name} rank {r} epoch {epoch} differs from {names[0]}"
                     )
+                    assert report[name]["crcs"][r][epoch] == first["crcs"][r][epoch], (
+                        f"{name} rank {r} epoch {epoch}: a key's pixels differ from {names[0]}"
+                    )
     assert report["w1-a"]["keys"][0][0] != report["w1-a"]["keys"][0][1]  # epochs differ
+    by_key = [{k: c for b, cs in zip(report["w1-a"]["keys"][0][e], report["w1-a"]["crcs"][0][e],
+                                     strict=True) for k, c in zip(b, cs, strict=True)}
+              for e in range(EPOCHS)]  # fmt: skip
+    both = set(by_key[0]) & set(by_key[1])
+    assert sum(by_key[0][k] != by_key[1][k] for k in both) > len(both) // 2  # crops differ too

@@ -159,19 +159,23 @@ def test_every_epoch_evaluates_every_good_held_out_sample_once_over_the_ranks(
     import json
     from pathlib import Path
 
-    from tests.preprocess.test_bad_data import WDS_GOOD_IN_ODD, WDS_SKIPS, broken_webdataset
+    from tests.preprocess.test_bad_data import (
+        MIXED_WDS,
+        WDS_GOOD_IN_ODD,
+        WDS_SKIPS,
+        broken_webdataset,
+    )
 
-    held_out = broken_webdataset(tmp_path / "held_out", [40, 37, 30])
+    held_out = broken_webdataset(tmp_path / "held_out", MIXED_WDS)
     out = tmp_path / "keys"
     out.mkdir()
     train = PipelineConfig(source=str(datasets["parquet"]), image_size=8, batch_size=5)
-    held = PipelineConfig(source=str(held_out), image_size=8, batch_size=8, train=False,
-                          max_skipped=None)  # fmt: skip
+    held = PipelineConfig(source=str(held_out), image_size=8, batch_size=8, train=False)
     result = train_ddp(train, _evaluating_loop(out), num_workers=2, epochs=3,
                        cpus_per_worker=0.5, eval_config=held,
                        storage_path=str(tmp_path / "runs"))  # fmt: skip
     assert result.error is None
-    good = 40 + 37 + 30 + WDS_GOOD_IN_ODD
+    good = sum(MIXED_WDS) + WDS_GOOD_IN_ODD
     report = json.loads((Path(result.path) / "skipped_samples.json").read_text())
     for epoch in range(3):
         ranks = [json.loads((out / f"{r}-{epoch}.json").read_text())["keys"] for r in (0, 1)]
