@@ -7,8 +7,10 @@
       ray_data   Ray Data's ``iter_torch_batches(pin_memory=True, device=...)`` over the same
                  ``build_dataset`` Dataset, iterated once per epoch as a user writes it,
                  normalized the same way. Ray Data executes a lazy Dataset again at every
-                 iteration, actor pool included: every epoch of this feed pays the pool's
-                 start, as raypipe's first epoch does
+                 iteration: every epoch of this feed pays an execution's start (its first
+                 blocks wait on the decode), as only raypipe's first epoch does, so its
+                 whole-epoch rate measures that restart; ``flowing`` is its rate once
+                 blocks flow
       raypipe_decode_gpu  the same with ``decode="gpu"``: JPEG bytes travel, nvJPEG decodes
       dali       NVIDIA DALI (`dali_feed`): nvJPEG on "mixed" with its random crop, resize,
                  flip, normalize on the GPU, ``actors`` CPU threads; only where DALI is
