@@ -132,7 +132,8 @@ def main(argv=None) -> int:
         runs: dict[str, list[dict]] = {}
         for i in range(args.repeats):
             for phase, slow_s in (("slow", 1e9), ("fast", 0.0)):
-                for kind, config in KINDS.items():
+                kinds = list(KINDS.items())
+                for kind, config in kinds[i % len(kinds) :] + kinds[: i % len(kinds)]:  # rotated
                     r = run(data, config, slow_s, args.pause_s, base)
                     runs.setdefault(f"{phase}/{kind}", []).append(r)
                     print(f"repeat {i} {phase:<4} {kind:<9} {r['samples_s']:7.1f} samples/s  "

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         for r in range(args.rounds):
             rounds.append({})
-            for fmt in FORMATS:
+            for fmt in FORMATS[r % len(FORMATS) :] + FORMATS[: r % len(FORMATS)]:  # rotated
                 disk = args.out / "disk-cache" if args.cache == "disk" else None
                 rounds[-1][fmt] = pipeline_rate(roots[fmt], fmt, args.epochs, args.actors,
                                                 args.cache, disk)  # fmt: skip
