@@ -10,31 +10,54 @@
 # suite). So `up` gives the cluster a temp dir of its own and `down` stops the `ray start`
 # it ran, then the processes whose command line names that dir or that hold a file in it
 # open (the fake nodes' raylets and workers), by pid, and removes the dir.
-# RAY (default: ray on PATH) and STATE (default: /tmp/raypipe-local-$USER) may be set.
+# RAY (default: ray on PATH) and STATE (default: a file in ${XDG_RUNTIME_DIR:-~/.cache}/raypipe,
+# a folder only you can write) may be set.
 set -euo pipefail
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0  # 127.0.0.1 stays 127.0.0.1 (docs/security.md)
 ray=${RAY:-ray}
-state=${STATE:-/tmp/raypipe-local-${USER:-$(id -u)}}
+state=${STATE:-${XDG_RUNTIME_DIR:-$HOME/.cache}/raypipe/local-cluster}
 here=$(cd "$(dirname "$0")" && pwd)
+me=$(id -u)
 
-pids_in() {  # processes of this user naming $1 on their command line, or holding a file under it
-    local dir=$1 p
+pids_in() {  # this user's processes of the Ray whose temp dir is $1: its own arguments name
+    local dir=$1 p  # it, or they hold a file of its sessions open (a log open elsewhere: not)
     for p in /proc/[0-9]*; do
         [ "${p#/proc/}" = "$$" ] && continue
-        if tr '\0' ' ' < "$p/cmdline" 2>/dev/null | grep -qF -- "$dir" \
-           || ls -l "$p/fd" 2>/dev/null | grep -qF -- "$dir"; then
+        [ "$(stat -c %u "$p" 2>/dev/null)" = "$me" ] || continue
+        if tr '\0' '\n' < "$p/cmdline" 2>/dev/null | grep -qE -- "^--temp[-_]dir=$dir\$|^$dir/session_" \
+           || ls -l "$p/fd" 2>/dev/null | grep -qF -- "$dir/session_"; then
             echo "${p#/proc/}"
         fi
     done
 }
 
+taken() {  # whether something listens on 127.0.0.1:$1 already
+    (exec 3<> "/dev/tcp/127.0.0.1/$1") 2> /dev/null
+}
+
+read_state() {  # pid and dir of the cluster `up` started, checked: never another's file
+    [ -f "$state" ] && [ -O "$state" ] || { echo "no local cluster of yours is up (no $state)" >&2; exit 1; }
+    read -r pid dir < "$state"
+    if ! [[ "$pid" =~ ^[0-9]+$ ]] || [ "$pid" -le 1 ] || ! [[ "$dir" =~ ^/tmp/rpl-[A-Za-z0-9]{6}$ ]]; then
+        echo "$state does not hold a cluster this script started: remove it" >&2
+        exit 1
+    fi
+}
+
 case "${1:-}" in
 up)
-    if [ -s "$state" ]; then
+    if [ -e "$state" ]; then
         echo "a local cluster is up already ($(cat "$state")): cluster/local.sh down first" >&2
         exit 1
     fi
     port=${PORT:-6379} dash=${DASHBOARD_PORT:-8265}
+    for p in "$port" "$dash"; do
+        if taken "$p"; then
+            echo "127.0.0.1:$p is taken (another Ray?): set PORT= and DASHBOARD_PORT=" >&2
+            exit 1
+        fi
+    done
+    mkdir -p -m 700 "$(dirname "$state")"
     dir=$(mktemp -d /tmp/rpl-XXXXXX)  # short: Ray's socket paths live under it
     sed "s/^provider:$/provider:\n  gcs_address: 127.0.0.1:$port/" \
         "$here/local-autoscaling.yaml" > "$dir/autoscaling.yaml"
@@ -43,24 +66,26 @@ up)
         --dashboard-port="$dash" \
         --autoscaling-config="$dir/autoscaling.yaml" --temp-dir="$dir" --disable-usage-stats \
         > "$dir/head.log" 2>&1 &
-    echo "$! $dir" > "$state"
-    for _ in $(seq 240); do  # up once its job API answers on loopback
-        if (exec 3<> "/dev/tcp/127.0.0.1/$dash") 2> /dev/null; then
+    head=$!
+    echo "$head $dir" > "$state"
+    for _ in $(seq 240); do  # up once its own session exists and its job API answers
+        kill -0 "$head" 2> /dev/null || break
+        if [ -e "$dir/session_latest" ] && taken "$dash"; then
             echo "up: RAY_ADDRESS=127.0.0.1:$port, job API http://127.0.0.1:$dash (ray's own" \
                  "commands need RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 to reach it on loopback;" \
                  "log: $dir/head.log; stop: cluster/local.sh down)"
             exit 0
         fi
-        kill -0 "$!" 2> /dev/null || break
         sleep 0.5
     done
-    echo "the head did not come up; its log: $dir/head.log" >&2
+    echo "the head did not come up (its log: $dir/head.log); stopping what started" >&2
+    "$0" down > /dev/null || true
     exit 1
     ;;
 down)
-    [ -s "$state" ] || { echo "no local cluster is up (no $state)" >&2; exit 1; }
-    read -r pid dir < "$state"
-    if kill -TERM -- "-$pid" 2> /dev/null; then  # ray start --block and its session
+    read_state
+    if [ -O "$dir" ] && tr '\0' ' ' < "/proc/$pid/cmdline" 2> /dev/null | grep -qF -- "--temp-dir=$dir"; then
+        kill -TERM -- "-$pid" 2> /dev/null || true  # ray start --block and its session
         for _ in $(seq 60); do kill -0 "$pid" 2> /dev/null || break; sleep 1; done
         kill -KILL -- "-$pid" 2> /dev/null || true
     fi
@@ -70,11 +95,12 @@ down)
         kill -KILL $left 2> /dev/null || true
         sleep 0.2
     done
-    rm -rf -- "$dir" "$state"
+    [ -O "$dir" ] && rm -rf -- "$dir"
+    rm -f -- "$state"
     echo "down: stopped the cluster in $dir"
     ;;
 *)
-    sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
