@@ -86,7 +86,7 @@ def entrypoint(config: Path, working_dir: Path, data_root: Path,
             "shipped to the cluster: move it there or pass --working-dir"
         ) from None
     args = ["python", "-m", "raypipe", ENTRY[kind], rel.as_posix()]
-    args += ["--data-root", str(data_root.resolve())] + ["--verbose"] * verbose
+    args += ["--data-root", os.path.abspath(data_root)] + ["--verbose"] * verbose  # as given
     return shlex.join(args), kind
 
 
@@ -124,8 +124,9 @@ def submit(
     try:
         info = _follow(client, url, job_id, out)
     except Exception as e:  # the head unreachable for a moment: the job itself may be fine
-        print(f"lost job {job_id} ({_gist(str(e)) if isinstance(e, SubmitError) else type(e).__name__}"
-              f"); it may still run: ray job status {job_id} --address {url}", file=out, flush=True)  # fmt: skip
+        why = _gist(str(e)) if isinstance(e, SubmitError) else f"{type(e).__name__}: {e}"
+        print(f"lost job {job_id} ({why}); it may still run: ray job status {job_id} "
+              f"--address {url}", file=out, flush=True)  # fmt: skip
         return STILL_RUNNING  # submitted: never 2, which says it was not
     except KeyboardInterrupt:
         print(
@@ -165,14 +166,15 @@ def _follow(client, url: str, job_id: str, out: TextIO):
     """Stream the job's log until the job ends; returns its last info. A stream that ends
     while the job runs on (an idle proxy, tunnel or port-forward closed it) is opened
     again, up to `REATTACH` times in a row without a new line."""
-    seen, idle = 0, 0
+    seen, idle = [0], 0  # characters of the log written so far, kept through a dropped stream
     while True:
+        before = seen[0]
         try:
-            now = asyncio.run(_stream(client, job_id, out, skip=seen))
-        except Exception:  # a connection dropped mid-stream: opened again, as a closed one
-            now = seen
-        idle = idle + 1 if now <= seen else 0
-        seen = max(seen, now)
+            asyncio.run(_stream(client, job_id, out, seen))
+        except Exception as e:  # a connection dropped mid-stream: opened again, as a closed one
+            print(f"(the log stream dropped: {type(e).__name__}: {e}; opening it again)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        idle = idle + 1 if seen[0] <= before else 0
         info = _call(url, lambda: client.get_job_info(job_id))
         for _ in range(SETTLE):
             if _status(info) in TERMINAL:
@@ -183,17 +185,17 @@ def _follow(client, url: str, job_id: str, out: TextIO):
             return info
 
 
-async def _stream(client, job_id: str, out: TextIO, skip: int = 0) -> int:
-    """Write the job's log past its first ``skip`` characters, which an earlier stream
-    wrote (each stream starts at the top); returns the characters this one read."""
+async def _stream(client, job_id: str, out: TextIO, seen: list[int]) -> None:
+    """Write the job's log past its first ``seen[0]`` characters, which earlier streams
+    wrote (each stream starts at the top), counting in ``seen`` what it writes as it goes."""
     read = 0
     async for lines in client.tail_job_logs(job_id):
-        new = lines[max(0, skip - read) :]
+        new = lines[max(0, seen[0] - read) :]
         read += len(lines)
         if new:
             out.write(new)
             out.flush()
-    return read
+            seen[0] = read
 
 
 def _status(info) -> str:

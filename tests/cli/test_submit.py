@@ -99,6 +99,29 @@ def test_a_closed_log_stream_is_opened_again_without_repeating_lines(monkeypatch
     assert out.rstrip().endswith(": SUCCEEDED")
 
 
+def test_a_dropped_log_stream_is_opened_again_without_repeating_lines(monkeypatch, tmp_path):
+    """A connection reset mid-stream (not a clean close): the lines written before it are
+    not written again (the count of them was lost with the stream)."""
+
+    class Dropping(FakeClient):
+        async def tail_job_logs(self, job_id):
+            self.opened += 1
+            yield "line 1\n"
+            yield "line 2\n"
+            if self.opened == 1:
+                raise ConnectionResetError("reset by peer")
+            yield "line 3\n"
+
+        def get_job_info(self, job_id):
+            status = "SUCCEEDED" if self.opened >= 2 else "RUNNING"
+            return SimpleNamespace(status=status, message="")
+
+    client = Dropping([[]])
+    code, out = _submit(monkeypatch, tmp_path, client)
+    assert code == 0 and client.opened == 2
+    assert out.count("line 1") == out.count("line 2") == out.count("line 3") == 1, out
+
+
 def test_a_job_still_running_after_the_stream_keeps_closing_exits_3(monkeypatch, tmp_path):
     client = FakeClient([["epoch 0\n"]] * 100)
     code, out = _submit(monkeypatch, tmp_path, client)
