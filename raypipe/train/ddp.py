@@ -82,6 +82,8 @@ def list_sources(config: PipelineConfig, num_workers: int,
     training set's: its labels are numbered from its own classes (sorted folder names, a
     string column's values), so a set without one of them would number the rest otherwise.
     """
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
+        raise ValueError(f"num_workers={num_workers!r} must be an integer >= 1")
     listing = list_shards(config)
     per_rank = listing.num_samples // num_workers
     if per_rank < config.batch_size:
@@ -93,7 +95,7 @@ def list_sources(config: PipelineConfig, num_workers: int,
     held = None if eval_config is None else list_shards(eval_config)
     if held is not None and held.classes and listing.classes and held.classes != listing.classes:
         raise ValueError(
-            f"eval_config.source {eval_config.source!r} has the classes {_few(held.classes)}, "
+            f"the held-out source {eval_config.source!r} has the classes {_few(held.classes)}, "
             f"the training source {_few(listing.classes)}: its labels would mean other classes "
             "(an image folder: an empty folder for each missing class)"
         )

@@ -150,6 +150,15 @@ def test_an_eval_set_with_other_classes_is_refused_before_ray(capsys, tmp_path):
     assert "has the classes (2: cat, fox), the training source (3: cat, dog, fox)" in line
 
 
+@pytest.mark.parametrize("workers", ["0", "-1", "'2'"])
+def test_a_bad_worker_count_is_one_line_before_the_sources_are_listed(capsys, tmp_path, folder,
+                                                                     workers):  # fmt: skip
+    cfg = _write(
+        tmp_path / "w.yaml", f"data:\n  source: {folder}\ntrainer:\n  num_workers: {workers}\n"
+    )
+    assert "num_workers=" in _error_line(capsys, ["run", str(cfg)])
+
+
 def test_a_batch_no_rank_can_fill_is_refused_before_ray(capsys, monkeypatch, tmp_path):
     """8 images over 2 workers cannot fill a batch of 8: refused in the command, before it
     starts (or joins) a Ray, as train_ddp would refuse it after."""
