@@ -64,7 +64,9 @@ def survey(config: PipelineConfig, *, samples: int = 32) -> dict[str, Any]:
         "skipped_by_reason": dict(collections.Counter(s["reason"] for s in skipped)),
         "jpeg_decoding": "region" if region.available() else "whole",
         "crop_plans": "compiled" if plans_compiled() else "numpy",
-        "hint": _column_hint(listing, config) if skipped else None,
+        "hint": _column_hint(listing, config)
+        if any(s["reason"] == "missing_column" for s in skipped)
+        else None,
     }
 
 
@@ -141,8 +143,11 @@ def _column_hint(listing: Listing, config: PipelineConfig) -> str | None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    with listing.reader.storage.open(split_piece(listing.shards[0].path)[0]) as f:
-        schema = pq.read_schema(f)
+    try:
+        with listing.reader.storage.open(split_piece(listing.shards[0].path)[0]) as f:
+            schema = pq.read_schema(f)
+    except Exception:  # a damaged file: its samples' skips say so already
+        return None
     kinds = {
         "image": lambda t: pa.types.is_binary(t) or pa.types.is_large_binary(t)
         or (pa.types.is_struct(t) and t.get_field_index("bytes") >= 0),

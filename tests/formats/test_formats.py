@@ -324,6 +324,9 @@ def test_inspect_names_the_columns_a_parquet_source_has(tmp_path, capsys):
                       label="target")  # fmt: skip
     assert main(["inspect", str(root)]) == 1
     err = capsys.readouterr().err
-    assert f"try raypipe inspect {root} --image-column photo --label-column target" in err
+    assert "add --image-column photo --label-column target (the files' own columns)" in err
     assert main(["inspect", str(root), "--image-column", "photo", "--label-column", "target"]) == 0
     assert "8 good, 0 would be skipped" in capsys.readouterr().out
+    (root / "a-damaged.parquet").write_bytes(b"PAR1 but nothing after it")  # listed first
+    assert main(["inspect", str(root)]) == 1  # reported, not a traceback
+    assert "skip: missing_column" in capsys.readouterr().out
