@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import numpy as np
@@ -43,30 +44,28 @@ def list_images(paths: list[str], storage: Storage) -> tuple[list[tuple[str, int
         )
     if not files:
         raise ValueError(f"no images ({', '.join(IMAGE_EXTS)}) found under {root!r}")
-    _refuse_split_folders(root, classes, files, storage)
+    _refuse_split_folders(root, classes, storage)
     return files, classes
 
 
-def _refuse_split_folders(root: str, classes: list[str], files, storage: Storage) -> None:
+def _refuse_split_folders(root: str, classes: list[str], storage: Storage) -> None:
     """Refuse a root one level above its image folders (``data/`` holding ``train/`` and
-    ``val/``, each with class folders): it would train on every split as one class each."""
-    if not set(map(str.lower, classes)) <= _SPLIT_NAMES:
+    ``val/``, ``train2017/`` and ``val2017/``, one of them at least with class folders): it
+    would train on every split as one class each."""
+    if len(classes) < 2 or not all(_SPLIT.match(name.lower()) for name in classes):
         return
-    tops = {storage.join(root, name) for name in classes}
-    if any(f.rsplit("/", 1)[0] in tops for f, _ in files):
-        return  # images directly in a split-named folder: its own class, as named
-    for name in classes:
-        inner = storage.dirs(storage.join(root, name))
-        if inner:
-            raise ValueError(
-                f"image folder {root!r} reads its splits ({', '.join(classes)}) as classes: "
-                f"their images sit in class folders of their own ({name}/{inner[0]}/, ...); "
-                f"point source at one split, e.g. {storage.join(root, name)!r}"
-            )
+    nested = [name for name in classes if storage.dirs(storage.join(root, name))]
+    if nested:
+        pick = next((n for n in nested if n.lower().startswith("train")), nested[0])
+        inner = storage.dirs(storage.join(root, pick))
+        raise ValueError(
+            f"image folder {root!r} reads its splits ({', '.join(classes)}) as classes: "
+            f"{pick}/ holds class folders of its own ({pick}/{inner[0]}/, ...); point "
+            f"source at one split, e.g. {storage.join(root, pick)!r}"
+        )
 
 
-_SPLIT_NAMES = {"dev", "eval", "test", "testing", "train", "training", "val", "valid",
-                "validation"}  # fmt: skip
+_SPLIT = re.compile(r"(train|training|val|valid|validation|test|testing|dev|eval)[-_]?\d*$")
 
 
 def read(reader, path: str, first_key: int, label: int,

@@ -110,3 +110,11 @@ def test_a_root_above_its_splits_is_refused_and_split_named_classes_are_not(tmp_
     assert list_shards(PipelineConfig(source=str(tmp_path / "data" / "train"))).num_samples == 3
     flat = make_imagefolder(tmp_path / "flat", {"test": 2, "train": 3}, seed=3)
     assert list_shards(PipelineConfig(source=str(flat))).classes == ("test", "train")
+    # ImageNet as shipped: train/<wnid>/ and a flat val/; COCO-style names; the train split
+    # suggested whatever sorts first
+    raw = make_imagefolder(tmp_path / "raw" / "train2017", {"n01": 2}, seed=4).parent
+    make_imagefolder(tmp_path / "raw" / "test2017", {"n01": 1}, seed=5)
+    (raw / "val2017").mkdir()
+    (raw / "val2017" / "x.jpg").write_bytes(next((raw / "test2017" / "n01").iterdir()).read_bytes())
+    with pytest.raises(ValueError, match=r"e\.g\. '.*raw/train2017'"):
+        list_shards(PipelineConfig(source=str(raw)))
