@@ -35,7 +35,7 @@ large decode.
 
 raypipe's paths run in one local Ray whose object store is ``--store-gib`` (4 GiB; the memory
 cache's files live beside it in /dev/shm, its default budget a quarter of the store, or
-``--budget-gib``). ``--runs uncached,cached`` runs only those of the five each round.
+``--budget-gib``). ``--runs uncached,cached`` runs only those of the six each round.
 ``--step-ms`` plays a trainer whose step takes that long: the consumer sleeps after each
 batch, so a path whose workers keep ahead of the step runs at the trainer's rate.
 ``--compute actors`` runs raypipe's paths on a pool of ``--actors`` actors instead of

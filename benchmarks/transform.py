@@ -21,7 +21,7 @@ import platform
 import sys
 from pathlib import Path
 
-from ingest import make_corpus, run_epochs
+from ingest import EpochOrder, make_corpus, run_epochs
 
 from raypipe.cli import localray
 from raypipe.cli.examples import ColorCrop
@@ -40,30 +40,35 @@ class PhotoDataset:
     def __len__(self) -> int:
         return len(self.shards)
 
-    def __getitem__(self, i: int):
+    def __getitem__(self, item):
+        """``item``: ``(epoch, index)`` from `ingest.EpochOrder`, or an index."""
         import torch
         from PIL import Image
 
         from raypipe.preprocess.usermap import seed_globals
 
+        epoch, i = item if isinstance(item, tuple) else (self.epoch, item)
         s = self.shards[i]
         with Image.open(io.BytesIO(Path(s.path).read_bytes())) as img:
             rgb = img.convert("RGB")
-        seed_globals(SEED, self.epoch, s.first_key)
+        seed_globals(SEED, epoch, s.first_key)
         out = self.fn({"image": rgb, "label": s.label})
         return {"image": torch.from_numpy(out["image"]), "label": s.label, "key": s.first_key}
 
 
 def dataloader(shards, epochs: int, settings: list[dict]) -> dict:
-    import torch
     from torch.utils.data import DataLoader
 
     results = []
     for s in settings:
-        ds = PhotoDataset(shards)
-        loader = DataLoader(ds, batch_size=BATCH, shuffle=True, drop_last=True,
-                            generator=torch.Generator().manual_seed(SEED), **s)  # fmt: skip
-        r = run_epochs(lambda epoch, loader=loader: iter(loader), epochs)
+        ds, order = PhotoDataset(shards), EpochOrder(len(shards), SEED)
+        loader = DataLoader(ds, batch_size=BATCH, sampler=order, drop_last=True, **s)
+
+        def epoch_iter(epoch, order=order, loader=loader):
+            order.epoch = epoch  # each item carries it to the persistent workers
+            return iter(loader)
+
+        r = run_epochs(epoch_iter, epochs)
         results.append({"settings": s, **r})
         print(f"  dataloader {s}: steady {r['steady_img_s']:.0f} img/s")
         del loader

@@ -7,8 +7,8 @@ preprocessing pools on an existing Ray cluster; no Ray Train.
         --address 127.0.0.1:6379 --checkpoint demo-data/torchrun.pt
 
 Without ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` Ray turns ``--node-ip-address=127.0.0.1``
-into the machine's address and the head listens there (docs/security.md). With the head or
-torchrun's ``MASTER_ADDR`` on loopback, gloo's and NCCL's sockets are kept there too
+into the machine's address and the head listens there (docs/security.md). With torchrun's
+``MASTER_ADDR`` on loopback, gloo's and NCCL's sockets are kept there too
 (``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME=lo``, unless set). torchrun's own rendezvous
 store is not: it listens on every interface (port 29500 by default), so on a machine others
 can reach, keep that port behind a firewall or run torchrun in a network namespace of its
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     spec = yaml.safe_load(Path(args.config).read_text())
     config, trainer = PipelineConfig.from_dict(spec["data"]), spec["trainer"]
     localnode.start(args.address, log_to_driver=False)  # this rank joins as a driver
-    _loopback_only(args.address)
+    _loopback_only()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
@@ -111,14 +111,13 @@ def _log(folder: str, rank: int, epoch: int, step: int, keys: list[int]) -> None
         f.write(json.dumps({"step": step, "keys": keys}) + "\n")
 
 
-def _loopback_only(address: str | None) -> None:
-    """gloo's and NCCL's sockets on loopback where the Ray head or torchrun's MASTER_ADDR
-    is (one machine), unless the user set them."""
+def _loopback_only() -> None:
+    """gloo's and NCCL's sockets on loopback where torchrun's MASTER_ADDR is (the ranks on
+    one machine; where the Ray head is says nothing of the ranks' peers), unless set."""
     from raypipe.train.rendezvous import loopback_sockets
 
-    for addr in ((address or "").rsplit(":", 1)[0], os.environ.get("MASTER_ADDR", "")):
-        for name, value in loopback_sockets(addr).items():
-            os.environ.setdefault(name, value)
+    for name, value in loopback_sockets(os.environ.get("MASTER_ADDR", "")).items():
+        os.environ.setdefault(name, value)
 
 
 def _parser() -> argparse.ArgumentParser:
