@@ -118,7 +118,9 @@ def test_tls_settings_are_checked_naming_the_file(tmp_path, monkeypatch):
 
 def test_raypipe_run_with_a_missing_certificate_fails_in_one_line_before_ray(tmp_path):
     folder = make_imagefolder(tmp_path / "imgs", {"a": 2})
-    (tmp_path / "run.yaml").write_text(f"data:\n  source: {folder}\ntrainer:\n  epochs: 1\n")
+    (tmp_path / "run.yaml").write_text(
+        f"data:\n  source: {folder}\n  batch_size: 1\ntrainer:\n  epochs: 1\n"
+    )
     certs = make_certificates(tmp_path / "certs")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(certs, RAY_USE_TLS="1", RAY_TLS_SERVER_CERT=str(tmp_path / "nope.crt"))
