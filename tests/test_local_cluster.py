@@ -59,3 +59,17 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def test_down_refuses_a_state_file_it_did_not_write(tmp_path):
+    """A state naming another pid or folder (planted, or stale from elsewhere) signals and
+    removes nothing."""
+    victim = tmp_path / "home"
+    victim.mkdir()
+    state = tmp_path / "state"
+    state.write_text(f"1 {victim}\n")
+    env = {**os.environ, "STATE": str(state)}
+    done = subprocess.run([str(ROOT / "cluster" / "local.sh"), "down"], env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 1 and "does not hold a cluster this script started" in done.stderr
+    assert victim.is_dir() and state.exists()
