@@ -918,10 +918,16 @@ def test_a_pool_that_sheds_slots_for_a_slow_trainer_keeps_the_cache_whole(ray_se
 
     n = 96
     source = make_imagefolder(tmp_path / "data", {"a": n // 2, "b": n // 2})
-    config = PipelineConfig(source=str(source), image_size=8, batch_size=4, actors=(1, 2),
-                            files_per_task=4, rows_per_block=4, cache="memory",
-                            cache_max_side=12, follow_shrink_s=0.5,
-                            follow_period_s=0.2)  # fmt: skip
+    config = PipelineConfig(
+        source=str(source),
+        image_size=8,
+        batch_size=4,
+        actors=(1, 2),
+        files_per_task=4,
+        rows_per_block=4,
+        cache="memory",
+        cache_max_side=12,
+    )  # fmt: skip  (the follower's own defaults)
     node.release(config)  # a cache of these settings an earlier test left: counts from 0
     epochs = []
     try:
@@ -930,7 +936,8 @@ def test_a_pool_that_sheds_slots_for_a_slow_trainer_keeps_the_cache_whole(ray_se
                 keys = []
                 for batch in batches:
                     keys.extend(int(k) for k in batch["key"])
-                    time.sleep(0.05)  # the trainer: slower than the data
+                    time.sleep(0.25)  # the trainer: slower than the data, past the 5 s
+                    # the follower waits (follow_shrink_s) before it sheds a slot
                 epochs.append(keys)
                 pool = batches.stats()["pool"]
         s = settled(config, 3 * n)
