@@ -918,16 +918,10 @@ def test_a_pool_that_sheds_slots_for_a_slow_trainer_keeps_the_cache_whole(ray_se
 
     n = 96
     source = make_imagefolder(tmp_path / "data", {"a": n // 2, "b": n // 2})
-    config = PipelineConfig(
-        source=str(source),
-        image_size=8,
-        batch_size=4,
-        actors=(1, 2),
-        files_per_task=4,
-        rows_per_block=4,
-        cache="memory",
-        cache_max_side=12,
-    )  # fmt: skip  (the follower's own defaults)
+    # the follower's own defaults
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=4, actors=(1, 2),
+                            files_per_task=4, rows_per_block=4, cache="memory",
+                            cache_max_side=12)  # fmt: skip
     node.release(config)  # a cache of these settings an earlier test left: counts from 0
     epochs = []
     try:
