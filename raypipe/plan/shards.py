@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import os
 import sys
 import time
@@ -109,8 +110,27 @@ def list_shards(config: PipelineConfig) -> Listing:
     if key == 0:
         raise ValueError(f"the {fmt} shards in {config.source!r} hold no samples")
     classes, labels = get_format(fmt).labels(reader, files)
+    if not classes and (named := _converted_classes(storage, files)):
+        classes, labels = named, f"{labels}; class names from raypipe convert's index.json"
     reader = dataclasses.replace(reader, classes=classes)
     return Listing(fmt, tuple(shards), classes, reader, labels, _lengths(config, reader, shards))
+
+
+def _converted_classes(storage: Storage, files: list[str]) -> tuple[str, ...]:
+    """The class names `raypipe convert` kept in ``index.json`` beside ``files``, when every
+    file is one of the shards it wrote (the shards hold labels as numbers only); else ()."""
+    folder = files[0].rpartition("/")[0]
+    if any(f.rpartition("/")[0] != folder for f in files):
+        return ()
+    try:
+        index = json.loads(storage.read_bytes(storage.join(folder, "index.json")))
+        names = {entry["name"] for entry in index["shards"]}
+        classes = tuple(str(c) for c in index["classes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ()  # none, or not convert's
+    return (
+        classes if index.get("complete") and {f.rpartition("/")[2] for f in files} <= names else ()
+    )
 
 
 def _counted(reader: Reader, files: list[str],

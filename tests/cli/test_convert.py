@@ -11,6 +11,7 @@ import pytest
 from raypipe import PipelineConfig, build_dataset
 from raypipe.cli.convert import INDEX, ShardsConfig, convert, plan, preprocess, shard_name
 from raypipe.formats import Reader
+from raypipe.plan.shards import list_shards
 from tests.conftest import make_imagefolder
 
 COUNTS = {"ant": 11, "bee": 7, "cow": 9}  # 27 samples: no shard count divides it evenly
@@ -63,6 +64,14 @@ def test_shards_read_back_as_the_folder(ray_session, folder, folder_rows, tmp_pa
     assert [e["first_key"] for e in index["shards"]] == list(np.cumsum([0] + counts[:-1]))
 
     assert _rows(tmp_path / "out", fmt) == folder_rows
+    # the class names travel in index.json: `raypipe run` takes the shards as named classes
+    listing = list_shards(PipelineConfig(source=str(tmp_path / "out"), format=fmt))
+    assert listing.classes == tuple(sorted(COUNTS)) and "index.json" in listing.labels
+    some = list_shards(PipelineConfig(source=str(tmp_path / "out" / f"*-0000[01]-*{ext}")))
+    assert some.classes == tuple(sorted(COUNTS))
+    first = tmp_path / "out" / index["shards"][0]["name"]
+    (tmp_path / "out" / f"other{ext}").write_bytes(first.read_bytes())  # not convert's
+    assert list_shards(PipelineConfig(source=str(tmp_path / "out"), format=fmt)).classes == ()
 
 
 def test_rerun_skips_finished_shards(ray_session, folder, tmp_path, capsys):
