@@ -1,6 +1,7 @@
 """torchrun entry point: DDP ranks that torchrun (or Slurm's srun) launches, fed by raypipe's
 preprocessing pools on an existing Ray cluster; no Ray Train.
 
+    export RAY_AUTH_MODE=token   # where ~/.ray/auth_token exists: the head turns token auth on
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 ray start --head --node-ip-address=127.0.0.1 \\
         --dashboard-host=127.0.0.1   # or a cluster
     torchrun --nproc_per_node=2 jobs/torchrun_train.py jobs/configs/torchrun.yaml \\

@@ -91,7 +91,8 @@ class PipelineConfig:
             samples) and returns a dict of per-row values, instead of one sample.
         collate: turns each rank's numpy batch into the batch the trainer gets (a callable
             or ``"module:function"``); None: numeric fields as tensors, ragged ones padded
-            with a ``<field>_mask`` (`raypipe.preprocess.usermap.pad_collate`) when there is a transform.
+            with a ``<field>_mask`` (`raypipe.loader.collate.pad_collate`) where there is a
+            transform or no image.
         decode: ``"cpu"``: the actors decode and crop, uint8 pixels reach the trainer.
             ``"gpu"``: the actors read each JPEG's header and draw its crop plan; the JPEG
             bytes travel instead of pixels and each rank decodes its batch on its device
