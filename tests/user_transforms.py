@@ -96,9 +96,9 @@ def stall_once(folder: str, sample: dict) -> dict:
     return {"image": image, "label": sample["label"]}
 
 
-def after_three_actors(folder: str, sample: dict) -> dict:
-    """A tiny subsample of the image, once three processes have run this (for at most 60
-    s): a lone actor's tasks wait, so the pool grows to three, whatever else holds CPUs."""
+def after_actors(folder: str, count: int, sample: dict) -> dict:
+    """A tiny subsample of the image, once ``count`` processes have run this (for at most
+    60 s in all): a lone actor's tasks wait, so the pool grows, whatever else ran before."""
     pids = Path(folder) / "pids"
     with open(pids, "a") as f:
         f.write(f"{os.getpid()}\n")
@@ -106,7 +106,7 @@ def after_three_actors(folder: str, sample: dict) -> dict:
     with contextlib.suppress(FileExistsError), open(start, "x") as f:
         f.write(str(time.time()))
     deadline = float(start.read_text() or time.time()) + 60
-    while len(set(pids.read_text().split())) < 3 and time.time() < deadline:
+    while len(set(pids.read_text().split())) < count and time.time() < deadline:
         time.sleep(0.05)
     image = np.ascontiguousarray(sample["image"][::64, ::64].transpose(2, 0, 1))
     return {"image": image, "label": sample["label"]}

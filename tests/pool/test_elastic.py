@@ -98,18 +98,19 @@ def test_pool_grows_toward_max_when_the_transform_is_slower(ray_session, slow_fo
 
 @pytest.mark.slow
 def test_idle_actors_are_released_while_a_slow_consumer_is_still_busy(ray_session, tmp_path):
-    """The pool grows to three (each task waits until three actors ran it), the epoch's
-    inputs are all handed out early, and the pool lets its actors go while the slow
-    consumer still has batches to take. It failed now and then when the pool never grew
-    (the CPUs held by what ran before), or grew and shrank between two samples."""
+    """The pool grows (each task waits until two actors ran it), the epoch's inputs are all
+    handed out early, and the pool lets its actors go while the slow consumer still has
+    batches to take. It failed now and then when the pool never grew (the CPUs held by
+    what ran before), or grew and shrank between two samples. (Whether Ray Data adds a
+    third actor as well depends on what else its resource budget holds: not asserted.)"""
     import functools
 
-    from tests.user_transforms import after_three_actors
+    from tests.user_transforms import after_actors
 
     _wait_for_free_cpus()
     data = slow_images(tmp_path, 96, side=512)
     config = _actor_pool(data, (1, 3)).replace(
-        transform=functools.partial(after_three_actors, str(tmp_path))
+        transform=functools.partial(after_actors, str(tmp_path), 2)
     )
     keys, dropped_at = [], None
     watch = PoolWatch(interval_s=0.1, new_only=True)
@@ -121,8 +122,8 @@ def test_idle_actors_are_released_while_a_slow_consumer_is_still_busy(ray_sessio
                 dropped_at = _wait_for_release(watch)
         stats = batches.stats()
     _exactly_once(keys, 96)
-    assert len(set((tmp_path / "pids").read_text().split())) == 3
-    assert watch.summary()["actors_max"] == 3, watch.summary()["series"]
+    assert len(set((tmp_path / "pids").read_text().split())) >= 2
+    assert watch.summary()["actors_max"] >= 2, watch.summary()["series"]
     assert dropped_at is not None, watch.summary()["series"]  # with 10 batches still to take
     assert stats["pool"]["actors_now"] < stats["pool"]["actors_max"]
 
