@@ -28,10 +28,8 @@ from raypipe.cli.jobspec import convert_section
 from raypipe.config import PipelineConfig, check_keys, load_yaml
 from raypipe.formats import Reader
 from raypipe.formats.storage import is_remote
-from raypipe.formats.writer import EXTENSIONS, Sample, Written, write_shard
+from raypipe.formats.writer import EXTENSIONS, INDEX, Sample, Written, write_shard
 from raypipe.plan.shards import list_shards
-
-INDEX = "index.json"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ from raypipe.formats import FORMATS, Reader, get_format
 from raypipe.formats.webdataset import WDS_IMAGE_EXTS
 
 # the formats raypipe writes, and the suffix of their shard files
+INDEX = "index.json"  # raypipe convert's record of its shards and classes, beside them
 EXTENSIONS = {name: f.suffix for name, f in FORMATS.items() if f.write is not None}
 
 

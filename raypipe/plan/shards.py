@@ -27,6 +27,7 @@ from raypipe.config import PipelineConfig
 from raypipe.formats import Reader, get_format, imagefolder, infer_format
 from raypipe.formats.lengths import sequence_lengths
 from raypipe.formats.storage import Storage
+from raypipe.formats.writer import INDEX
 
 FIELD_FORMATS = ("parquet", "webdataset")  # where samples with no image can be read
 SHARD_ROW = ("path", "first_key", "num_samples", "label", "done")  # the fields of `shard_row`
@@ -123,7 +124,7 @@ def _converted_classes(storage: Storage, files: list[str]) -> tuple[str, ...]:
     if any(f.rpartition("/")[0] != folder for f in files):
         return ()
     try:
-        index = json.loads(storage.read_bytes(storage.join(folder, "index.json")))
+        index = json.loads(storage.read_bytes(storage.join(folder, INDEX)))
         names = {entry["name"] for entry in index["shards"]}
         classes = tuple(str(c) for c in index["classes"])
     except (OSError, ValueError, KeyError, TypeError):
