@@ -198,9 +198,8 @@ def any_rank(consumed: np.ndarray, device=None, world_size: int | None = None) -
     import torch
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return consumed
-    if world_size is not None and world_size != dist.get_world_size():
+    group = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if group == 1 or world_size not in (None, group):
         return consumed
     if dist.get_backend() == "nccl":
         if device is None:
