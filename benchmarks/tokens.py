@@ -8,6 +8,8 @@ Each path delivers one rank's batches of an epoch (the consumer only touches the
 warm-up epoch; a figure is the median over ``--repeats`` runs of: real tokens per second,
 and the padding share (positions in the batches that hold no token). The corpus: document
 lengths log-normal (median about 150 tokens, clipped to 8..1024), int32 token ids.
+The ``--repeats`` rounds run every path once each, in an order that rotates from round to
+round, so no path always runs first (or right after the same other one).
 """
 
 from __future__ import annotations
@@ -133,13 +135,17 @@ def main() -> None:
                                                                   args.batch_size, w)
            for w in args.workers},
     }  # fmt: skip
+    runs = {name: [] for name in paths}
+    names = list(paths)
+    for r in range(args.repeats):  # rounds, each in an order rotated from the last
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            runs[name].append(paths[name]())
     rows = {}
-    for name, fn in paths.items():
-        runs = [fn() for _ in range(args.repeats)]
-        rate = [t / s for t, _, s in runs]
-        share = [1 - t / p for t, p, _ in runs]
+    for name in names:
+        rate = [t / s for t, _, s in runs[name]]
+        share = [1 - t / p for t, p, _ in runs[name]]
         rows[name] = {"tokens_per_s": statistics.median(rate), "range": [min(rate), max(rate)],
-                      "padding_share": statistics.median(share)}  # fmt: skip
+                      "padding_share": statistics.median(share), "rounds": rate}  # fmt: skip
         print(f"{name:32s} {rows[name]['tokens_per_s']:12,.0f} tokens/s "
               f"({min(rate):,.0f}-{max(rate):,.0f})  padding {rows[name]['padding_share']:.1%}",
               flush=True)  # fmt: skip

@@ -5,10 +5,13 @@ jitter on a PIL image, drawing from torch's generator, as a torchvision v2 pipel
 Both paths decode the same photo JPEGs with Pillow, run it, and hand uint8 3×224×224
 batches of 256 to a consumer that takes them as fast as they come. The DataLoader is the
 best of a sweep (workers = cpus and cpus + 1, prefetch 2 and 4, persistent workers);
-raypipe is the warm ``Pipeline`` with ``cpus`` actors. Steady epochs (all but the first),
-medians; writes ``transform.json`` under --out.
+raypipe is the warm ``Pipeline`` with ``cpus`` actors (in a local Ray of its own, shut
+down before the DataLoader runs). Steady epochs (all but the first), their median per run.
+After the sweep, ``--rounds`` rounds run the sweep's winner and raypipe once each, in an
+order that alternates from round to round; reported: each path's median over the rounds,
+and the median of the rounds' own ratios. Writes ``transform.json`` under --out.
 
-    python benchmarks/transform.py --images 2048 --epochs 4
+    python benchmarks/transform.py --images 2048 --epochs 4 --rounds 4
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import io
 import json
 import os
 import platform
+import statistics
 import sys
 from pathlib import Path
 
@@ -101,6 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
     p.add_argument("--actors", type=int, default=os.cpu_count())
+    p.add_argument("--rounds", type=int, default=4, help="rounds after the sweep (default: 4)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     corpus = make_corpus(args.out, args.images)
@@ -113,19 +118,30 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": {"cpus": cpus, "platform": platform.platform(),
                     "python": sys.version.split()[0], "loadavg_at_start": os.getloadavg()},
         "dataloader": dataloader(listing.shards, args.epochs, sweep),
-        "raypipe": raypipe_run(corpus, args.epochs, args.actors),
     }  # fmt: skip
-    best = result["dataloader"]["best"]
-    result["ratio_steady"] = result["raypipe"]["steady_img_s"] / best["steady_img_s"]
-    result["ratio_per_cpu_s"] = result["raypipe"]["img_per_cpu_s"] / best["img_per_cpu_s"]
+    best = result["dataloader"]["best"]["settings"]
+    paths = {"dataloader": lambda: dataloader(listing.shards, args.epochs, [best])["best"],
+             "raypipe": lambda: raypipe_run(corpus, args.epochs, args.actors)}  # fmt: skip
+    rounds = []
+    for r in range(args.rounds):
+        order = list(paths) if r % 2 == 0 else list(paths)[::-1]
+        rounds.append({"order": order, **{name: paths[name]() for name in order}})
+    result["rounds"] = rounds
+    med = lambda f: statistics.median(f(r) for r in rounds)  # noqa: E731
+    result["summary"] = {
+        "dataloader_settings": best,
+        "dataloader_steady_img_s": med(lambda r: r["dataloader"]["steady_img_s"]),
+        "raypipe_steady_img_s": med(lambda r: r["raypipe"]["steady_img_s"]),
+        "ratio_steady": med(lambda r: r["raypipe"]["steady_img_s"] / r["dataloader"]["steady_img_s"]),
+        "ratio_per_cpu_s": med(lambda r: r["raypipe"]["img_per_cpu_s"] / r["dataloader"]["img_per_cpu_s"]),
+        "ratios_by_round": [r["raypipe"]["steady_img_s"] / r["dataloader"]["steady_img_s"] for r in rounds],
+    }  # fmt: skip
     result["machine"]["loadavg_at_end"] = os.getloadavg()
-    print(f"raypipe {result['raypipe']['steady_img_s']:.0f} img/s (median of steady epochs), "
-          f"DataLoader best {best['steady_img_s']:.0f} img/s {best['settings']}: "
-          f"{result['ratio_steady']:.2f}x; per CPU-second {result['ratio_per_cpu_s']:.2f}x")  # fmt: skip
-    print(
-        f"  epochs raypipe {[round(x) for x in result['raypipe']['epoch_img_s']]}, "
-        f"DataLoader {[round(x) for x in best['epoch_img_s']]}"
-    )
+    s = result["summary"]
+    print(f"raypipe {s['raypipe_steady_img_s']:.0f} img/s, DataLoader {best} "
+          f"{s['dataloader_steady_img_s']:.0f} img/s (medians of {args.rounds} rounds): "
+          f"{s['ratio_steady']:.2f}x (rounds {', '.join(f'{x:.2f}' for x in s['ratios_by_round'])}); "
+          f"per CPU-second {s['ratio_per_cpu_s']:.2f}x")  # fmt: skip
     (args.out / "transform.json").write_text(json.dumps(result, indent=2, default=str))
     print(f"wrote {args.out / 'transform.json'}")
     return result
