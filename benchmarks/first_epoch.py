@@ -14,7 +14,10 @@ all of them) times, for one rank:
   steady   images/s of epochs 1.. (median), each from asking for it to its last batch
   run      images/s of the whole run, from ``epochs()`` to the last batch
 
-and reports the median and range of each over the runs.
+and reports the median and range of each over the runs. ``--compute tasks,actors`` runs
+both settings in each of the --repeats rounds, the order alternating from round to round,
+and reports each one's figures and the median of the rounds' own ratios (actors over
+tasks) of the first batch and of epoch 0.
 
     python benchmarks/first_epoch.py [--repeats 5] [--epochs 4] [--setup-s 0] [--compute tasks]
 """
@@ -89,37 +92,49 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--setup-s", type=float, default=0.0,
                    help="a trainer's set-up inside `with pipeline:` before epochs() "
                    "(default: %(default)s)")  # fmt: skip
-    p.add_argument(
-        "--compute",
-        choices=("actors", "tasks"),
-        default=PipelineConfig.compute,
-        help="PipelineConfig.compute (default: %(default)s, the config's)",
-    )
+    p.add_argument("--compute", default=PipelineConfig.compute,
+                   help="PipelineConfig.compute: tasks, actors, or both as tasks,actors, "
+                   "interleaved (default: %(default)s, the config's)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
     args = p.parse_args(argv)
+    computes = args.compute.split(",")
     if args.epochs < 2 or args.repeats < 1:
         p.error(f"{args.epochs=} must be >= 2 and {args.repeats=} >= 1")
+    if not computes or set(computes) - {"tasks", "actors"} or len(set(computes)) < len(computes):
+        p.error(f"--compute: tasks, actors or tasks,actors, not {args.compute!r}")
     args.out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict]] = {c: [] for c in computes}
     with tempfile.TemporaryDirectory() as tmp:
         corpus = make_corpus(Path(tmp), SIZES[args.size][0])
         start_ray()
         try:
-            runs = []
             for r in range(args.repeats):
-                runs.append(one_run(corpus, args.epochs, args.setup_s, args.compute))
-                print(f"run {r}: " + json.dumps({k: round(v, 3) for k, v in runs[-1].items()
-                                                 if isinstance(v, float)}), flush=True)  # fmt: skip
+                for compute in computes if r % 2 == 0 else computes[::-1]:
+                    runs[compute].append(one_run(corpus, args.epochs, args.setup_s, compute))
+                    print(f"run {r} {compute}: " + json.dumps(
+                        {k: round(v, 3) for k, v in runs[compute][-1].items()
+                         if isinstance(v, float)}), flush=True)  # fmt: skip
         finally:
             localray.shutdown()
     result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                           "python": sys.version.split()[0]},
               "size": args.size, "epochs": args.epochs, "setup_s": args.setup_s,
               "compute": args.compute, "runs": runs,
-              "summary": summary(runs)}  # fmt: skip
-    print(f"\n{'':20s} {'median':>9s} {'min':>9s} {'max':>9s}   ({args.repeats} runs)")
-    for k, v in result["summary"].items():
-        print(f"{k:20s} {v['median']:9.3f} {v['min']:9.3f} {v['max']:9.3f}")
-    name = f"first_epoch-setup{args.setup_s:g}-{args.compute}.json"
+              "summary": {c: summary(runs[c]) for c in computes}}  # fmt: skip
+    if len(computes) == 2:
+        result["actors_over_tasks"] = {
+            k: statistics.median(a[k] / t[k] for a, t in zip(runs["actors"], runs["tasks"],
+                                                             strict=True))
+            for k in ("first_batch_s", "epoch0_img_s", "steady_img_s")
+        }  # fmt: skip
+    for compute in computes:
+        print(f"\n{compute:20s} {'median':>9s} {'min':>9s} {'max':>9s}   ({args.repeats} runs)")
+        for k, v in result["summary"][compute].items():
+            print(f"{k:20s} {v['median']:9.3f} {v['min']:9.3f} {v['max']:9.3f}")
+    if "actors_over_tasks" in result:
+        print("actors over tasks, the rounds' median: " + json.dumps(
+            {k: round(v, 3) for k, v in result["actors_over_tasks"].items()}))  # fmt: skip
+    name = f"first_epoch-setup{args.setup_s:g}-{'-'.join(computes)}.json"
     (args.out / name).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out / name}")
     return result
