@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from raypipe.config import PipelineConfig
+from raypipe.formats.parquet import is_image_type, label_kind
 from raypipe.formats.pieces import split_piece
 from raypipe.plan.shards import Listing, list_shards
 from raypipe.preprocess import region
@@ -140,7 +141,6 @@ def _column_hint(listing: Listing, config: PipelineConfig) -> str | None:
     columns, where the configured ones are missing and one column of each kind is there."""
     if listing.format != "parquet":
         return None
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
@@ -148,12 +148,7 @@ def _column_hint(listing: Listing, config: PipelineConfig) -> str | None:
             schema = pq.read_schema(f)
     except Exception:  # a damaged file: its samples' skips say so already
         return None
-    kinds = {
-        "image": lambda t: pa.types.is_binary(t) or pa.types.is_large_binary(t)
-        or (pa.types.is_struct(t) and t.get_field_index("bytes") >= 0),
-        "label": lambda t: pa.types.is_integer(t) or pa.types.is_string(t)
-        or pa.types.is_large_string(t) or pa.types.is_dictionary(t),
-    }  # fmt: skip
+    kinds = {"image": is_image_type, "label": label_kind}
     options = []
     for kind, fits in kinds.items():
         name = getattr(config, f"{kind}_column")

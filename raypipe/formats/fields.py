@@ -29,14 +29,14 @@ def read_parquet_fields(storage: Storage, path: str, first_key: int, done: np.nd
                         classes: tuple[str, ...] = ()) -> Iterator[RawSample]:  # fmt: skip
     """Every row of a Parquet file as fields; a consumed row group is not read."""
 
-    from raypipe.formats.parquet import _label_kind, open_file, read_groups
+    from raypipe.formats.parquet import label_kind, open_file, read_groups
 
     file, unreadable = open_file(storage, path, first_key)
     if file is None:
         yield unreadable
         return
     schema = file.schema_arrow
-    has_label = label_column in schema.names and _label_kind(schema.field(label_column).type)
+    has_label = label_column in schema.names and label_kind(schema.field(label_column).type)
     index = {name: i for i, name in enumerate(classes)}
 
     def rows(batch, key: int) -> Iterator[RawSample]:

@@ -25,6 +25,8 @@ from raypipe.formats.storage import Storage
 __all__ = [
     "count",
     "count_parquet_rows",
+    "is_image_type",
+    "label_kind",
     "labels",
     "open_file",
     "parquet_labels",
@@ -77,7 +79,7 @@ def parquet_labels(storage: Storage, paths: list[str], column: str) -> tuple[tup
             continue  # an unreadable shard: its samples are skipped by the reader
         if column not in schema.names:
             return (), f"column {column!r} missing (the files have {schema.names})"
-        kind = _label_kind(schema.field(column).type)
+        kind = label_kind(schema.field(column).type)
         if kind == "int":
             names = _class_label_names(schema, column)
             what = f"ClassLabel, {len(names)} names" if names else "integers"
@@ -172,7 +174,7 @@ def _row(key: int, where: str, image, label, index: dict[str, int]) -> RawSample
 
 
 def _check_columns(schema, image_column: str, label_column: str) -> tuple[str, str] | None:
-    for name, ok in ((image_column, _is_image), (label_column, _label_kind)):
+    for name, ok in ((image_column, is_image_type), (label_column, label_kind)):
         if name not in schema.names:
             return f"no {name!r} column (has {schema.names})", "missing_column"
         if not ok(schema.field(name).type):
@@ -180,16 +182,19 @@ def _check_columns(schema, image_column: str, label_column: str) -> tuple[str, s
     return None
 
 
-def _is_image(t) -> bool:
+def is_image_type(t) -> bool:
+    """An Arrow type an image column may have: binary, or a struct with such a ``bytes``."""
     import pyarrow as pa
 
     if pa.types.is_struct(t):
         i = t.get_field_index("bytes")
-        return i >= 0 and _is_image(t.field(i).type)
+        return i >= 0 and is_image_type(t.field(i).type)
     return pa.types.is_binary(t) or pa.types.is_large_binary(t)
 
 
-def _label_kind(t) -> str | None:
+def label_kind(t) -> str | None:
+    """``"int"`` or ``"str"``: the labels an Arrow type holds (a dictionary's values
+    counted); None for a type that cannot be a label column."""
     import pyarrow as pa
 
     if pa.types.is_dictionary(t):
