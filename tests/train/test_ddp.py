@@ -11,6 +11,7 @@ import raypipe
 from raypipe import PipelineConfig, train_ddp
 from raypipe.cli.classify import run
 from raypipe.cli.demo import write_digits
+from raypipe.train.state import PipelineState
 
 
 def test_help_shows_the_contract():
@@ -69,7 +70,7 @@ def test_a_rerun_into_its_run_folder_on_changed_data_is_refused(ray_session, tmp
     ``resume_from`` is; it was resumed, its consumed keys now meaning other samples."""
     from tests.conftest import make_imagefolder
 
-    source = make_imagefolder(tmp_path / "data", {"a": 8, "b": 8}, seed=1)
+    source = make_imagefolder(tmp_path / "data", {"a": 12, "b": 12}, seed=1)
     config = PipelineConfig(source=str(source), image_size=8, batch_size=4)
     runs = str(tmp_path / "runs")
 
@@ -81,8 +82,11 @@ def test_a_rerun_into_its_run_folder_on_changed_data_is_refused(ray_session, tmp
     kw = dict(num_workers=1, cpus_per_worker=0.5, name="rerun", storage_path=runs)
     first = train_ddp(config, loop, epochs=1, checkpoint_every=2, **kw)
     assert first.error is None and first.checkpoint is not None
-    saved = [p.name for p in (tmp_path / "runs" / "rerun").glob("checkpoint_*") if p.is_dir()]
-    assert len(saved) == 2, saved  # 3 taken (steps 2, 4, the epoch's end): the latest 2 kept
+    saved = sorted(p for p in (tmp_path / "runs" / "rerun").glob("checkpoint_*") if p.is_dir())
+    # 6 steps: taken at steps 2 and 4 and at the epoch's end (its last step once, not as
+    # step 6 and again as the end); the latest 2 kept
+    states = [PipelineState.load(p) for p in saved]
+    assert [(s.epoch, int(s.consumed.sum())) for s in states] == [(0, 16), (1, 0)], saved
     (source / "a" / "0000.png").rename(source / "a" / "0000-renamed.png")
     with pytest.raises(ValueError, match="fingerprint"):  # on the driver, before Ray Train
         train_ddp(config, loop, epochs=2, **kw)
