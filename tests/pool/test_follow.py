@@ -230,7 +230,7 @@ def test_shed_then_grew_needs_the_target_back_up_after_it_went_down():
 # so the pool can never read far ahead of a slow trainer: it is held back, not finished.
 N_FOLLOW = 1200
 FOLLOW = {"image_size": 256, "batch_size": 8, "actors": (2, 4), "files_per_task": 8,
-          "actor_cpus": 1.0, "shuffle_files": False, "follow_shrink_s": 2.0,
+          "actor_cpus": 1.0, "shuffle_files": False,
           "compute": "actors"}  # fmt: skip
 
 
