@@ -12,8 +12,8 @@ it), the steps a preprocessing worker runs per sample, each timed over all the p
     decode        `decode_capped` (the whole image, DCT-scaled and resized to the cap)
     check         the CRC32 of the capped pixels (`Entry.image`)
     write         `DiskStore.put` into a fresh /dev/shm directory, as a worker writes
-                  (one file per sample, written and renamed, then mapped; the budget
-                  taken a lease at a time)
+                  (one file per sample, written, then placed and counted under the
+                  usage file's lock, and mapped)
     write_floor   the same bytes into new files there with nothing around them (open,
                   one write, close): the kernel's part of ``write``, which no cache that
                   keeps its entries in shared memory avoids

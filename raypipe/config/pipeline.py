@@ -132,8 +132,9 @@ class PipelineConfig:
             store, for the run: a budget that /dev/shm has no room for beyond the object
             store is refused before work. None: a quarter of the smallest object store
             (memory; less where /dev/shm has less room), 2 GiB (disk).
-        cache_dir: ``cache="disk"``: a node-local directory (made on each node); a later
-            run with the same settings reuses what it holds.
+        cache_dir: ``cache="disk"``: a node-local directory, an absolute path or one under
+            ``~`` (made on each node); a later run with the same settings reuses what it
+            holds.
         cache_encoding: ``"raw"`` keeps the capped pixels as they are (the fastest later
             epochs); ``"jpeg"`` re-encodes them once (libjpeg-turbo, quality
             `raypipe.preprocess.cache.capped.JPEG_QUALITY`), about a ninth of the bytes, so

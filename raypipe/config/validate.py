@@ -177,7 +177,10 @@ def _check_cache_dir(c: PipelineConfig, bad: _Bad) -> None:
 
     if c.cache_dir is None:
         raise bad("cache_dir", "must be a node-local directory with cache='disk'")
-    existing = os.path.abspath(c.cache_dir)
+    existing = os.path.expanduser(c.cache_dir)
+    if not os.path.isabs(existing):  # a worker would find it under its own folder
+        raise bad("cache_dir", "must be an absolute path (or start with ~): every node's "
+                  "workers resolve it, each in its own working folder")  # fmt: skip
     while not os.path.isdir(existing) and existing != os.path.dirname(existing):
         if os.path.exists(existing):
             raise bad("cache_dir", f"{existing} is not a directory")

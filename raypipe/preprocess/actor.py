@@ -128,20 +128,22 @@ class Preprocessor:
             raws = self.cache.raws(rows, self._samples)
         else:
             raws = (raw for row in rows for raw in self._samples(*row))
-        for raw in raws:
-            try:
-                item = self._decode(raw, epoch)
-            except TransformOutputError:  # the transform broke its contract: the run stops
-                raise
-            except Exception as e:  # any read, decode or transform failure: a bad sample
-                pending.append(self._bad(raw, e))
-                if len(pending) >= SKIPS_PER_SEND:  # a shard of nothing but bad rows
-                    self._flush(pending, skips, epoch)
-                continue
-            if out.add(item, raw):
-                yield from self._take(out, pending, skips, epoch)
-        if self.cache is not None:
-            self.cache.flush()
+        try:
+            for raw in raws:
+                try:
+                    item = self._decode(raw, epoch)
+                except TransformOutputError:  # the transform broke its contract: the run stops
+                    raise
+                except Exception as e:  # any read, decode or transform failure: a bad sample
+                    pending.append(self._bad(raw, e))
+                    if len(pending) >= SKIPS_PER_SEND:  # a shard of nothing but bad rows
+                        self._flush(pending, skips, epoch)
+                    continue
+                if out.add(item, raw):
+                    yield from self._take(out, pending, skips, epoch)
+        finally:  # a task that stops (an error, the skip budget, a cancel) settles too
+            if self.cache is not None:
+                self.cache.flush()
         if len(out):
             yield from self._take(out, pending, skips, epoch)
         self._flush(pending, skips, epoch)

@@ -187,3 +187,81 @@ def test_a_failed_write_gives_the_store_up_for_that_task_only(tmp_path, monkeypa
     monkeypatch.setattr(reuse, "decode_capped", lambda *a: pytest.fail("decoded a hit"))
     hits = task(cache, rows, read)
     assert all(np.array_equal(h, f) for h, f in zip(hits[:2], fresh, strict=True))
+
+
+def test_a_worker_out_of_memory_is_not_the_samples_verdict(tmp_path, monkeypatch):
+    """A decode that ran out of memory fails that sample for that task, and is not kept as
+    its "decode_error": a later task decodes it (it was kept, and skipped in every later
+    run while the file stayed the same)."""
+    cache = disk_cache(tmp_path, monkeypatch, whole_rows=True)
+    path = tmp_path / "a.jpg"
+    path.write_bytes(image_bytes(np.random.default_rng(4)))
+    rows = [(str(path), 0, 1, 0, None)]
+    read = lambda p, first, n, label, done: iter([RawSample(first, label, path.read_bytes(), p)])  # noqa: E731
+    real = reuse.decode_capped
+
+    def out_of_memory(*args):
+        raise MemoryError()
+
+    monkeypatch.setattr(reuse, "decode_capped", out_of_memory)
+    with pytest.raises(MemoryError):
+        task(cache, rows, read)
+    cache.flush()
+    decodes = []
+    monkeypatch.setattr(reuse, "decode_capped", lambda *a: decodes.append(1) or real(*a))
+    (got,) = task(cache, rows, read)
+    assert not isinstance(got, str) and got.shape[2] == 3 and decodes == [1]
+
+
+def test_a_damaged_header_is_a_corrupt_entry_not_the_end_of_the_store(tmp_path, monkeypatch):
+    """A header whose numbers JSON reads as infinite raised out of the lookup, which then
+    gave the store up for the task, every task that met the entry, run after run: it is a
+    corrupt entry, decoded again and replaced."""
+    import json
+    import struct
+
+    cache = disk_cache(tmp_path, monkeypatch, whole_rows=True)
+    rng = np.random.default_rng(6)
+    files = [tmp_path / f"{k}.jpg" for k in range(3)]
+    for f in files:
+        f.write_bytes(image_bytes(rng))
+    rows = [(str(f), k, 1, 0, None) for k, f in enumerate(files)]
+    read = lambda p, first, n, label, done: iter([RawSample(first, label, Path(p).read_bytes(), p)])  # noqa: E731
+    task(cache, rows, read)
+    store = DiskStore(str(tmp_path / "c" / node.digest(cache.config)), 1 << 30)
+    damaged = Path(store.path(f"{files[0]}\0{0}"))
+    data = damaged.read_bytes()
+    (n,) = struct.unpack("<I", data[8:12])
+    head = json.loads(data[12 : 12 + n]) | {"crc": float("inf")}
+    text = json.dumps(head).encode()
+    damaged.write_bytes(data[:8] + struct.pack("<I", len(text)) + text + data[12 + n :])
+    task(cache, rows, read)
+    assert cache.store is not None  # kept: the other two entries were hits
+    (entry,) = store.get_many([f"{files[0]}\0{0}"], [Storage().stat(str(files[0]))])
+    assert entry is not None and entry.shape is not None  # decoded again, replaced
+    assert store.held()[1] == 3
+
+
+def test_a_jpeg_cache_keeps_a_panorama_no_jpeg_holds_as_its_pixels(tmp_path, monkeypatch):
+    """``cache_encoding="jpeg"``: a 70,000 x 24 PNG (its short side under the cap, so not
+    downscaled) has a side no JPEG holds; it was skipped as bad every epoch, which the
+    uncached path reads. It is served and kept as raw pixels."""
+    import io
+
+    from PIL import Image
+
+    monkeypatch.setattr(node, "lookup", lambda config: None)
+    config = PipelineConfig(source=str(tmp_path), cache="disk", cache_dir=str(tmp_path / "c"),
+                            cache_max_side=32, cache_encoding="jpeg")  # fmt: skip
+    rgb = np.random.default_rng(7).integers(0, 256, (24, 70_000, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="PNG")
+    path = tmp_path / "wide.png"
+    path.write_bytes(buf.getvalue())
+    read = lambda p, first, n, label, done: iter([RawSample(first, label, path.read_bytes(), p)])  # noqa: E731
+    rows = [(str(path), 0, 1, 0, None)]
+    (fresh,) = task(SampleCache(config, Storage(), whole_rows=True), rows, read)
+    assert not isinstance(fresh, str) and np.array_equal(fresh, rgb)
+    monkeypatch.setattr(reuse, "decode_capped", lambda *a: pytest.fail("decoded a hit"))
+    (hit,) = task(SampleCache(config, Storage(), whole_rows=True), rows, read)
+    assert np.array_equal(hit, rgb)

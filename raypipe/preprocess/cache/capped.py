@@ -25,11 +25,12 @@ from raypipe.preprocess.decode import crop_resize, decode_around, decode_scaled,
 from raypipe.preprocess.pillow import open_image, to_rgb
 from raypipe.skips.records import BadSample
 
-__all__ = ["JPEG_QUALITY", "Stored", "decode_capped", "decode_stored", "encode_stored",
-           "region_of"]  # fmt: skip
+__all__ = ["JPEG_MAX_SIDE", "JPEG_QUALITY", "Stored", "decode_capped", "decode_stored",
+           "encode_stored", "region_of"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 JPEG_QUALITY = 90  # cache_encoding="jpeg": 4:2:0, about a ninth of the raw bytes
+JPEG_MAX_SIDE = 65500  # libjpeg's largest side: a longer capped image is kept raw
 
 
 def decode_capped(data: bytes, max_side: int, max_pixels: int | None) -> np.ndarray:
@@ -48,10 +49,15 @@ def decode_capped(data: bytes, max_side: int, max_pixels: int | None) -> np.ndar
     return _cap(rgb, max_side)
 
 
-def encode_stored(rgb: np.ndarray) -> Stored:
+def encode_stored(rgb: np.ndarray) -> Stored | np.ndarray:
     """``cache_encoding="jpeg"``: the capped image re-encoded. Every crop of the key comes
-    from what it decodes to, the first one too (`region_of`), cached or just decoded alike."""
+    from what it decodes to, the first one too (`region_of`), cached or just decoded alike.
+    An image with a side over `JPEG_MAX_SIDE` (a panorama whose short side is under the
+    cap), which no JPEG holds, stays as its pixels, kept raw."""
     import simplejpeg
+
+    if max(rgb.shape[:2]) > JPEG_MAX_SIDE:
+        return rgb
 
     data = simplejpeg.encode_jpeg(np.ascontiguousarray(rgb), quality=JPEG_QUALITY,
                                   colorspace="RGB", colorsubsampling="420")  # fmt: skip

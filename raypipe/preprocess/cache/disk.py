@@ -13,19 +13,16 @@ eviction would throw out each sample just before it is read again; first-come ke
 fixed part of the dataset cached in every epoch. Once an entry is refused, this store
 sends no more (``full``): the decodes after it are not written only to be refused.
 
-Each entry is written as soon as it is decoded (`put`). A memory cache's process takes the
-budget a `LEASE` at a time under the usage file's lock, and gives back what it did not
-use when its task ends (`settle`); near the end of the budget, and always for a disk
-cache, it takes just what each entry needs. A process killed between the two leaves its
-unused lease counted until the memory cache goes with its run.
+Each entry is written as soon as it is decoded (`put`), to a temporary name, then placed
+and counted in one step under the usage file's lock (`_place`): a reader never sees half
+of a file, the usage file counts exactly the entries in place, and two processes that
+write one entry at once leave one file, counted once. A file being written is not counted
+(at most one per writing process); a writer killed mid-write leaves its temporary file,
+which a disk cache's `NodeCache` removes when a run starts (`drop_leftovers`).
 
 A file written by another run with the same settings is a hit as long as its source
 file's size and modification time are unchanged; otherwise it is a miss and is replaced.
 An entry that is truncated, unreadable or fails its CRC is decoded again, never served.
-Files are written to a temporary name and linked (or renamed) into place, so a reader never
-sees half of one, and two processes writing one entry at once count it once (`_place`). A
-writer killed before that leaves its temporary file, and its bytes counted: a disk cache's
-`NodeCache` removes such files when a run starts (`drop_leftovers`).
 """
 
 from __future__ import annotations
@@ -49,7 +46,6 @@ __all__ = ["BLOCK", "DiskStore", "footprint"]
 assert __all__ == sorted(__all__)
 
 
-LEASE = 16 << 20  # budget a mapped store's process takes at once (one lock per lease)
 LEFTOVER_S = 600.0  # a temporary file this old is a writer's that died: no write takes this
 
 
@@ -78,8 +74,6 @@ class DiskStore:
         self._root_id = mapped_entries.identity(self.root)  # made anew: another cache
         self.tally = Tally()
         self.full = False
-        self._lease = 0  # bytes of the budget taken and not yet written (`put`, `settle`)
-        self._written_n = 0  # entries written since the usage file last counted them
         self._usage = Usage(self.root)
         self._dirs: set[str] = set()  # the <ab> directories known to exist
 
@@ -136,22 +130,12 @@ class DiskStore:
             return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
     def put(self, i: str, entry: Entry) -> None:
-        """Write one entry now, within this process's lease of the budget (`LEASE`: a
-        mapped store's process takes budget a lease at a time and gives back what it did
-        not use at `settle`; other stores take it per entry), or refuse it (``full``)."""
+        """Write one entry now, or refuse it (``full``) where the budget has no room.
+
+        The entry is written to a temporary file, then placed and counted in one step
+        under the usage file's lock (`_place`)."""
         path = self.path(i)
         head, body = entryfile.parts(entry)  # the body is a view, not a copy
-        size = footprint(len(head) + len(body))
-        with contextlib.suppress(OSError):  # replaced (its source changed, or it was bad):
-            old = footprint(os.path.getsize(path))  # its bytes and entry given back at once, so a
-            os.unlink(path)  # process killed before its next count leaves none counted
-            with self._usage.counting() as usage:
-                usage[0] -= old
-                usage[1] -= 1
-        if self._lease < size and not self._take(size):
-            self.tally.refused += 1
-            self.full = True
-            return
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
             with self._create(tmp) as f:
@@ -159,18 +143,49 @@ class DiskStore:
                 f.write(body)  # the pixels' own buffer: no copy of them first
                 f.flush()
                 written = self._written(f, entry, len(head))
-            raced = _place(tmp, path)
-        except BaseException:  # a full disk, a cleared cache: the lease keeps its bytes
+            placed = self._place(tmp, path, entry, footprint(len(head) + len(body)))
+        except BaseException:  # a full disk, a cleared cache: nothing placed, nothing counted
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        self._lease -= size
-        if raced is None:
-            self._written_n += 1
-        else:  # another process wrote the same entry meanwhile: one entry, its bytes back
-            self._lease += raced
-        if written is not None:
+        if placed and written is not None:
             self._remember(i, written)
+
+    def _place(self, tmp: str, path: str, entry: Entry, size: int) -> bool:
+        """Move the written ``tmp`` (``size`` bytes of the budget) to ``path`` and count
+        it, in one step under the usage file's lock; else remove it and return False.
+
+        The same ``entry`` placed there meanwhile by another process of the node (two
+        tasks that decode one sample at once: an epoch and the next one's read-ahead) is
+        kept, so the node holds and counts one file; any other (its source changed,
+        damaged, a record an older version kept) is replaced, its bytes given back; and
+        an entry the budget has no room for is refused (``full``)."""
+        with self._usage.counting() as usage:
+            old = _size(path)
+            if old is not None and self._same(path, entry):
+                os.unlink(tmp)
+                return False
+            if usage[0] - (old or 0) + size > self.budget:
+                os.unlink(tmp)
+                self.tally.refused += 1
+                self.full = True
+                return False
+            os.replace(tmp, path)
+            usage[0] += size - (old or 0)
+            usage[1] += old is None
+        return True
+
+    def _same(self, path: str, entry: Entry) -> bool:
+        """Whether the file at ``path`` holds ``entry`` (its source, checksum and shape),
+        whole and sound."""
+        try:
+            there = entryfile.parse(self._read(path))
+        except (OSError, ValueError):
+            return False
+        return (there is not None and tuple(there.ident) == tuple(entry.ident)
+                and (there.crc, there.check, there.shape, there.reason)
+                == (entry.crc, entry.check, entry.shape, entry.reason)
+                and there.sound())  # fmt: skip
 
     def _create(self, tmp: str):
         """The new file ``tmp``, open to write; its directory made on first use here, never
@@ -184,48 +199,20 @@ class DiskStore:
         return open(tmp, "w+b" if self.mapped else "wb")
 
     def settle(self) -> None:
-        """Give back the unused lease and count the entries written since the last time;
-        close the usage file until the next count."""
-        try:
-            if self._lease or self._written_n:
-                with self._usage.counting() as usage:
-                    usage[0] -= self._lease
-                    usage[1] += self._written_n
-                self._lease = self._written_n = 0
-        finally:
-            self._usage.close()
-
-    def _take(self, size: int) -> bool:
-        """Take ``size`` bytes of the budget, or a whole `LEASE` while the budget has
-        room for more than two (a mapped store): False when it has not ``size`` left."""
-        with self._usage.counting() as usage:
-            free = self.budget - (usage[0] - self._lease)  # the unused rest comes back
-            if free < size:
-                return False
-            grant = LEASE if self.mapped and free > 2 * LEASE else size
-            grant = max(size, grant) - self._lease
-            usage[0] += grant
-            usage[1] += self._written_n
-        self._lease += grant
-        self._written_n = 0
-        return True
+        """A task's end: close the usage file until the next count; take entries again
+        (``full`` is one task's: the budget may have room for a smaller one)."""
+        self.full = False
+        self._usage.close()
 
     def drop_leftovers(self, older_than_s: float = LEFTOVER_S) -> int:
         """Remove the temporary files of writers that died mid-write (older than
-        ``older_than_s``) and give their bytes back to the budget; how many there were."""
-        now, freed, removed = time.time(), 0, 0
+        ``older_than_s``; nothing counts them); how many there were."""
+        now, removed = time.time(), 0
         for f in _files(self.root, ".tmp"):
             with contextlib.suppress(OSError):
-                st = f.stat(follow_symlinks=False)
-                if now - st.st_mtime > older_than_s:
+                if now - f.stat(follow_symlinks=False).st_mtime > older_than_s:
                     os.unlink(f.path)
                     removed += 1
-                    if st.st_nlink == 1:  # else linked into place already: counted there
-                        freed += footprint(st.st_size)
-        if freed:
-            with self._usage.counting() as usage:
-                usage[0] -= freed
-            self._usage.close()
         return removed
 
     def held(self) -> tuple[int, int]:
@@ -241,23 +228,6 @@ def _files(root: str, suffix: str):
             if sub.is_dir(follow_symlinks=False):
                 with contextlib.suppress(OSError), os.scandir(sub.path) as files:
                     yield from (f for f in files if f.name.endswith(suffix))
-
-
-def _place(tmp: str, path: str) -> int | None:
-    """Move the written ``tmp`` to ``path``: None when ``path`` was free, else the bytes of
-    the file it replaced, which another process of the node wrote since this one looked
-    (two tasks that decode one sample at once: an epoch and the next one's read-ahead).
-    A hard link claims ``path`` atomically; without hard links, a rename, which replaces
-    what it finds, so ``path`` is looked at just before."""
-    try:
-        os.link(tmp, path)
-    except OSError:  # taken meanwhile (FileExistsError), or a file system without hard links
-        raced = _size(path)
-    else:
-        os.unlink(tmp)
-        return None
-    os.replace(tmp, path)
-    return raced
 
 
 def _size(path: str) -> int | None:

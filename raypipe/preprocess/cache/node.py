@@ -79,7 +79,7 @@ def cache_root(config, node_id: str | None = None) -> str | None:
     """The directory of a node's entries: ``cache_dir/<digest>`` (``"disk"``, the same on
     every node), or the node's own under `shm.SHM_DIR` (``"memory"``)."""
     if config.cache == "disk":
-        return os.path.join(config.cache_dir, digest(config))
+        return os.path.join(os.path.expanduser(config.cache_dir), digest(config))
     if config.cache == "memory":
         return os.path.join(shm.SHM_DIR, _name(config, node_id or ""))
     return None

@@ -209,8 +209,10 @@ class SampleCache:
                                    self.config.max_image_pixels)  # fmt: skip
         except Exception as e:
             reason = reason_of(e, raw.data)
-            # only decoding's verdict is kept: a reader's reasons are others, and it says them again
-            if i is not None and reason in DECODE_REASONS and self._keeping():
+            # only decoding's verdict on the data is kept: a reader's reasons are others, and
+            # it says them again; a worker out of memory says nothing about the sample
+            if (i is not None and reason in DECODE_REASONS and not isinstance(e, MemoryError)
+                    and self._keeping()):  # fmt: skip
                 seconds = read_s + time.perf_counter() - t0
                 self._keep(
                     i, Entry(ident, raw.where, seconds, None, reason, detail_of(e, raw.data))
