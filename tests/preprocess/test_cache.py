@@ -444,8 +444,9 @@ def test_entries_name_their_checksum_and_an_older_crc32_entry_is_still_checked(t
     from raypipe.preprocess.cache.entryfile import MAGIC
 
     fresh = Entry.image(IDENT, "a.jpg", 0.01, pixels())
-    assert fresh.check == ("crc32c" if crc32c.hardware_based else "crc32")
-    assert fresh.crc == cache_store.CHECKS[fresh.check](pixels().data)
+    assert fresh.check == ("crc32c" if crc32c.hardware_based else "crc32") + "+shape"
+    crc = cache_store.CHECKS[fresh.check.partition("+")[0]]
+    assert fresh.crc == crc(struct.pack("<3q", 12, 14, 3), crc(pixels().data))
     st = DiskStore(str(tmp_path / "old"), budget=1 << 20)
     head = {"ident": list(IDENT), "where": "o.jpg", "seconds": 0.01, "reason": None,
             "detail": None, "crc": zlib.crc32(pixels(3).data), "shape": [12, 14, 3],
@@ -460,6 +461,23 @@ def test_entries_name_their_checksum_and_an_older_crc32_entry_is_still_checked(t
     damaged[-5] ^= 0x01
     path.write_bytes(bytes(damaged))
     assert st.get_many(["o"], [IDENT]) == [None] and st.tally.corrupt == 1
+
+
+def test_a_header_whose_shape_was_changed_is_not_served(tmp_path):
+    """The checksum covers the shape too: a header that says 14 x 12 of a 12 x 14 image
+    (the same bytes, another image) is a corrupt entry, decoded again; it was served."""
+    import json
+    import struct
+
+    st = DiskStore(str(tmp_path / "c"), budget=1 << 20)
+    put_all(st, [("a", Entry.image(IDENT, "a.jpg", 0.01, pixels()))])
+    path = Path(st.path("a"))
+    data = path.read_bytes()
+    (n,) = struct.unpack("<I", data[8:12])
+    head = json.loads(data[12 : 12 + n]) | {"shape": [14, 12, 3]}
+    text = json.dumps(head).encode()
+    path.write_bytes(data[:8] + struct.pack("<I", len(text)) + text + data[12 + n :])
+    assert DiskStore(str(tmp_path / "c"), budget=1 << 20).get_many(["a"], [IDENT]) == [None]
 
 
 def ramp(height: int = 40, width: int = 60) -> np.ndarray:
@@ -503,8 +521,9 @@ def test_a_jpeg_entry_written_before_its_bytes_were_checked_is_still_checked(tmp
 
     stored = encode_stored(ramp())
     data, served = stored.data, stored.pixels()
+    check = CHECK.partition("+")[0]  # as they were written: the pixels' bytes alone
     head = {"ident": list(IDENT), "where": "o.jpg", "seconds": 0.01, "reason": None,
-            "detail": None, "crc": CHECKS[CHECK](served.data), "check": CHECK,
+            "detail": None, "crc": CHECKS[check](served.data), "check": check,
             "shape": list(served.shape), "encoding": "jpeg"}  # fmt: skip
     text = json.dumps(head).encode()
     st = DiskStore(str(tmp_path / "old"), budget=1 << 20)

@@ -12,18 +12,31 @@ from the source, never served.
 from __future__ import annotations
 
 import dataclasses
+import struct
 import zlib
 
 import crc32c
 import numpy as np
 
-__all__ = ["CHECKS", "Entry", "Tally"]
+__all__ = ["CHECKS", "Entry", "Tally", "checksum"]
 assert __all__ == sorted(__all__)
 
 # a checksum of the pixels, by the name an entry records: CRC32C runs 4-5x faster than
-# zlib's CRC32 where the CPU has an instruction for it
+# zlib's CRC32 where the CPU has an instruction for it; "+shape": the shape's numbers after
+# them (entries written before covered the bytes alone)
 CHECKS = {"crc32c": crc32c.crc32c, "crc32": zlib.crc32}
-CHECK = "crc32c" if crc32c.hardware_based else "crc32"  # what new entries use
+CHECK = ("crc32c" if crc32c.hardware_based else "crc32") + "+shape"  # what new entries use
+
+
+def checksum(check: str, data, shape: tuple[int, ...]) -> int | None:
+    """``data``'s checksum of kind ``check`` (with ``shape``'s numbers where it says so);
+    None for a kind this version does not know."""
+    name, _, covers = check.partition("+")
+    fn = CHECKS.get(name)
+    if fn is None or covers not in ("", "shape"):
+        return None
+    crc = fn(data)
+    return fn(struct.pack(f"<{len(shape)}q", *shape), crc) if covers else crc
 
 
 @dataclasses.dataclass
@@ -37,7 +50,7 @@ class Entry:
     reason: str | None = None
     detail: str | None = None
     crc: int = 0
-    check: str = CHECK  # which of `CHECKS` made ``crc``
+    check: str = CHECK  # which of `CHECKS` made ``crc`` (and what it covers: `checksum`)
     shape: tuple[int, ...] | None = None  # the pixels' (H, W, 3)
     # cache_encoding="jpeg": what is stored. Without ``pixels`` (left to the crop) ``crc``
     # covers these bytes; with them (an entry from before) it covers the pixels.
@@ -46,7 +59,7 @@ class Entry:
     @classmethod
     def image(cls, ident, where: str, seconds: float, pixels: np.ndarray) -> Entry:
         """A decoded image's entry: its raw ``pixels``, the checksum theirs."""
-        return cls(ident, where, seconds, pixels, crc=CHECKS[CHECK](pixels.data),
+        return cls(ident, where, seconds, pixels, crc=checksum(CHECK, pixels.data, pixels.shape),
                    shape=tuple(pixels.shape))  # fmt: skip
 
     @classmethod
@@ -54,22 +67,22 @@ class Entry:
                shape: tuple[int, int, int]) -> Entry:  # fmt: skip
         """A ``cache_encoding="jpeg"`` entry: the JPEG ``data`` of a ``shape`` image, the
         checksum its bytes'."""
-        return cls(ident, where, seconds, None, crc=CHECKS[CHECK](data), shape=tuple(shape),
-                   encoded=data)  # fmt: skip
+        return cls(ident, where, seconds, None, crc=checksum(CHECK, data, tuple(shape)),
+                   shape=tuple(shape), encoded=data)  # fmt: skip
 
     def sound(self) -> bool:
         """True when the entry can be served: a reason, or pixels (or a JPEG) that match
         their shape and CRC."""
         if self.shape is None:
             return self.reason is not None and self.pixels is None
-        check = CHECKS.get(self.check)
-        if check is None or len(self.shape) != 3 or self.shape[2] != 3:
+        if len(self.shape) != 3 or self.shape[2] != 3:
             return False
         p = self.pixels
         if p is None:  # a JPEG, its bytes checked
-            return self.encoded is not None and check(self.encoded) == self.crc
+            return (self.encoded is not None
+                    and checksum(self.check, self.encoded, self.shape) == self.crc)  # fmt: skip
         return (p.dtype == np.uint8 and p.shape == tuple(self.shape) and p.flags.c_contiguous
-                and check(p.data) == self.crc)  # fmt: skip
+                and checksum(self.check, p.data, self.shape) == self.crc)  # fmt: skip
 
 
 @dataclasses.dataclass
