@@ -127,7 +127,9 @@ class Pipeline:
 
     @staticmethod
     def ledger(world_size: int):
-        """The handle ``world_size`` ranks of one run share as ``ledger=`` (one run only)."""
+        """The handle ``world_size`` ranks of one run share as ``ledger=`` (one run only);
+        with no Ray up, raypipe's local one starts first (loopback only), as a Pipeline's."""
+        localnode.ensure()
         return create_ledger(world_size)
 
     def epochs(self) -> Iterator[tuple[int, TorchBatches]]:

@@ -139,3 +139,14 @@ def test_raypipe_run_listens_on_loopback_only(tmp_path):
     breaches = [line for line in lines if QUIET_BREACH.search(line)]
     assert not breaches, out
     assert len(lines) <= 15, out  # an epoch line and the summary
+
+
+def test_a_ledger_made_before_any_ray_starts_raypipes_loopback_one(tmp_path):
+    """`Pipeline.ledger` is the first Ray call of the TorchTrainer recipe (docs/trainers.md):
+    with no Ray up it started Ray's own default, on the machine's address."""
+    code = ("import ray, raypipe\nraypipe.Pipeline.ledger(2)\n"
+            "print('node', ray.util.get_node_ip_address())\nray.shutdown()\n")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_plain_env(),
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "node 127.0.0.1" in out.stdout, out.stdout + out.stderr[-2000:]
