@@ -55,8 +55,11 @@ def join_ranks(asked: Any, rank: int, world: int, *, group: str, settings: dict[
 
 def run_settings(config: PipelineConfig, *, epochs: int, listing: Listing,
                  drop_last: bool) -> dict[str, str]:  # fmt: skip
-    """What every rank must agree on, as text: the config, the epochs, the data."""
+    """What every rank must agree on, as text: the config, the epochs, the data. Of
+    ``storage_options`` only the names: their values may be each rank's own credentials,
+    which the ledger is not sent and an error never prints (the data is the listing's)."""
     out = {f.name: _text(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    out["storage_options"] = _text(sorted(config.storage_options or ()))
     out.update(epochs=str(epochs), dataset=listing.fingerprint, drop_last=str(drop_last))
     return out
 

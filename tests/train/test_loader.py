@@ -201,3 +201,22 @@ def test_ranks_that_disagree_fail_before_work_in_one_line(ray_session, datasets,
     assert sorted(r for r, _ in errors) == [0, 1]
     for _, message in errors:
         assert "\n" not in message and any(m in message for m in match), message
+
+
+def test_the_ranks_settings_hold_no_storage_credentials():
+    """What the ranks compare (and a disagreement prints) names the storage options, never
+    their values: each rank's own session token is not a disagreement, nor sent anywhere."""
+    from raypipe.plan.shards import Listing, Shard
+    from raypipe.train.ranks import run_settings
+
+    listing = Listing("parquet", (Shard("s3://b/d/a.parquet", 0, 8),))
+    mine, theirs = (
+        run_settings(
+            PipelineConfig(source="s3://b/d", storage_options={"key": "AKIA1", "secret": s}),
+            epochs=1,
+            listing=listing,
+            drop_last=True,
+        )  # fmt: skip
+        for s in ("s3cr3t-0", "s3cr3t-1")
+    )
+    assert mine == theirs and "s3cr3t" not in repr(mine) and "key" in mine["storage_options"]
