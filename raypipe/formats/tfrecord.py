@@ -232,10 +232,13 @@ def _record(f, key: int, offset: int, file: str, length: int, skip: bool,
 
 
 def _sample(data: bytes, key: int, where: str, reader) -> RawSample:
-    try:
-        features = parse_example(data)
+    try:  # a damaged message, or a feature's list inside it: this record alone is bad
+        return _fields(parse_example(data), key, where, reader)
     except (ValueError, IndexError, UnicodeDecodeError) as e:
         return RawSample(key, -1, None, where, f"not a tf.train.Example: {e}", "bad_record")
+
+
+def _fields(features: dict, key: int, where: str, reader) -> RawSample:
     names = pick(features, reader.image_column, reader.label_column, CONVENTIONS)
     if names is None:
         detail = unknown_fields("the record", features, reader.image_column,
@@ -245,18 +248,15 @@ def _sample(data: bytes, key: int, where: str, reader) -> RawSample:
     (ikind, image), (lkind, label) = features[image_name], features[label_name]
     images = feature_values(ikind, image) if ikind == 1 else []
     if not images:
-        return RawSample(
-            key, -1, None, where, f"feature {image_name!r} holds no bytes", "wrong_type"
-        )
+        detail = f"feature {image_name!r} holds no bytes"
+        return RawSample(key, -1, None, where, detail, "wrong_type")
     labels = feature_values(lkind, label) if lkind == 3 else []
     if len(labels) != 1:
         what = "no int64" if not labels else f"{len(labels)} int64s"
         return RawSample(key, -1, None, where, f"feature {label_name!r} holds {what}, not one",
                          "bad_label")  # fmt: skip
-    extras = None
-    if reader.extras:
-        extras = {k: _plain(feature_values(kind, v)) for k, (kind, v) in features.items()
-                  if k not in (image_name, label_name)}  # fmt: skip
+    extras = {k: _plain(feature_values(kind, v)) for k, (kind, v) in features.items()
+              if reader.extras and k not in (image_name, label_name)}  # fmt: skip
     return RawSample(key, labels[0], images[0], where, extras=extras)
 
 

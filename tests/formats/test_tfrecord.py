@@ -309,3 +309,22 @@ def test_a_tfrecord_source_in_s3_reads_as_its_local_copy(ray_session, tmp_path, 
         (s.path.split("/tf/")[1], s.first_key, s.num_samples) for s in a.shards
     ]
     assert keys_and_labels(remote) == dict(enumerate(labels))
+
+
+def test_a_record_whose_feature_list_is_damaged_is_that_record_alone(tmp_path):
+    """CRCs sound, the Example's outer fields too, but the image's bytes_list claims 1,000
+    bytes and holds 3 (a buggy writer): that record is a bad_record skip and the records
+    after it are read; they were all lost as the shard's unreadable rest."""
+    from raypipe.formats.tfexample import _message, _uvarint, encode_example, frame
+
+    recs = [encode_example({"image": png(i), "label": i}) for i in range(6)]
+    feature = _message(1, b"\x0a" + _uvarint(1000) + b"abc")
+    entry = _message(1, _message(1, b"image") + _message(2, feature))
+    label = _message(1, _message(1, b"label") + _message(2, _message(3, _message(1, _uvarint(3)))))
+    recs[3] = _message(1, entry + label)
+    root = tmp_path / "tf"
+    root.mkdir()
+    (root / "a.tfrecord").write_bytes(b"".join(frame(r) for r in recs))
+    got = records(PipelineConfig(source=str(root)))
+    assert [r.reason for r in got] == [None] * 3 + ["bad_record"] + [None] * 2
+    assert [r.label for r in got if r.reason is None] == [0, 1, 2, 4, 5]
