@@ -136,8 +136,22 @@ class Reader:
     def read(self, path: str, first_key: int, label: int,
              done: np.ndarray | None = None) -> Iterator[RawSample]:  # fmt: skip
         """The raw samples of one shard in key order; members marked in ``done`` (a bool
-        per member, for a resumed epoch) are passed over without reading their bytes."""
-        return get_format(self.format).read(self, path, first_key, label, done)
+        per member, for a resumed epoch) are passed over without reading their bytes.
+
+        Where the source names its classes, a label outside them (a Hugging Face
+        ``ClassLabel``'s -1 for "no label", an index past the names) is a bad_label sample,
+        never a target the loss would fail on mid-run."""
+        samples = get_format(self.format).read(self, path, first_key, label, done)
+        if not self.classes:
+            return samples
+        return (_in_classes(raw, len(self.classes)) for raw in samples)
+
+
+def _in_classes(raw: RawSample, n: int) -> RawSample:
+    if raw.reason is not None or 0 <= raw.label < n:
+        return raw
+    return RawSample(raw.key, -1, None, raw.where, f"label {raw.label} is outside the {n} named "
+                     f"classes (0..{n - 1})", "bad_label")  # fmt: skip
 
 
 def infer_format(paths: list[str], storage: Storage | None = None) -> str:

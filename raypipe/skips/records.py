@@ -14,7 +14,7 @@ assert __all__ == sorted(__all__)
 REASONS = (
     "bad_audio",  # an audio member libsndfile cannot decode (samples with no image)
     "bad_checksum",  # a TFRecord record whose CRC32C fails (its file and byte offset)
-    "bad_label",  # a label that is not an integer
+    "bad_label",  # a label that is not an integer, or outside the named classes
     "bad_record",  # a record that is not a tf.train.Example, an LMDB value not pickle/msgpack
     "decode_error",  # the decoder failed for another reason
     "decompression_bomb",  # more pixels than PipelineConfig.max_image_pixels

@@ -330,3 +330,25 @@ def test_inspect_names_the_columns_a_parquet_source_has(tmp_path, capsys):
     (root / "a-damaged.parquet").write_bytes(b"PAR1 but nothing after it")  # listed first
     assert main(["inspect", str(root)]) == 1  # reported, not a traceback
     assert "skip: missing_column" in capsys.readouterr().out
+
+
+def test_a_label_outside_the_named_classes_is_a_bad_label_skip(tmp_path):
+    """A Hugging Face ``ClassLabel`` column holds -1 for "no label" (a test split): those
+    rows were delivered with target -1, and the loss failed mid-run. With named classes,
+    a label outside them is a bad_label skip, which ``inspect`` shows."""
+    import datasets
+
+    labels = [0, 1, -1, 3, -1, 2]
+    features = datasets.Features({"image": datasets.Image(),
+                                  "label": datasets.ClassLabel(names=NAMES)})  # fmt: skip
+    images = [Image.open(io.BytesIO(png(3 * i))) for i in range(len(labels))]
+    ds = datasets.Dataset.from_dict({"image": images, "label": labels}, features=features)
+    root = tmp_path / "hf"
+    root.mkdir()
+    ds.to_parquet(str(root / "test-00000-of-00001.parquet"))
+    listing = list_shards(PipelineConfig(source=str(root)))
+    assert listing.classes == tuple(NAMES)
+    got = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
+    assert [r.label for r in got] == [0, 1, -1, 3, -1, 2]
+    assert [r.reason for r in got] == [None, None, "bad_label", None, "bad_label", None]
+    assert f"label -1 is outside the {len(NAMES)} named classes" in got[2].error
