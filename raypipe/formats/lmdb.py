@@ -62,8 +62,14 @@ def _opened(path: str, inode: int, mtime_ns: int):
     lmdb = _lmdb()
     subdir = os.path.basename(path) == "data.mdb"
     where = os.path.dirname(path) if subdir else path
-    return lmdb.open(where, subdir=subdir, readonly=True, lock=False, readahead=False,
-                     meminit=False, max_readers=2048)  # fmt: skip
+    env = lmdb.open(where, subdir=subdir, readonly=True, lock=False, readahead=False,
+                    meminit=False, max_readers=2048)  # fmt: skip
+    need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    if os.path.getsize(path) < need:  # cut short: a read past its end would kill the process
+        env.close()  # (SIGBUS on the mapping), where this is one unreadable shard
+        raise ValueError(f"the file is cut short: {os.path.getsize(path)} bytes of the {need} "
+                         "its pages need")  # fmt: skip
+    return env
 
 
 def _is_meta(key: bytes) -> bool:

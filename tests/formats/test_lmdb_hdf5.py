@@ -268,3 +268,23 @@ def test_inspect_shows_where_images_and_labels_are(tmp_path, capsys, monkeypatch
     out = capsys.readouterr().out
     assert "hdf5 (inferred)" in out and "dataset 'labels', images 'images' (raw pixels" in out
     assert "3 (pieces of 1 file)" in out and "12x10 RGB" in out
+
+
+def test_an_lmdb_file_cut_short_is_one_unreadable_shard_not_a_dead_process(tmp_path):
+    """LMDB maps its file: reading a page past the end of a data.mdb cut short (a copy that
+    stopped) killed the process with SIGBUS, listing included, without a word. Run in a
+    child process, as the failure was."""
+    import subprocess
+    from pathlib import Path
+
+    env = lmdb_env(tmp_path / "db", labels_of(200, seed=3))
+    data = Path(env) / "data.mdb"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    code = ("import sys\nfrom raypipe import PipelineConfig\nfrom raypipe.plan.shards import "
+            "list_shards\nl = list_shards(PipelineConfig(source=sys.argv[1]))\n"
+            "print([(r.reason, r.error) for s in l.shards for r in l.reader.read(s.path, "
+            "s.first_key, -1)])\n")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code, str(env)], capture_output=True, text=True,
+                         timeout=60, cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    assert out.returncode == 0, (out.returncode, out.stderr[-1500:])
+    assert "'unreadable_shard'" in out.stdout and "the file is cut short" in out.stdout
