@@ -29,29 +29,12 @@ from raypipe.loader.pipeline import Pipeline, rank_batches, rank_plan
 from raypipe.plan.rankplan import RankPlan
 from raypipe.plan.shards import Listing, list_shards
 from raypipe.train.checkpoint import any_rank
+from raypipe.train.epochread import MISUSE, EpochRead, EpochSampler
 from raypipe.train.ranks import join_ranks, leave, resolve_world, run_settings
 from raypipe.train.state import PipelineState, merge_states
 
 __all__ = ["Loader"]
 assert __all__ == sorted(__all__)
-
-MISUSE = (
-    "a Loader gives one epoch at a time: an iterator of it was used after a later iter() "
-    "(the same Loader iterated twice at once: nested or zipped loops?)"
-)
-
-
-@dataclasses.dataclass
-class _Epoch:
-    """The epoch being read: its batches, the keys consumed before a resume, and whether it
-    is over for the consumer (read to the end, or left)."""
-
-    epoch: int
-    batches: Any  # a TorchBatches: state_dict()["keys"] are the keys handed out
-    base: np.ndarray | None
-    most: int | None  # batches the epoch has at most (drop_last); reached: it is over
-    count: int = 0
-    over: bool = False
 
 
 class Loader:
@@ -99,7 +82,7 @@ class Loader:
         self._epochs: Iterator | None = None  # the pipeline's epochs() generator
         self._generation = 0  # pipelines built so far: each reports under its own group
         self._next, self._base = 0, None  # the next epoch and its keys consumed before
-        self._running: _Epoch | None = None
+        self._running: EpochRead | None = None
         self._latest: object | None = None  # the newest iter()'s token: older ones are stale
         self._closed = False
         self._len_plan: RankPlan | None = None  # a fresh epoch's plan, for len()
@@ -119,7 +102,7 @@ class Loader:
         token = self._latest = object()
         return self._read(token)
 
-    def _claim(self) -> _Epoch:
+    def _claim(self) -> EpochRead:
         """Take the next epoch from the pipeline (what is left of the last one is dropped)."""
         if self._next >= self.num_epochs:
             raise RuntimeError(f"the Loader's epochs={self.num_epochs} were all read")
@@ -128,7 +111,7 @@ class Loader:
         epoch, batches = next(self._epochs)
         assert epoch == self._next, (epoch, self._next)
         most = rank_batches(self.config, self.listing, self._pipeline.plan, epoch, self._drop_last)
-        run = _Epoch(epoch, batches, self._base, most)  # Lightning stops at len(), not at the end
+        run = EpochRead(epoch, batches, self._base, most)  # Lightning stops at len(), not the end
         self._next, self._base, self._running = epoch + 1, None, run
         return run
 
@@ -161,11 +144,22 @@ class Loader:
         return rank_batches(self.config, self.listing, self._len_plan, epoch, self._drop_last)
 
     def set_epoch(self, epoch: int) -> None:
-        """The next ``iter()`` gives ``epoch``; the next epoch anyway: nothing changes."""
+        """The next epoch read is ``epoch`` (an iterator not started yet reads it too); the
+        next epoch anyway: nothing changes."""
         if not isinstance(epoch, int) or not 0 <= epoch < self.num_epochs:
             raise ValueError(f"{epoch=} must be an integer in 0..{self.num_epochs - 1}")
         if epoch != self._next:
+            latest = self._latest
             self._restart(epoch, None)
+            self._latest = latest  # a started one is stale: its epoch is no longer running
+
+    batch_sampler = None  # what Lightning reads beside ``sampler`` (no batches of indices)
+
+    @property
+    def sampler(self) -> EpochSampler:
+        """What Lightning calls ``set_epoch`` on at each epoch: a fit resumed from a
+        checkpoint taken at an epoch's end gives the Loader no state, only the epoch."""
+        return EpochSampler(self)
 
     @property
     def epoch(self) -> int:

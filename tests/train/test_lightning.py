@@ -44,9 +44,11 @@ def _fit(config, folder, ckpt_path=None) -> Tiny:
     model = Tiny()
     checkpoints = ModelCheckpoint(dirpath=folder, filename="{epoch}-{step}", save_top_k=-1,
                                   every_n_train_steps=EVERY)  # fmt: skip
+    ends = ModelCheckpoint(dirpath=folder / "ends", filename="{epoch}", save_top_k=-1,
+                           every_n_epochs=1, save_on_train_epoch_end=True)  # fmt: skip
     trainer = L.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False,
                         enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, callbacks=[checkpoints])  # fmt: skip
+                        num_sanity_val_steps=0, callbacks=[checkpoints, ends])  # fmt: skip
     val = config.replace(train=False)
     with Loader(config, epochs=2, device="cpu") as train, \
          Loader(val, epochs=2, device="cpu", drop_last=False) as held_out:  # fmt: skip
@@ -85,6 +87,13 @@ def test_lightning_fits_two_epochs_and_resumes_from_its_checkpoints(
     assert [e for e, _ in resumed.trained] == [1] * 15
     assert [k for _, k in resumed.trained] == [k for e, k in first.trained if e == 1]
     assert np.array_equal(sorted(_keys(resumed.validated)), sorted(_keys(first.validated[-16:])))
+
+    # a checkpoint taken at the epoch's end (ModelCheckpoint(every_n_epochs=1), Ray Train's
+    # report callback): Lightning gives the loader no state then, only set_epoch(1); the
+    # loader read epoch 0 again, its batches trained as epoch 1
+    resumed = _fit(config, tmp_path / "d", ckpt_path=tmp_path / "a" / "ends" / "epoch=0.ckpt")
+    assert [e for e, _ in resumed.trained] == [1] * 15
+    assert [k for _, k in resumed.trained] == [k for e, k in first.trained if e == 1]
 
 
 def ray_lightning_func(cfg: dict) -> None:

@@ -220,3 +220,28 @@ def test_the_ranks_settings_hold_no_storage_credentials():
         for s in ("s3cr3t-0", "s3cr3t-1")
     )
     assert mine == theirs and "s3cr3t" not in repr(mine) and "key" in mine["storage_options"]
+
+
+def test_set_epoch_after_iter_before_the_first_batch_reads_that_epoch(ray_session, datasets):
+    """A DataLoader's sampler is read at the first ``next()``: Lightning makes the iterator,
+    then sets the epoch. The Loader raised "used after a later iter()" there. Its
+    ``sampler`` (what Lightning calls ``set_epoch`` on) moves it on, never back."""
+    config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=8, batch_size=4,
+                            actors=(1, 1))  # fmt: skip
+
+    def keys(batches) -> list[int]:
+        return [k for b in batches for k in b["key"].tolist()]
+
+    with Loader(config, epochs=3, device="cpu") as loader:
+        it = iter(loader)
+        loader.set_epoch(2)
+        late = keys(it)
+    with Loader(config, epochs=3, device="cpu") as loader:
+        loader.set_epoch(2)
+        assert keys(loader) == late and loader.epoch == 3  # read: the next is past the end
+    with Loader(config, epochs=3, device="cpu") as loader:
+        first = keys(loader)
+        loader.sampler.set_epoch(0)  # a validation pass behind: read on, not again
+        assert loader.epoch == 1 and keys(loader) != first
+        loader.sampler.set_epoch(2)  # ahead: moved on
+        assert keys(loader) == late

@@ -1,0 +1,43 @@
+"""What `raypipe.train.loader.Loader` keeps of the epoch it reads (`EpochRead`), and the
+``sampler`` it shows Lightning (`EpochSampler`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+__all__ = ["EpochRead", "EpochSampler", "MISUSE"]
+assert __all__ == sorted(__all__)
+
+MISUSE = (
+    "a Loader gives one epoch at a time: an iterator of it was used after a later iter() "
+    "(the same Loader iterated twice at once: nested or zipped loops?)"
+)
+
+
+@dataclasses.dataclass
+class EpochRead:
+    """The epoch being read: its batches, the keys consumed before a resume, and whether it
+    is over for the consumer (read to the end, or left)."""
+
+    epoch: int
+    batches: Any  # a TorchBatches: state_dict()["keys"] are the keys handed out
+    base: np.ndarray | None
+    most: int | None  # batches the epoch has at most (drop_last); reached: it is over
+    count: int = 0
+    over: bool = False
+
+
+class EpochSampler:
+    """`Loader.sampler`: Lightning's ``set_epoch`` at each epoch moves the Loader on to a
+    later epoch, never back (a validation Loader, a pass ahead of the training epoch,
+    reads on instead of starting its pool again)."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def set_epoch(self, epoch: int) -> None:
+        if self._loader.epoch < epoch < self._loader.num_epochs:
+            self._loader.set_epoch(epoch)
