@@ -10,8 +10,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_keys", "is_int", "is_num", "is_pair", "load_yaml", "python_scalars",
-           "resolve_callable"]  # fmt: skip
+__all__ = ["check_keys", "check_share", "is_int", "is_num", "is_pair", "load_yaml",
+           "python_scalars", "resolve_callable"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 
@@ -119,3 +119,13 @@ def resolve_callable(value: Any, field: str) -> Callable | None:
             "at module level in an importable module, or give 'module:function'"
         ) from None
     return value
+
+
+def check_share(batch_size: int, num_samples: int, ranks: int, what: str = "ranks") -> None:
+    """Refuse a batch no rank could fill (with ``drop_last``, every epoch would be empty);
+    ``what`` the ranks are called where they are set."""
+    if num_samples // ranks < batch_size:
+        raise ValueError(
+            f"batch_size={batch_size} is larger than one rank's share ({num_samples} samples "
+            f"/ {ranks} {what} = {num_samples // ranks}): no rank would get a full batch"
+        )

@@ -24,6 +24,7 @@ from typing import Any
 
 from raypipe import localnode
 from raypipe.config import PipelineConfig, rank_loader
+from raypipe.config.checks import check_share
 from raypipe.loader.ledger import create_ledger
 from raypipe.plan.rankplan import rank_pool
 from raypipe.plan.shards import Listing, list_shards
@@ -85,13 +86,7 @@ def list_sources(config: PipelineConfig, num_workers: int,
     if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
         raise ValueError(f"num_workers={num_workers!r} must be an integer >= 1")
     listing = list_shards(config)
-    per_rank = listing.num_samples // num_workers
-    if per_rank < config.batch_size:
-        raise ValueError(
-            f"batch_size={config.batch_size} is larger than one rank's share "
-            f"({listing.num_samples} samples / {num_workers} workers = {per_rank}): "
-            "no rank would get a full batch"
-        )
+    check_share(config.batch_size, listing.num_samples, num_workers, what="workers")
     held = None if eval_config is None else list_shards(eval_config)
     if held is not None and held.classes and listing.classes and held.classes != listing.classes:
         raise ValueError(

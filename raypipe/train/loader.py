@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from raypipe.config import LoaderConfig, PipelineConfig, rank_loader
+from raypipe.config.checks import check_share
 from raypipe.loader.pipeline import Pipeline, rank_batches, rank_plan
 from raypipe.plan.rankplan import RankPlan
 from raypipe.plan.shards import Listing, list_shards
@@ -225,6 +226,8 @@ class Loader:
 
     def _build(self) -> None:
         rank, world = self._rank_world()
+        if self._drop_last:  # every epoch empty otherwise; refused before the ranks join
+            check_share(self.config.batch_size, self.listing.num_samples, world)
         ledger = self._join()
         n = self.listing.num_samples
         start = None

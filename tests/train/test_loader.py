@@ -245,3 +245,14 @@ def test_set_epoch_after_iter_before_the_first_batch_reads_that_epoch(ray_sessio
         assert loader.epoch == 1 and keys(loader) != first
         loader.sampler.set_epoch(2)  # ahead: moved on
         assert keys(loader) == late
+
+
+def test_a_batch_no_rank_could_fill_is_refused_before_the_ranks_join(datasets):
+    """61 samples over 4 ranks, batches of 16: every epoch was empty, len() 0, no word
+    (train_ddp refused it); refused at the first iter(), before any rank joins."""
+    config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=8, batch_size=16)
+    loader = Loader(config, epochs=1, rank=0, world_size=4, device="cpu")
+    with pytest.raises(ValueError, match=r"batch_size=16 is larger than one rank's share "
+                       r"\(61 samples / 4 ranks = 15\)"):  # fmt: skip
+        next(iter(loader))
+    loader.close()
