@@ -98,8 +98,17 @@ class Storage:
         return io.BufferedReader(self.fs.open_input_file(self._path(uri)), READ_BUFFER)
 
     def open_arrow(self, uri: str):
-        """What pyarrow readers take: the local path, or a random-access remote file."""
-        return self.fs.open_input_file(self._path(uri)) if self.remote else uri
+        """What pyarrow readers take: the local path, or a random-access remote file (and a
+        local file whose name is not UTF-8, which pyarrow cannot take as a path: open)."""
+        if self.remote:
+            return self.fs.open_input_file(self._path(uri))
+        try:
+            uri.encode("utf-8")
+        except UnicodeEncodeError:  # a name os.fsdecode() escaped (Latin-1 bytes, say)
+            import pyarrow as pa
+
+            return pa.PythonFile(open(uri, "rb"), mode="r")
+        return uri
 
     def read_bytes(self, uri: str) -> bytes:
         if not self.remote:

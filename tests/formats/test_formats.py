@@ -352,3 +352,19 @@ def test_a_label_outside_the_named_classes_is_a_bad_label_skip(tmp_path):
     assert [r.label for r in got] == [0, 1, -1, 3, -1, 2]
     assert [r.reason for r in got] == [None, None, "bad_label", None, "bad_label", None]
     assert f"label -1 is outside the {len(NAMES)} named classes" in got[2].error
+
+
+def test_a_parquet_file_whose_name_is_not_utf8_is_read_whole(tmp_path):
+    """A Latin-1 'café.parquet' (an old archive, a Windows share): its name reaches pyarrow
+    escaped, which it could not take as a path, so its rows were one unreadable_shard."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"image": pa.array([png(i) for i in range(5)], pa.binary()),
+                      "label": list(range(5))})  # fmt: skip
+    with open(os.path.join(os.fsencode(str(tmp_path)), b"caf\xe9.parquet"), "wb") as f:
+        pq.write_table(table, f)
+    listing = list_shards(PipelineConfig(source=str(tmp_path)))
+    assert listing.num_samples == 5
+    got = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
+    assert [(r.reason, r.label) for r in got] == [(None, i) for i in range(5)]
