@@ -45,19 +45,26 @@ def pad_collate(batch: dict[str, np.ndarray], *, pad_value: int = 0) -> dict[str
                 warnings.filterwarnings("ignore", message=".*not writable.*")
                 out[field] = torch.from_numpy(np.ascontiguousarray(column))
         elif len(column) and all(isinstance(v, np.ndarray) for v in column):
-            out[field], out[f"{field}_mask"] = _pad([np.asarray(v) for v in column], pad_value)
+            out[field], out[f"{field}_mask"] = _pad(field, list(column), pad_value)
         else:
             out[field] = list(column)
     return out
 
 
-def _pad(arrays: list[np.ndarray], pad_value: int):
+def _pad(field: str, arrays: list[np.ndarray], pad_value: int):
+    """The rows in one array of the type that holds them all (rows of two actors can differ:
+    uint16 and int32 token ids, int and float), and their mask."""
     import torch
 
+    if len({a.ndim for a in arrays}) > 1:
+        ndims = sorted({a.ndim for a in arrays})
+        raise ValueError(f"field {field!r} has rows of {ndims} dimensions in one batch (mono "
+                         "and stereo clips?): make every row's dimensions the same")  # fmt: skip
     shapes = np.array([a.shape for a in arrays])
     top = tuple(shapes.max(axis=0))
     varies = np.flatnonzero((shapes != shapes[0]).any(axis=0))
-    padded = np.full((len(arrays), *top), pad_value, dtype=arrays[0].dtype)
+    dtype = np.result_type(*{a.dtype for a in arrays})
+    padded = np.full((len(arrays), *top), pad_value, dtype=dtype)
     leading_only = list(varies) in ([0], [])
     mask = np.zeros((len(arrays), top[0] if top else 1) if leading_only else padded.shape, bool)
     for i, a in enumerate(arrays):

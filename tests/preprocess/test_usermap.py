@@ -120,6 +120,21 @@ def test_pad_collate_alone():
     assert out["boxes"][2, 1:].abs().sum() == 0
 
 
+def test_pad_collate_holds_rows_of_two_actors_types_and_refuses_mixed_dimensions():
+    """A batch can hold rows of two actors whose files stored a field differently: token
+    ids of 70,000 as int32 beside uint16 rows wrapped to 4,464 in the first row's type;
+    rows of 1 and 2 dimensions failed inside numpy."""
+    column = np.empty(2, dtype=object)
+    column[:] = [np.array([5, 9], np.uint16), np.array([70_000, 65_536, 3], np.int32)]
+    out = pad_collate({"tokens": column, "key": np.arange(2)})
+    assert out["tokens"].tolist() == [[5, 9, 0], [70_000, 65_536, 3]]
+    column[:] = [np.array([1, 2]), np.array([0.5, 2.0])]
+    assert pad_collate({"x": column})["x"].tolist() == [[1.0, 2.0], [0.5, 2.0]]
+    column[:] = [np.zeros(16000, np.float32), np.zeros((2, 16000), np.float32)]
+    with pytest.raises(ValueError, match=r"field 'clip' has rows of \[1, 2\] dimensions"):
+        pad_collate({"clip": column})
+
+
 def test_a_failing_transform_skips_exactly_and_raise_names_the_file(ray_session, datasets):
     config = PipelineConfig(source=str(datasets["imagefolder"]), batch_size=4, actors=(1, 1),
                             transform=f"{T}:fails_on_every_20th", max_skipped=0.1)  # fmt: skip
