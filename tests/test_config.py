@@ -171,3 +171,14 @@ def test_no_image_is_refused_for_formats_without_fields(tmp_path, fmt):
 def test_a_bad_loader_value_is_named_before_the_cache_uses_it():
     with pytest.raises(ValueError, match=r"PipelineConfig.batch_size='256'"):
         PipelineConfig(source="d", cache="memory", cache_budget=10**9, batch_size="256")
+
+
+def test_a_device_torch_does_not_know_is_refused_where_it_is_set():
+    """``device="gpu"`` passed every check and failed at the first iter(), in torch's words,
+    after Ray and the ranks had started."""
+    from raypipe import Loader
+    from raypipe.config import LoaderConfig
+
+    with pytest.raises(ValueError, match=r"LoaderConfig.device='gpu': must be 'auto' or a torch"):
+        Loader(PipelineConfig(source="/tmp"), epochs=1, device="gpu")
+    assert LoaderConfig(device="cuda:1").device == "cuda:1"  # no GPU needed to name one

@@ -82,6 +82,8 @@ def check_loader(c, where: str) -> None:
         if hasattr(c, name) and not isinstance(getattr(c, name), bool):
             raise bad(name, "must be true or false")
     _check_normalization(c, bad)
+    if getattr(c, "device", "auto") != "auto" and not _is_device(c.device):
+        raise bad("device", "must be 'auto' or a torch device ('cpu', 'cuda', 'cuda:1', ...)")
     seed = getattr(c, "shuffle_seed", None)
     if seed is not None and (not is_int(seed) or seed < 0):
         raise bad("shuffle_seed", "must be an integer >= 0, or None")
@@ -94,3 +96,13 @@ def _check_normalization(c, bad) -> None:
             raise bad(name, "must be three numbers, one per RGB channel")
     if any(s <= 0 for s in c.std):
         raise bad("std", "must be > 0 in every channel")
+
+
+def _is_device(value: Any) -> bool:
+    import torch
+
+    try:
+        torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return True
