@@ -48,9 +48,21 @@ def _wds_groups(members: list[tarfile.TarInfo],
     return [(k, v) for k, v in groups if not need_image or _image_member(v) is not None]
 
 
-def _image_member(parts: dict[str, tarfile.TarInfo]) -> str | None:
-    """The sample's image member: its extension's last part names an image type."""
-    return next((e for e in parts if e.rsplit(".", 1)[-1] in WDS_IMAGE_EXTS), None)
+def _image_member(parts: dict[str, tarfile.TarInfo], named: str = "") -> str | None:
+    """The sample's image member: the one ``named`` (``image_column``), else the one whose
+    extension is an image type's alone (``jpg``), else the one whose extension ends in one
+    (``left.png``); None without one. Two candidates, none of them plain (``rgb.jpg`` and
+    ``mask.png``): `AMBIGUOUS` (tar order would pick the mask)."""
+    if named in parts:
+        return named
+    found = [e for e in parts if e.rsplit(".", 1)[-1] in WDS_IMAGE_EXTS]
+    plain = [e for e in found if e in WDS_IMAGE_EXTS]
+    if len(plain) == 1 or len(found) <= 1:
+        return (plain or found or [None])[0]
+    return AMBIGUOUS
+
+
+AMBIGUOUS = "\0ambiguous"  # `_image_member`: several image members, none plain
 
 
 def _tar_index(storage: Storage, path: str, need_image: bool = True):
@@ -90,7 +102,7 @@ def count_tar_samples(storage: Storage, path: str, need_image: bool = True) -> i
 
 def read_tar(storage: Storage, path: str, first_key: int, done: np.ndarray | None, *,
              label_member: str | None = None, label_key: str = "label",
-             extras: bool = False) -> Iterator[RawSample]:  # fmt: skip
+             extras: bool = False, image_member: str = "") -> Iterator[RawSample]:  # fmt: skip
     """The samples of a WebDataset tar; the label from ``label_member`` (``.cls``, ``.txt``
     holding an integer, or key ``label_key`` of a ``.json``), or the first of those present.
     ``extras``: each sample also carries its other members' bytes, by extension."""
@@ -105,7 +117,12 @@ def read_tar(storage: Storage, path: str, first_key: int, done: np.ndarray | Non
             if done is not None and done[i]:
                 continue
             key, where = first_key + i, f"{path}:{prefix}"
-            image_ext = _image_member(parts)
+            image_ext = _image_member(parts, image_member)
+            if image_ext == AMBIGUOUS:
+                names = ", ".join(f".{e}" for e in parts if e.rsplit(".", 1)[-1] in WDS_IMAGE_EXTS)
+                yield RawSample(key, -1, None, where, f"image members {names}, none plain: set "
+                                "image_column to the one to read", "missing_column")  # fmt: skip
+                continue
             member = next((m for m in wanted if m in parts), None)
             try:
                 data = tar.extractfile(parts[image_ext]).read()
@@ -176,7 +193,8 @@ def read(reader, path: str, first_key: int, label: int,
         return read_tar_fields(reader.storage, path, first_key, done,
                                label_member=reader.label_member, label_key=reader.label_key)  # fmt: skip
     return read_tar(reader.storage, path, first_key, done, label_member=reader.label_member,
-                    label_key=reader.label_key, extras=reader.extras)  # fmt: skip
+                    label_key=reader.label_key, extras=reader.extras,
+                    image_member=reader.image_column)  # fmt: skip
 
 
 def write(path: str, kept: list) -> None:

@@ -18,6 +18,7 @@ from PIL import Image
 from raypipe import Pipeline, PipelineConfig, SkipBudgetError
 from raypipe.cli import main
 from raypipe.plan.shards import list_shards
+from tests.conftest import image_bytes
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -368,3 +369,29 @@ def test_a_parquet_file_whose_name_is_not_utf8_is_read_whole(tmp_path):
     assert listing.num_samples == 5
     got = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
     assert [(r.reason, r.label) for r in got] == [(None, i) for i in range(5)]
+
+
+def test_a_webdataset_sample_with_two_image_members_names_the_one_to_read(tmp_path):
+    """A segmentation shard: ``rgb.jpg`` and ``mask.png`` per sample, written in sorted
+    order, so the mask came first and every sample trained on its mask. Now such samples
+    are skipped naming the members until ``image_column`` names one; a plain ``.jpg``
+    beside ``mask.png`` is the image."""
+    import webdataset as wds
+
+    root = tmp_path / "seg"
+    root.mkdir()
+    with wds.TarWriter(str(root / "seg-0000.tar")) as sink:
+        for i in range(3):
+            sink.write({"__key__": f"s{i}", "rgb.jpg": image_bytes(np.random.default_rng(i)),
+                        "mask.png": png(1), "cls": i})  # fmt: skip
+
+    def read(**settings) -> list:
+        listing = list_shards(PipelineConfig(source=str(root), **settings))
+        return [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
+
+    got = read()
+    assert [r.reason for r in got] == ["missing_column"] * 3
+    assert "image members .mask.png, .rgb.jpg" in got[0].error and "image_column" in got[0].error
+    got = read(image_column="rgb.jpg")
+    assert [(r.reason, r.label) for r in got] == [(None, 0), (None, 1), (None, 2)]
+    assert all(Image.open(io.BytesIO(r.data)).format == "JPEG" for r in got)
