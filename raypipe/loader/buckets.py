@@ -50,13 +50,19 @@ class Bucketing:
 
 
 def lengths_of(column: np.ndarray) -> np.ndarray:
-    """Each row's length: its array's longest side (tokens: their number; audio, which is
-    (channels, frames): its frames, where the leading size counted channels; features of
-    (frames, dims): their frames); 1 for a scalar. A ragged column holds one array per
-    row, a fixed one is (rows, ...)."""
-    if column.dtype == object:
-        return np.array([max(np.shape(v), default=1) for v in column], dtype=np.int64)
-    return np.full(len(column), max(column.shape[1:], default=1), dtype=np.int64)
+    """Each row's length: the size of the one axis along which the rows differ (tokens:
+    their number; audio, (channels, frames): its frames; features, (frames, dims): their
+    frames, however many dims), else its array's longest side; 1 for a scalar. A ragged
+    column holds one array per row, a fixed one is (rows, ...)."""
+    if column.dtype != object:
+        return np.full(len(column), max(column.shape[1:], default=1), dtype=np.int64)
+    shapes = [np.shape(v) for v in column]
+    if len(shapes) > 1 and len({len(s) for s in shapes}) == 1 and len(shapes[0]) > 1:
+        sides = np.array(shapes, dtype=np.int64)
+        (varies,) = np.nonzero((sides != sides[0]).any(axis=0))
+        if len(varies) == 1:
+            return sides[:, varies[0]]
+    return np.array([max(s, default=1) for s in shapes], dtype=np.int64)
 
 
 def bucket_ids(lengths: np.ndarray, buckets: int | tuple[int, ...]) -> np.ndarray:

@@ -43,6 +43,10 @@ def test_bucket_ids_from_edges_or_a_count():
     clips = np.empty(3, dtype=object)  # audio is (channels, frames), features (frames, dims)
     clips[:] = [np.zeros((2, 16000)), np.zeros((1, 90)), np.zeros((300, 80))]
     np.testing.assert_array_equal(lengths_of(clips), [16000, 90, 300])  # not the channels
+    # 80-bin mel features shorter than 80 frames: their frames, where the longest side
+    # (80, every row) put every row in one bucket
+    clips[:] = [np.zeros((40, 80)), np.zeros((60, 80)), np.zeros((20, 80))]
+    np.testing.assert_array_equal(lengths_of(clips), [40, 60, 20])
 
 
 def test_bucketed_keeps_every_row_and_cuts_exact_batches():
