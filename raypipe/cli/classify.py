@@ -86,6 +86,10 @@ def classify_loop(ctx: TrainContext) -> None:
     torch.manual_seed(ctx.config.seed)
     model = ctx.prepare_model(small_cnn(ctx.loop_config["num_classes"]))
     opt = torch.optim.Adam(model.parameters(), lr=ctx.loop_config["lr"])
+    if (saved := ctx.restored()) is not None:  # a restart (max_failures), a rerun, resume_from
+        _unwrap(model).load_state_dict(saved["model"])
+        if "optimizer" in saved:
+            opt.load_state_dict(saved["optimizer"])
     for epoch, batches in ctx.epochs():
         model.train()
         loss_sum, steps, t0 = 0.0, 0, time.perf_counter()
@@ -121,8 +125,9 @@ def classify_loop(ctx: TrainContext) -> None:
         }
         if ctx.eval_config is not None:
             metrics["val_accuracy"] = evaluate(ctx, model)
-        last = epoch == ctx.num_epochs - 1
-        state = {"model": _unwrap(model).state_dict(), "epoch": epoch} if last else None
+        # a checkpoint each epoch: a worker group restarted after a failure goes on from it
+        state = {"model": _unwrap(model).state_dict(), "optimizer": opt.state_dict(),
+                 "epoch": epoch}  # fmt: skip
         ctx.report(metrics, state=state)
 
 

@@ -247,3 +247,27 @@ def _evaluating_loop(out):
             ctx.report({"epoch": epoch})
 
     return loop
+
+
+@pytest.mark.slow
+def test_the_demo_loop_goes_on_from_its_checkpoint(ray_session, digits, tmp_path):
+    """The classify job's loop saved its model only after the last epoch, and never read
+    it back: a group restarted after a failure (max_failures) or a rerun into its run
+    folder trained a fresh model on the epochs left. It checkpoints every epoch and
+    restores, so a rerun's next epoch starts from the trained model."""
+    from raypipe.cli.classify import RunConfig, classify_loop
+
+    with open("jobs/configs/digits.yaml") as f:
+        cfg = yaml.safe_load(f)
+    cfg["data"]["source"] = str(digits / "train")
+    cfg.pop("eval", None)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    t = RunConfig.from_yaml(path)
+    kw = dict(num_workers=2, cpus_per_worker=0.5, storage_path=str(tmp_path / "runs"),
+              name="demo", loop_config={"num_classes": 10, "lr": t.trainer.lr})  # fmt: skip
+    first = train_ddp(t.data, classify_loop, epochs=1, **kw)
+    assert first.error is None and first.metrics["epoch"] == 0
+    again = train_ddp(t.data, classify_loop, epochs=2, **kw)  # the run folder's latest: epoch 0
+    assert again.error is None and again.metrics["epoch"] == 1
+    assert again.metrics["loss"] < 0.7 * first.metrics["loss"], (first.metrics, again.metrics)
