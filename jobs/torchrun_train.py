@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     from raypipe.cli.classify import small_cnn
 
     spec = yaml.safe_load(Path(args.config).read_text())
-    config, trainer = PipelineConfig.from_dict(spec["data"]), spec["trainer"]
+    config, trainer = PipelineConfig.from_dict(spec["data"]), _trainer(spec, args.config)
     localnode.start(args.address, log_to_driver=False)  # this rank joins as a driver
     _loopback_only()
     cuda = torch.cuda.is_available()
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     model = torch.nn.parallel.DistributedDataParallel(net, device_ids=[device] if cuda else None)
     opt = torch.optim.Adam(model.parameters(), lr=trainer["lr"])
     loader = Loader(config, epochs=trainer["epochs"], device=device)  # rank, world: dist's
-    if args.checkpoint and os.path.exists(args.checkpoint):
+    if _resuming(args.checkpoint, device):
         saved = torch.load(args.checkpoint, map_location=device)
         net.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
@@ -84,6 +84,40 @@ def main(argv: list[str] | None = None) -> None:
             print(f"rank {rank} epoch {epoch}: {steps} steps, loss {loss_sum / max(steps, 1):.4f}",
                   flush=True)  # fmt: skip
     dist.destroy_process_group()
+
+
+TRAINER_KEYS = ("num_classes", "lr", "epochs")  # and checkpoint_every (0: none)
+
+
+def _trainer(spec: dict, path: str) -> dict:
+    """The config's ``trainer`` section, checked before this rank joins anything."""
+    from raypipe.config import check_keys
+
+    trainer = spec.get("trainer")
+    if not isinstance(trainer, dict):
+        raise SystemExit(f"{path}: needs a trainer section with {', '.join(TRAINER_KEYS)}")
+    try:
+        check_keys(trainer, [*TRAINER_KEYS, "checkpoint_every"], where=f"{path}: trainer")
+    except ValueError as e:  # a misspelt checkpoint_every wrote no checkpoint, unsaid
+        raise SystemExit(str(e)) from None
+    if missing := [k for k in TRAINER_KEYS if k not in trainer]:
+        raise SystemExit(f"{path}: trainer needs {', '.join(missing)}")
+    return trainer
+
+
+def _resuming(path: str | None, device) -> bool:
+    """Whether every rank resumes from ``path``: found by all, or by none (then a fresh
+    start); found by some only (a node-local path on several nodes) is refused, as their
+    models and loaders would start apart."""
+    import torch
+    import torch.distributed as dist
+
+    found = torch.tensor([int(bool(path) and os.path.exists(path))], device=device)
+    dist.all_reduce(found)
+    if 0 < found.item() < dist.get_world_size():
+        raise SystemExit(f"--checkpoint {path}: found by {found.item()} of "
+                         f"{dist.get_world_size()} ranks: put it where every rank reads it")  # fmt: skip
+    return found.item() > 0
 
 
 def _save(path: str, rank: int, net, opt, loader_state: dict) -> None:

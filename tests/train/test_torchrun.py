@@ -81,3 +81,24 @@ def _lines(folder: Path, epoch: int, rank: int) -> list[dict]:
     return [
         json.loads(line) for line in (folder / f"e{epoch}-r{rank}.jsonl").read_text().splitlines()
     ]
+
+
+def test_the_trainer_section_is_checked_before_a_rank_joins_anything(tmp_path):
+    """A misspelt ``checkpoint_every`` was ignored (no checkpoint written, nothing said); a
+    missing ``lr`` a KeyError after every rank had joined Ray and the process group."""
+    spec = yaml.safe_load((ROOT / "jobs/configs/torchrun.yaml").read_text())
+    for change, said in ((("checkpoint_evry", 20), "'checkpoint_evry' (did you mean "
+                          "'checkpoint_every'?)"), (("lr", None), "trainer needs lr")):  # fmt: skip
+        trainer = dict(spec["trainer"])
+        key, value = change
+        if value is None:
+            trainer.pop(key)
+        else:
+            trainer[key] = value
+        path = tmp_path / f"{key}.yaml"
+        path.write_text(yaml.safe_dump({**spec, "trainer": trainer}))
+        done = subprocess.run([sys.executable, str(ROOT / "jobs/torchrun_train.py"), str(path),
+                               "--address", "127.0.0.1:9"],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 1 and said in done.stderr, done.stderr[-2000:]
+        assert "Traceback" not in done.stderr
