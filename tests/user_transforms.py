@@ -69,6 +69,11 @@ def sum_collate(batch: dict) -> dict:
     return {"label_sum": int(batch["label"].sum()), "key": torch.from_numpy(batch["key"])}
 
 
+def label_sum_collate(batch: dict) -> dict:
+    """A collate that keeps no ``key``."""
+    return {"label_sum": int(batch["label"].sum())}
+
+
 # An albumentations pipeline as it is: called with keyword targets, seeded per sample
 # through its own generator (set_random_seed).
 ALBU = A.Compose([A.RandomResizedCrop(size=(8, 8)), A.HorizontalFlip(), A.ColorJitter()])

@@ -213,8 +213,8 @@ class TorchBatches:
                     batch = next(out)
                 except StopIteration:
                     return
-                stats.waited(time.perf_counter() - t0, len(batch["key"]))
-                self._delivered.pop()
+                waited = time.perf_counter() - t0
+                stats.waited(waited, self._delivered.pop())  # a collate may drop "key"
                 yield batch
 
     def stats(self) -> dict[str, Any]:

@@ -84,8 +84,11 @@ class Delivered:
             self._queued.append(np.array(batch["key"], dtype=np.int64))
             yield batch
 
-    def pop(self) -> None:
-        self._delivered.append(self._queued.popleft())
+    def pop(self) -> int:
+        """Deliver the oldest queued batch; its row count (whatever the collate made of it)."""
+        keys = self._queued.popleft()
+        self._delivered.append(keys)
+        return len(keys)
 
     def keys(self) -> np.ndarray:
         if not self._delivered:

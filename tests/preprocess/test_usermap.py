@@ -175,6 +175,19 @@ def test_per_batch_torch_input_and_user_collate(ray_session, datasets):
     assert all(set(b) == {"label_sum", "key"} for b in batches) and len(batches) == 15
 
 
+def test_a_collate_that_keeps_no_key_is_counted_by_the_keys_it_was_given(ray_session, datasets):
+    """The iterator counted each batch's rows as ``len(batch["key"])`` after the user's
+    collate, whose output the docs leave to it: one without ``key`` was a KeyError."""
+    config = PipelineConfig(source=str(datasets["imagefolder"]), batch_size=4, actors=(1, 1),
+                            image_size=8, collate=f"{T}:label_sum_collate")  # fmt: skip
+    with Pipeline(config, epochs=1, device="cpu") as pipe:
+        for _, batches in pipe.epochs():
+            got = list(batches)
+            stats = batches.stats()
+    assert len(got) == 15 and all(set(b) == {"label_sum"} for b in got)
+    assert stats["samples"] == 60 and len(batches.state_dict()["keys"]) == 60
+
+
 def not_importable(sample):
     return sample
 
