@@ -67,24 +67,30 @@ def _labelled(key: int, where: str, fields: dict, label_column: str | None, inde
 def column_values(column) -> list:
     """One value per row: 1-D numpy arrays for lists of numbers (variable or fixed size: one
     flatten, no Python objects per element), numpy scalars for numbers, Arrow's Python
-    values otherwise; None for a null row. Numbers keep the column's dtype whatever the
-    other rows hold (a null among int32 tokens made them int64, and the run stopped)."""
+    values otherwise; None for a null row, and for a list row holding a null. Numbers keep
+    the column's dtype whatever the other rows hold (a null among int32 tokens made them
+    int64, and the run stopped, blaming a good row)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     t, values = column.type, None
     lists = pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+    holed: np.ndarray = np.zeros(0, np.int64)  # rows with a null element: null rows too
     if lists and _numeric(t.value_type):
         flat = column.flatten()  # without the null rows' values
-        if flat.null_count == 0:
-            lengths = pc.list_value_length(column).fill_null(0).to_numpy(zero_copy_only=False)
-            values = np.split(flat.to_numpy(zero_copy_only=False), np.cumsum(lengths)[:-1])
+        if flat.null_count:  # one such row (not the others read with it) is a null_value
+            nulls = flat.is_null().to_numpy(zero_copy_only=False)
+            holed = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)[nulls]
+            flat = flat.fill_null(pa.scalar(0).cast(flat.type))
+        lengths = pc.list_value_length(column).fill_null(0).to_numpy(zero_copy_only=False)
+        values = np.split(flat.to_numpy(zero_copy_only=False), np.cumsum(lengths)[:-1])
     elif _numeric(t):
         values = list(column.fill_null(pa.scalar(0).cast(t)).to_numpy(zero_copy_only=False))
     if values is None:
         return column.to_pylist()
-    if column.null_count:
+    if column.null_count or len(holed):
         nulls = column.is_null().to_numpy(zero_copy_only=False)
+        nulls[holed] = True
         values = [None if null else v for v, null in zip(values, nulls, strict=True)]
     return values
 

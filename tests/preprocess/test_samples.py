@@ -131,6 +131,13 @@ def test_column_values_keep_their_dtypes_with_nulls_and_fixed_size_lists():
     assert x[1] is None and x[0].dtype == np.float32 and x[2] == 2.5
     emb = column_values(pa.array([[1, 2], None, [3, 4]], pa.list_(pa.float32(), 2)))
     assert emb[1] is None and emb[2].dtype == np.float32 and emb[2].tolist() == [3, 4]
+    # a null inside one row's list: that row alone is null (every row read with it came as
+    # Python lists, int64, and the run stopped at a good row)
+    holed = column_values(pa.array([[1, 2], [5, None, 7], None, [9]], pa.list_(pa.int32())))
+    assert [None if t is None else t.tolist() for t in holed] == [[1, 2], None, None, [9]]
+    assert holed[3].dtype == np.int32
+    emb = column_values(pa.array([[1, 2], [None, 4], [3, 4]], pa.list_(pa.float32(), 2)))
+    assert emb[1] is None and emb[2].dtype == np.float32 and emb[2].tolist() == [3, 4]
 
 
 def test_a_null_row_is_a_skip_and_the_others_keep_their_dtypes(ray_session, tmp_path):
