@@ -27,15 +27,20 @@ def collate_for(config) -> Callable | None:
 
         return collate_encoded
     own = resolve_callable(config.collate, "collate")
-    fields = config.transform is not None or config.image_column is None
-    return own or (pad_collate if fields else None)
+    if own is not None or (config.transform is None and config.image_column is not None):
+        return own
+    if config.image_column is None and not config.pack:  # packed rows: tokens, no padding
+        return _fields_collate
+    return pad_collate
 
 
-def pad_collate(batch: dict[str, np.ndarray], *, pad_value: int = 0) -> dict[str, Any]:
+def pad_collate(batch: dict[str, np.ndarray], *, pad_value: int = 0,
+                masks: bool = False) -> dict[str, Any]:  # fmt: skip
     """The default collate: numeric columns as tensors; a column of arrays (ragged) padded
     to the batch's maximum shape with ``<field>_mask`` (True where the row has data, over the
     varying leading dimension when only that one varies, else over every element); any
-    other column (strings, dicts) as a list."""
+    other column (strings, dicts) as a list. ``masks``: a column of arrays that came
+    stacked (every row of the block one shape) gets its all-True mask too."""
     import torch
 
     out: dict[str, Any] = {}
@@ -44,11 +49,19 @@ def pad_collate(batch: dict[str, np.ndarray], *, pad_value: int = 0) -> dict[str
             with warnings.catch_warnings():  # Ray's arrays may be read-only views
                 warnings.filterwarnings("ignore", message=".*not writable.*")
                 out[field] = torch.from_numpy(np.ascontiguousarray(column))
+            if masks and column.ndim > 1:  # as `_pad` masks rows of one shape
+                out[f"{field}_mask"] = torch.ones(column.shape[:2], dtype=torch.bool)
         elif len(column) and all(isinstance(v, np.ndarray) for v in column):
             out[field], out[f"{field}_mask"] = _pad(field, list(column), pad_value)
         else:
             out[field] = list(column)
     return out
+
+
+def _fields_collate(batch: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Samples with no image: every array field with its mask, in every batch (Ray's block
+    conversion stacks a block whose rows share a shape, which then came without one)."""
+    return pad_collate(batch, masks=True)
 
 
 def _pad(field: str, arrays: list[np.ndarray], pad_value: int):

@@ -121,6 +121,28 @@ def test_every_batch_of_a_sample_field_has_its_mask_whatever_the_first_rows_held
     assert stacked.ragged == set()
 
 
+def test_every_batch_has_the_mask_through_a_real_pipeline(ray_session, tmp_path):
+    """The test above builds the actor's blocks by hand; through the pipeline, a block
+    whose rows share a length crosses Ray as one stacked array and came without
+    ``tokens_mask`` (the docs' own loop failed on it)."""
+    import pyarrow.parquet as pq
+
+    from raypipe import Pipeline
+
+    lengths = [4] * 8 + [2, 3, 4, 5] * 2
+    tokens = pa.array([list(range(1, n + 1)) for n in lengths], pa.list_(pa.int32()))
+    pq.write_table(pa.table({"tokens": tokens, "label": pa.array([i % 2 for i in range(16)])}),
+                   tmp_path / "a.parquet")  # fmt: skip
+    config = PipelineConfig(source=str(tmp_path), image_column=None, batch_size=4,
+                            rows_per_block=4, actors=(1, 1))  # fmt: skip
+    with Pipeline(config, epochs=1, device="cpu", normalize=False) as pipe:
+        for _, batches in pipe.epochs():
+            got = list(batches)
+    assert len(got) == 4 and all("tokens_mask" in b and "label_mask" not in b for b in got)
+    for b in got:
+        assert b["tokens_mask"].sum(1).tolist() == [lengths[k] for k in b["key"].tolist()]
+
+
 def test_column_values_keep_their_dtypes_with_nulls_and_fixed_size_lists():
     from raypipe.formats.fields import column_values
 
