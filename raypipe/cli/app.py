@@ -94,7 +94,8 @@ def _inspect(args: argparse.Namespace) -> int:
     options = dict(_key_value(o) for o in args.storage_option) or None
     config = PipelineConfig(
         source=args.source, format=args.format, storage_options=options,
-        image_column=args.image_column, label_column=args.label_column,
+        image_column=None if args.image_column.lower() in ("none", "null") else args.image_column,
+        label_column=args.label_column,
         label_member=args.label_member, label_key=args.label_key,
     )  # fmt: skip
     report = survey(config, samples=args.samples)

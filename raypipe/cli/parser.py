@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--samples", type=int, default=32, help="samples to decode (default: %(default)s)"
     )
-    for flag, default, what in (("--image-column", "image", "Parquet column, TFRecord feature, LMDB key or HDF5 dataset of the image"),
+    for flag, default, what in (("--image-column", "image", "Parquet column, TFRecord feature, LMDB key or HDF5 dataset of the image; none: samples with no image"),
                                 ("--label-column", "label", "the same, of the label"),
                                 ("--label-key", "label", "key of the label in .json")):  # fmt: skip
         p.add_argument(flag, default=default, help=f"{what} (default: %(default)s)")

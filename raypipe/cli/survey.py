@@ -39,12 +39,12 @@ def survey(config: PipelineConfig, *, samples: int = 32) -> dict[str, Any]:
     skipped: list[dict[str, Any]] = []
     for raw in looked:
         try:
-            pre._decode(raw, 0)
+            item = pre._decode(raw, 0)
         except Exception as e:
             reason = reason_of(e, raw.data)
             skipped.append({"where": raw.where, "reason": reason, "detail": detail_of(e, raw.data)})
             continue
-        sizes[_size(raw.data)] += 1
+        sizes[_size(raw.data) if config.image_column is not None else _fields(item)] += 1
         labels[raw.label] += 1
     storage = listing.reader.storage
     return {
@@ -59,7 +59,8 @@ def survey(config: PipelineConfig, *, samples: int = 32) -> dict[str, Any]:
         "labels": listing.labels,
         "looked_at": len(looked),
         "good": len(looked) - len(skipped),
-        "sizes": dict(sizes.most_common()),
+        "sizes": dict(sizes.most_common()),  # with no image: the fields
+        "image": config.image_column is not None,
         "labels_seen": dict(sorted(labels.items())),
         "skipped": skipped,
         "skipped_by_reason": dict(collections.Counter(s["reason"] for s in skipped)),
@@ -92,7 +93,8 @@ def format_survey(report: dict[str, Any]) -> list[tuple[str, str]]:
     ]
     if report["sizes"]:
         sizes = ", ".join(f"{s} ({n})" for s, n in list(report["sizes"].items())[:5])
-        rows.append(("sizes", sizes + (", ..." if len(report["sizes"]) > 5 else "")))
+        name = "sizes" if report.get("image", True) else "fields"
+        rows.append((name, sizes + (", ..." if len(report["sizes"]) > 5 else "")))
         seen = report["labels_seen"]
         rows.append(("labels seen", ", ".join(f"{k} ({n})" for k, n in list(seen.items())[:10])))
     for reason, n in report["skipped_by_reason"].items():
@@ -156,6 +158,13 @@ def _column_hint(listing: Listing, config: PipelineConfig) -> str | None:
         if name is not None and name not in schema.names and len(found) == 1:
             options.append(f"--{kind}-column {found[0]}")
     return " ".join(options) or None
+
+
+def _fields(item: dict) -> str:
+    """A sample with no image: its fields, each with its type and dimensions."""
+    shown = [f"{k} {v.dtype}" + (f" ({v.ndim}-D)" if v.ndim else "") if isinstance(v, np.ndarray)
+             else f"{k} {type(v).__name__}" for k, v in item.items() if k != "key"]  # fmt: skip
+    return ", ".join(shown)
 
 
 def _size(data: bytes) -> str:

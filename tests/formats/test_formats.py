@@ -395,3 +395,16 @@ def test_a_webdataset_sample_with_two_image_members_names_the_one_to_read(tmp_pa
     got = read(image_column="rgb.jpg")
     assert [(r.reason, r.label) for r in got] == [(None, 0), (None, 1), (None, 2)]
     assert all(Image.open(io.BytesIO(r.data)).format == "JPEG" for r in got)
+
+
+def test_inspect_reads_samples_with_no_image(tmp_path, capsys):
+    """``--image-column none``: a token Parquet source is inspected as its samples (it was
+    every row a missing_column skip, and ``none`` looked for a column named so)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tokens = pa.array([list(range(n)) for n in (3, 5, 4, 2)], pa.list_(pa.int32()))
+    pq.write_table(pa.table({"tokens": tokens, "label": [0, 1, 0, 1]}), tmp_path / "t.parquet")
+    assert main(["inspect", str(tmp_path), "--image-column", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "4 good, 0 would be skipped" in out and "tokens int32 (1-D)" in out, out
