@@ -158,7 +158,7 @@ def test_a_disk_cache_keeps_nothing_of_a_file_without_a_modification_time(tmp_pa
     assert caplog.text.count("no modification time") == 1
 
 
-def test_a_failed_write_gives_the_store_up_for_that_task_only(tmp_path, monkeypatch):
+def test_a_failed_write_gives_the_store_up_for_that_task_only(tmp_path, monkeypatch, caplog):
     """A write that fails (a full disk for a moment) leaves the task to decode without the
     cache; the next task writes again. A file name that is not UTF-8 is cached too."""
     cache = disk_cache(tmp_path, monkeypatch, whole_rows=True)
@@ -179,8 +179,10 @@ def test_a_failed_write_gives_the_store_up_for_that_task_only(tmp_path, monkeypa
         return put(store, i, entry)
 
     monkeypatch.setattr(DiskStore, "put", put_once_failing)
-    fresh = task(cache, rows[:2], read)
+    with caplog.at_level("WARNING", logger="raypipe.preprocess.cache.reuse"):
+        fresh = task(cache, rows[:2], read)
     assert len(calls) == 1  # the second sample of that task was not offered
+    assert "keeps nothing more in this task: OSError" in caplog.text  # said, not silent
     assert DiskStore(str(tmp_path / "c" / node.digest(cache.config)), 1 << 30).held()[1] == 0
     task(cache, rows, read)
     assert len(calls) == 4  # the next task writes all three

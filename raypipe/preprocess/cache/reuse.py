@@ -64,6 +64,7 @@ class SampleCache:
         self._found: dict[int, Entry] = {}  # key -> its entry, for the raw yielded next
         self._missed: dict[int, tuple[str, tuple[int, int] | None, float]] = {}
         self._undated = False  # a file without a modification time was met (logged once)
+        self._warned = False  # a write failed (logged once)
 
     def _start(self) -> None:
         """A disk cache: the node's files at once. A memory cache: the directory and budget
@@ -243,8 +244,12 @@ class SampleCache:
         a worker never holds a queue of decoded images."""
         try:
             self.store.put(i, entry)
-        except Exception:  # a full or failing disk, or a memory cache cleared: on
-            self._drop_store()  # without it until the next task looks again (`raws`)
+        except Exception as e:  # a full or failing disk, or a memory cache cleared: on
+            if not self._warned:  # without it until the next task looks again (`raws`)
+                log.warning("the decoded cache keeps nothing more in this task: %s: %s",
+                            type(e).__name__, e)  # fmt: skip
+                self._warned = True
+            self._drop_store()
 
     def _drop_store(self) -> None:
         """Give the store up: what it took of the budget given back where it still can be,
