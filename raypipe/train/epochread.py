@@ -1,14 +1,16 @@
-"""What `raypipe.train.loader.Loader` keeps of the epoch it reads (`EpochRead`), and the
-``sampler`` it shows Lightning (`EpochSampler`)."""
+"""What `raypipe.train.loader.Loader` keeps of the epoch it reads (`EpochRead`), where it
+starts (`start_point`, which the ranks compare), and the ``sampler`` it shows Lightning
+(`EpochSampler`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any
 
 import numpy as np
 
-__all__ = ["EpochRead", "EpochSampler", "MISUSE"]
+__all__ = ["EpochRead", "EpochSampler", "MISUSE", "start_point"]
 assert __all__ == sorted(__all__)
 
 MISUSE = (
@@ -41,3 +43,13 @@ class EpochSampler:
     def set_epoch(self, epoch: int) -> None:
         if self._loader.epoch < epoch < self._loader.num_epochs:
             self._loader.set_epoch(epoch)
+
+
+def start_point(epoch: int, consumed: np.ndarray | None) -> str:
+    """Where a rank's reading starts, as the ranks compare it when they join: a state
+    loaded on some ranks only, or another epoch set, would have them read apart and wait on
+    each other for ever."""
+    if consumed is None:
+        return f"epoch {epoch}"
+    digest = hashlib.sha1(np.packbits(consumed).tobytes()).hexdigest()[:12]
+    return f"epoch {epoch}, {int(consumed.sum())} keys consumed before ({digest})"

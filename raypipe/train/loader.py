@@ -30,7 +30,7 @@ from raypipe.loader.pipeline import Pipeline, rank_batches, rank_plan
 from raypipe.plan.rankplan import RankPlan
 from raypipe.plan.shards import Listing, list_shards
 from raypipe.train.checkpoint import any_rank
-from raypipe.train.epochread import MISUSE, EpochRead, EpochSampler
+from raypipe.train.epochread import MISUSE, EpochRead, EpochSampler, start_point
 from raypipe.train.ranks import join_ranks, leave, resolve_world, run_settings
 from raypipe.train.state import PipelineState, merge_states
 
@@ -266,6 +266,7 @@ class Loader:
         if self._ledger is None and self._rank_world()[1] > 1:
             settings = run_settings(self.config, epochs=self.num_epochs, listing=self.listing,
                                     drop_last=self._drop_last)  # fmt: skip
+            settings["start"] = start_point(self._next, self._base)  # loaded on some ranks only?
             self._ledger, self._run, self._named = join_ranks(
                 self._asked[2], *self._rank_world(), group=self._group, settings=settings,
                 timeout_s=self._join_timeout_s,

@@ -177,6 +177,15 @@ def test_iterated_twice_at_once_is_refused(ray_session, datasets):
                 "rank 0 has batch_size=4, rank 1 batch_size=6",
             ),
         ),
+        # a state loaded, or an epoch set, on one rank only: they would read apart and wait
+        # on each other for ever (the ledger never settling a batch)
+        (
+            {"epoch": 1},
+            (
+                "rank 1 has start=epoch 1, rank 0 start=epoch 0",
+                "rank 0 has start=epoch 0, rank 1 start=epoch 1",
+            ),
+        ),
     ],
 )
 def test_ranks_that_disagree_fail_before_work_in_one_line(ray_session, datasets, other, match):
@@ -189,6 +198,8 @@ def test_ranks_that_disagree_fail_before_work_in_one_line(ray_session, datasets,
         world = other.get("world_size", 2) if r == 1 else 2
         conf = config.replace(batch_size=other.get("batch_size", B)) if r == 1 else config
         loader = Loader(conf, epochs=2, rank=r, world_size=world, ledger=ledger, device="cpu")
+        if r == 1 and "epoch" in other:
+            loader.set_epoch(other["epoch"])
         try:
             loader.start()
         except RanksDisagree as e:
