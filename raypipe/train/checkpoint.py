@@ -155,33 +155,27 @@ class RunPosition:
     def end(self, epoch: int) -> None:
         self._where = _Where(epoch + 1)
 
-    def delivered(self) -> np.ndarray:
-        """The keys this rank's batches of the epoch have handed out so far."""
-        where = self._where
-        if where is None or where.batches is None:
-            return np.zeros(0, dtype=np.int64)
-        return where.batches.state_dict()["keys"]
-
-    def state(self, delivered: np.ndarray | None = None) -> PipelineState:
-        """The run's position over all ranks (a collective: every rank calls it together);
-        ``delivered``: this rank's keys of the epoch as `delivered` gave them earlier
-        (None: now)."""
+    def state(self) -> PipelineState:
+        """The run's position over all ranks (a collective: every rank calls it together)."""
         if self._where is None:  # a report before the first epoch
             self.first_epoch()
         where = self._where
-        keys = self.delivered() if delivered is None else delivered
+        keys = where.batches.state_dict()["keys"] if where.batches is not None else []
         mine = merge_states([{"keys": keys}], self.num_samples, where.base)
         return PipelineState(where.epoch, self.seed, self.num_samples, self.fingerprint,
                              any_rank(mine))  # fmt: skip
 
-    def save(self, metrics: dict[str, Any], user_state: dict[str, Any] | None,
-             delivered: np.ndarray | None = None) -> None:  # fmt: skip
-        """``ray.train.report`` on every rank; rank 0 adds the checkpoint when ``user_state``
-        (``delivered``: as for `state`)."""
+    def save(self, metrics: dict[str, Any], user_state: dict[str, Any] | None) -> None:
+        """``ray.train.report`` on every rank; rank 0 adds the checkpoint when ``user_state``."""
         import ray.train
         import torch
 
-        state = self.state(delivered)
+        # the run's position is one all_reduce of a bit per sample: taken only when a rank
+        # saves (one bit asked of every rank first), not for each report of metrics alone
+        if not any_rank(np.array([user_state is not None])).any():
+            ray.train.report(metrics)
+            return
+        state = self.state()
         if user_state is None or ray.train.get_context().get_world_rank() != 0:
             ray.train.report(metrics)
             return
@@ -229,36 +223,33 @@ class EpochBatches:
     """One epoch's batches as `TrainContext.epochs` yields them: a `TorchBatches` that
     checkpoints every ``every`` steps and at the epoch's end (``every`` > 0).
 
-    A step's checkpoint holds the keys handed out when the consumer asked for the next
-    batch (the steps on the batches before it done), and is saved once that batch exists:
-    at the epoch's last step the epoch's end is saved instead, once, not a second
+    A checkpoint is taken when the consumer asks for the next batch, so the steps on the
+    batches before it are done; at the epoch's planned last step (``most``: the batches it
+    has if no sample is skipped) the epoch's end is saved instead, once, not a second
     checkpoint of the same step. ``stats()`` and ``state_dict()`` are the batches' own.
     """
 
     def __init__(self, batches, epoch: int, progress: RunPosition, every: int,
-                 user_state: Callable[[], dict[str, Any]] | None):  # fmt: skip
+                 user_state: Callable[[], dict[str, Any]] | None,
+                 most: int | None = None):  # fmt: skip
         self._batches, self._epoch, self._progress = batches, epoch, progress
-        self._every, self._user_state = every, user_state
+        self._every, self._user_state, self._most = every, user_state, most
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        steps, due = 0, None  # due: the delivered keys of a step checkpoint not saved yet
+        steps = 0
         self._progress.begin(self._epoch, self._batches)
         for batch in self._batches:
-            if due is not None:  # the epoch goes on: the step's checkpoint, as it was
-                self._checkpoint(steps, due)
-                due = None
             yield batch
             steps += 1
-            if self._every and steps % self._every == 0:
-                due = self._progress.delivered()
+            if self._every and steps % self._every == 0 and steps != self._most:
+                self._checkpoint(steps)
         self._progress.end(self._epoch)
         if self._every:
             self._checkpoint(steps)
 
-    def _checkpoint(self, steps: int, delivered: np.ndarray | None = None) -> None:
+    def _checkpoint(self, steps: int) -> None:
         user = self._user_state() if self._user_state else {}
-        self._progress.save({"raypipe_epoch": self._epoch, "raypipe_step": steps}, user,
-                            delivered)  # fmt: skip
+        self._progress.save({"raypipe_epoch": self._epoch, "raypipe_step": steps}, user)
 
     def __getattr__(self, name: str):
         return getattr(self._batches, name)

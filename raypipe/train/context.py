@@ -13,7 +13,7 @@ import numpy as np
 
 from raypipe.config import PipelineConfig
 from raypipe.loader.iterator import TorchBatches
-from raypipe.loader.pipeline import Pipeline
+from raypipe.loader.pipeline import Pipeline, rank_batches
 from raypipe.plan.shards import Listing
 from raypipe.skips.log import SkipLog
 from raypipe.train.checkpoint import EpochBatches, RunPosition
@@ -112,8 +112,11 @@ class TrainContext:
         self._train = None  # epochs() owns it now
         with pipeline:
             for epoch, batches in pipeline.epochs():
+                # the epoch's planned last step, whose checkpoint is the epoch's end
+                most = rank_batches(pipeline.config, pipeline.listing, pipeline.plan, epoch,
+                                    pipeline.drop_last)  # fmt: skip
                 yield epoch, EpochBatches(batches, epoch, self.progress, self.checkpoint_every,
-                                          state)  # fmt: skip
+                                          state, most)  # fmt: skip
 
     def start(self) -> None:
         """Start this rank's training pipeline before the loop runs (`train_ddp` does so),
