@@ -33,15 +33,16 @@ class EpochRead:
 
 
 class EpochSampler:
-    """`Loader.sampler`: Lightning's ``set_epoch`` at each epoch moves the Loader on to a
-    later epoch, never back (a validation Loader, a pass ahead of the training epoch,
-    reads on instead of starting its pool again)."""
+    """`Loader.sampler`: Lightning's ``set_epoch`` moves a Loader that has read nothing yet
+    (a fit resumed from an epoch-end checkpoint gives it no state, only the epoch) on to a
+    later epoch; once it reads, it goes on by itself (a validation Loader, whose passes
+    need not match the training epochs, is left to read on)."""
 
-    def __init__(self, loader):
-        self._loader = loader
+    def __init__(self, loader, fresh: bool):
+        self._loader, self._fresh = loader, fresh
 
     def set_epoch(self, epoch: int) -> None:
-        if self._loader.epoch < epoch < self._loader.num_epochs:
+        if self._fresh and self._loader.epoch < epoch < self._loader.num_epochs:
             self._loader.set_epoch(epoch)
 
 

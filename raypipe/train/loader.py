@@ -160,7 +160,7 @@ class Loader:
     def sampler(self) -> EpochSampler:
         """What Lightning calls ``set_epoch`` on at each epoch: a fit resumed from a
         checkpoint taken at an epoch's end gives the Loader no state, only the epoch."""
-        return EpochSampler(self)
+        return EpochSampler(self, fresh=self._running is None)  # no epoch read yet
 
     @property
     def epoch(self) -> int:

@@ -251,11 +251,13 @@ def test_set_epoch_after_iter_before_the_first_batch_reads_that_epoch(ray_sessio
         loader.set_epoch(2)
         assert keys(loader) == late and loader.epoch == 3  # read: the next is past the end
     with Loader(config, epochs=3, device="cpu") as loader:
-        first = keys(loader)
-        loader.sampler.set_epoch(0)  # a validation pass behind: read on, not again
-        assert loader.epoch == 1 and keys(loader) != first
-        loader.sampler.set_epoch(2)  # ahead: moved on
+        loader.sampler.set_epoch(2)  # nothing read yet (a fit resumed at an epoch's end)
         assert keys(loader) == late
+    with Loader(config, epochs=3, device="cpu") as loader:
+        first = keys(loader)
+        loader.sampler.set_epoch(0)  # once it has read, it reads on: behind...
+        loader.sampler.set_epoch(2)  # ...or ahead (a validation Loader's passes need not
+        assert loader.epoch == 1 and keys(loader) != first  # match the training epochs)
 
 
 def test_a_batch_no_rank_could_fill_is_refused_before_the_ranks_join(datasets):
