@@ -138,9 +138,10 @@ class Reader:
         """The raw samples of one shard in key order; members marked in ``done`` (a bool
         per member, for a resumed epoch) are passed over without reading their bytes.
 
-        Where the source names its classes, a label outside them (a Hugging Face
-        ``ClassLabel``'s -1 for "no label", an index past the names) is a bad_label sample,
-        never a target the loss would fail on mid-run."""
+        Where the source names its classes, a label outside them (an index past the names,
+        a negative one) is a bad_label sample, never a target the loss would fail on
+        mid-run; but -1, "no label" (a Hugging Face ``ClassLabel``'s in an unlabelled test
+        split, and the label of samples read without one), which is delivered as it is."""
         samples = get_format(self.format).read(self, path, first_key, label, done)
         if not self.classes:
             return samples
@@ -148,7 +149,7 @@ class Reader:
 
 
 def _in_classes(raw: RawSample, n: int) -> RawSample:
-    if raw.reason is not None or 0 <= raw.label < n:
+    if raw.reason is not None or -1 <= raw.label < n:
         return raw
     return RawSample(raw.key, -1, None, raw.where, f"label {raw.label} is outside the {n} named "
                      f"classes (0..{n - 1})", "bad_label")  # fmt: skip

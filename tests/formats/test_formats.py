@@ -334,25 +334,32 @@ def test_inspect_names_the_columns_a_parquet_source_has(tmp_path, capsys):
 
 
 def test_a_label_outside_the_named_classes_is_a_bad_label_skip(tmp_path):
-    """A Hugging Face ``ClassLabel`` column holds -1 for "no label" (a test split): those
-    rows were delivered with target -1, and the loss failed mid-run. With named classes,
-    a label outside them is a bad_label skip, which ``inspect`` shows."""
+    """A ``ClassLabel`` column whose integers run past its names (or below -1): those rows
+    were delivered as targets the loss failed on mid-run; now bad_label skips. -1 is "no
+    label" (an unlabelled test split's): delivered as it is."""
     import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    labels = [0, 1, -1, 3, -1, 2]
+    labels = [0, 1, -1, 3, 2, 1]
     features = datasets.Features({"image": datasets.Image(),
                                   "label": datasets.ClassLabel(names=NAMES)})  # fmt: skip
     images = [Image.open(io.BytesIO(png(3 * i))) for i in range(len(labels))]
     ds = datasets.Dataset.from_dict({"image": images, "label": labels}, features=features)
     root = tmp_path / "hf"
     root.mkdir()
-    ds.to_parquet(str(root / "test-00000-of-00001.parquet"))
+    path = root / "test-00000-of-00001.parquet"
+    ds.to_parquet(str(path))
+    table = pq.read_table(path)  # 7 and -2: what no ClassLabel lets one write
+    bad = pa.array([0, 1, -1, 7, -2, 1], table.schema.field("label").type)
+    table = table.set_column(table.schema.get_field_index("label"), "label", bad)
+    pq.write_table(table.replace_schema_metadata(pq.read_schema(path).metadata), path)
     listing = list_shards(PipelineConfig(source=str(root)))
     assert listing.classes == tuple(NAMES)
     got = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
-    assert [r.label for r in got] == [0, 1, -1, 3, -1, 2]
-    assert [r.reason for r in got] == [None, None, "bad_label", None, "bad_label", None]
-    assert f"label -1 is outside the {len(NAMES)} named classes" in got[2].error
+    assert [r.reason for r in got] == [None, None, None, "bad_label", "bad_label", None]
+    assert [r.label for r in got if r.reason is None] == [0, 1, -1, 1]
+    assert f"label 7 is outside the {len(NAMES)} named classes" in got[3].error
 
 
 def test_a_parquet_file_whose_name_is_not_utf8_is_read_whole(tmp_path):
