@@ -271,3 +271,22 @@ def test_the_demo_loop_goes_on_from_its_checkpoint(ray_session, digits, tmp_path
     again = train_ddp(t.data, classify_loop, epochs=2, **kw)  # the run folder's latest: epoch 0
     assert again.error is None and again.metrics["epoch"] == 1
     assert again.metrics["loss"] < 0.7 * first.metrics["loss"], (first.metrics, again.metrics)
+
+
+def test_packed_batches_are_not_held_to_the_documents_share(tmp_path):
+    """With ``pack`` a batch is rows of ``seq_len`` tokens, more of them than documents when
+    the documents are long: 8 documents of 4,096 tokens fill 4 batches of 16 rows of 256 on
+    each of 2 ranks, which the documents-per-rank check refused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raypipe.train.ddp import list_sources
+
+    tokens = pa.array([list(range(4096))] * 8, pa.list_(pa.int32()))
+    pq.write_table(pa.table({"tokens": tokens}), tmp_path / "t.parquet")
+    config = PipelineConfig(source=str(tmp_path), image_column=None, pack="tokens",
+                            seq_len=256, batch_size=16)  # fmt: skip
+    listing, _ = list_sources(config, 2)
+    assert listing.num_samples == 8
+    with pytest.raises(ValueError, match="larger than one rank's share"):
+        list_sources(config.replace(pack=None, seq_len=None), 2)
