@@ -46,6 +46,7 @@ __all__ = ["BLOCK", "DiskStore", "footprint"]
 assert __all__ == sorted(__all__)
 
 
+HEAD_READ = 4096  # bytes of an entry that hold its header (`_same`)
 LEFTOVER_S = 600.0  # a temporary file this old is a writer's that died: no write takes this
 
 
@@ -177,15 +178,20 @@ class DiskStore:
 
     def _same(self, path: str, entry: Entry) -> bool:
         """Whether the file at ``path`` holds ``entry`` (its source, checksum and shape),
-        whole and sound."""
+        whole and sound: its header looked at first (a few KiB, under the lock), the
+        whole file only where that matches."""
         try:
+            with open(path, "rb") as f:
+                head = entryfile.head_of(f.read(HEAD_READ))
+            if head is None or (head.get("ident"), head.get("crc"), head.get("check"),
+                                head.get("shape"), head.get("reason")) != (
+                    list(entry.ident), entry.crc, entry.check,
+                    None if entry.shape is None else list(entry.shape), entry.reason):  # fmt: skip
+                return False
             there = entryfile.parse(self._read(path))
         except (OSError, ValueError):
             return False
-        return (there is not None and tuple(there.ident) == tuple(entry.ident)
-                and (there.crc, there.check, there.shape, there.reason)
-                == (entry.crc, entry.check, entry.shape, entry.reason)
-                and there.sound())  # fmt: skip
+        return there is not None and there.sound()
 
     def _create(self, tmp: str):
         """The new file ``tmp``, open to write; its directory made on first use here, never

@@ -21,7 +21,7 @@ from raypipe.preprocess.cache.capped import decode_stored
 from raypipe.preprocess.cache.store import Entry
 from raypipe.preprocess.decode import jpeg_size
 
-__all__ = ["MAGIC", "parse", "parts"]
+__all__ = ["MAGIC", "head_of", "parse", "parts"]
 assert __all__ == sorted(__all__)
 
 MAGIC = b"RPCACHE1"
@@ -44,6 +44,20 @@ def parts(entry: Entry) -> tuple[bytes, memoryview]:
     return MAGIC + struct.pack("<I", len(text)) + text, body
 
 
+def head_of(data: bytes) -> dict | None:
+    """The JSON header at the start of ``data`` (an entry's first bytes); None where they
+    do not hold a whole one."""
+    try:
+        if data[:8] != MAGIC:
+            return None
+        (n,) = struct.unpack("<I", data[8:12])
+        return json.loads(data[12 : 12 + n]) if len(data) >= 12 + n else None
+    except MemoryError:
+        raise
+    except Exception:
+        return None
+
+
 def parse(data: bytes) -> Entry | None:
     """The entry in ``data``; None when it is not a whole, well-formed entry (the CRC of
     what it stores is checked by `Entry.sound`)."""
@@ -63,6 +77,8 @@ def parse(data: bytes) -> Entry | None:
                      float(head["seconds"]), pixels, head["reason"], head["detail"],
                      int(head["crc"]), str(head.get("check", "crc32")), shape,
                      encoded)  # fmt: skip
+    except MemoryError:  # the worker's state, not the entry's
+        raise
     except Exception:  # any damage (a number too large, nesting too deep...): not an entry
         return None
 
