@@ -270,9 +270,10 @@ def labels(reader, paths: list[str]) -> tuple[tuple[str, ...], str]:
     for path in paths:
         try:
             with _open(reader.storage, path) as f:
-                head = f.read(HEADER)
-                length, why = _length(head, 0)
-                features = parse_example(f.read(length)) if why is None else None
+                length, why = _length(f.read(HEADER), 0)
+                body = f.read(length + 4) if why is None else b""
+            sound = len(body) > 4 and masked_crc(body[:-4]) == struct.unpack("<I", body[-4:])[0]
+            features = parse_example(body[:-4]) if sound else None  # damaged: the next file's
         except (*READ_ERRORS, ValueError, IndexError, UnicodeDecodeError):
             continue  # an unreadable shard: its samples are skipped by the reader
         if not features:
@@ -280,8 +281,7 @@ def labels(reader, paths: list[str]) -> tuple[tuple[str, ...], str]:
         names = pick(features, reader.image_column, reader.label_column, CONVENTIONS)
         if names is None:
             raise ValueError(unknown_fields(f"the first record of {path}", features,
-                                            reader.image_column, reader.label_column,
-                                            CONVENTIONS))  # fmt: skip
+                             reader.image_column, reader.label_column, CONVENTIONS))  # fmt: skip
         image, label, convention = names
         how = f", {convention}'s names" if convention else ""
         return (), f"feature {label!r} (int64), image {image!r}{how}"

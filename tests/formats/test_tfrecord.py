@@ -328,3 +328,20 @@ def test_a_record_whose_feature_list_is_damaged_is_that_record_alone(tmp_path):
     got = records(PipelineConfig(source=str(root)))
     assert [r.reason for r in got] == [None] * 3 + ["bad_record"] + [None] * 2
     assert [r.label for r in got if r.reason is None] == [0, 1, 2, 4, 5]
+
+
+def test_a_damaged_first_record_does_not_refuse_the_source(tmp_path):
+    """A flipped byte in the first record's feature name ('label' to 'lcbel'): its data CRC
+    fails, so reading skips that record as bad_checksum; the listing parsed it unchecked
+    and refused the source, naming columns it does have."""
+    from raypipe.formats.tfexample import encode_example, frame
+
+    recs = [frame(encode_example({"image": png(i), "label": i})) for i in range(6)]
+    first = bytearray(recs[0])
+    first[first.find(b"label") + 1] ^= 0x02
+    root = tmp_path / "tf"
+    root.mkdir()
+    (root / "train-00000-of-00001.tfrecord").write_bytes(bytes(first) + b"".join(recs[1:]))
+    got = records(PipelineConfig(source=str(root)))
+    assert [r.reason for r in got] == ["bad_checksum"] + [None] * 5
+    assert [r.label for r in got[1:]] == [1, 2, 3, 4, 5]
