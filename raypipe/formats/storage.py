@@ -102,13 +102,11 @@ class Storage:
         local file whose name is not UTF-8, which pyarrow cannot take as a path: open)."""
         if self.remote:
             return self.fs.open_input_file(self._path(uri))
-        try:
-            uri.encode("utf-8")
-        except UnicodeEncodeError:  # a name os.fsdecode() escaped (Latin-1 bytes, say)
-            import pyarrow as pa
+        if not any("\udc80" <= c <= "\udcff" for c in uri):
+            return uri
+        from pyarrow import PythonFile  # a name os.fsdecode() escaped (Latin-1 bytes, say)
 
-            return pa.PythonFile(open(uri, "rb"), mode="r")
-        return uri
+        return PythonFile(open(uri, "rb"), mode="r")
 
     def read_bytes(self, uri: str) -> bytes:
         if not self.remote:
