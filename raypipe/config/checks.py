@@ -121,11 +121,12 @@ def resolve_callable(value: Any, field: str) -> Callable | None:
     return value
 
 
-def check_share(batch_size: int, num_samples: int, ranks: int, what: str = "ranks") -> None:
+def check_share(config, num_samples: int, ranks: int, what: str = "ranks") -> None:
     """Refuse a batch no rank could fill (with ``drop_last``, every epoch would be empty);
-    ``what`` the ranks are called where they are set."""
-    if num_samples // ranks < batch_size:
+    ``what`` the ranks are called where they are set. Packed batches are rows of
+    ``seq_len`` tokens, more of them than documents when they are long: not checked here."""
+    if config.pack is None and num_samples // ranks < config.batch_size:
         raise ValueError(
-            f"batch_size={batch_size} is larger than one rank's share ({num_samples} samples "
-            f"/ {ranks} {what} = {num_samples // ranks}): no rank would get a full batch"
+            f"batch_size={config.batch_size} is larger than one rank's share ({num_samples} "
+            f"samples / {ranks} {what} = {num_samples // ranks}): no rank would get a full batch"
         )

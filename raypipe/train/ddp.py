@@ -86,8 +86,7 @@ def list_sources(config: PipelineConfig, num_workers: int,
     if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
         raise ValueError(f"num_workers={num_workers!r} must be an integer >= 1")
     listing = list_shards(config)
-    if config.pack is None:  # packed batches are rows of seq_len tokens, not documents
-        check_share(config.batch_size, listing.num_samples, num_workers, what="workers")
+    check_share(config, listing.num_samples, num_workers, what="workers")
     held = None if eval_config is None else list_shards(eval_config)
     if held is not None and held.classes and listing.classes and held.classes != listing.classes:
         raise ValueError(

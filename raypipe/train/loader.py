@@ -226,8 +226,8 @@ class Loader:
 
     def _build(self) -> None:
         rank, world = self._rank_world()
-        if self._drop_last and self.config.pack is None:  # (packed: rows, not documents)
-            check_share(self.config.batch_size, self.listing.num_samples, world)
+        if self._drop_last:  # every epoch empty otherwise; refused before the ranks join
+            check_share(self.config, self.listing.num_samples, world)
         ledger = self._join()
         n = self.listing.num_samples
         start = None
