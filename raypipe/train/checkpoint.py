@@ -172,11 +172,9 @@ class RunPosition:
 
         # the run's position is one all_reduce of a bit per sample: taken only when a rank
         # saves (one bit asked of every rank first), not for each report of metrics alone
-        if not any_rank(np.array([user_state is not None])).any():
-            ray.train.report(metrics)
-            return
-        state = self.state()
-        if user_state is None or ray.train.get_context().get_world_rank() != 0:
+        saving = any_rank(np.array([user_state is not None])).any()
+        state = self.state() if saving else None
+        if state is None or user_state is None or ray.train.get_context().get_world_rank() != 0:
             ray.train.report(metrics)
             return
         with tempfile.TemporaryDirectory() as tmp:
