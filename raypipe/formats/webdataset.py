@@ -55,7 +55,7 @@ def _image_member(parts: dict[str, tarfile.TarInfo], named: str = "") -> str | N
     ``mask.png``): `AMBIGUOUS` (tar order would pick the mask)."""
     if named in parts:
         return named
-    found = [e for e in parts if e.rsplit(".", 1)[-1] in WDS_IMAGE_EXTS]
+    found = _images(parts)
     plain = [e for e in found if e in WDS_IMAGE_EXTS]
     if len(plain) == 1 or len(found) <= 1:
         return (plain or found or [None])[0]
@@ -63,6 +63,11 @@ def _image_member(parts: dict[str, tarfile.TarInfo], named: str = "") -> str | N
 
 
 AMBIGUOUS = "\0ambiguous"  # `_image_member`: several image members, none plain
+
+
+def _images(parts: dict[str, tarfile.TarInfo]) -> list[str]:
+    """The members whose extension's last part names an image type."""
+    return [e for e in parts if e.rsplit(".", 1)[-1] in WDS_IMAGE_EXTS]
 
 
 def _tar_index(storage: Storage, path: str, need_image: bool = True):
@@ -119,7 +124,7 @@ def read_tar(storage: Storage, path: str, first_key: int, done: np.ndarray | Non
             key, where = first_key + i, f"{path}:{prefix}"
             image_ext = _image_member(parts, image_member)
             if image_ext == AMBIGUOUS:
-                names = ", ".join(f".{e}" for e in parts if e.rsplit(".", 1)[-1] in WDS_IMAGE_EXTS)
+                names = ", ".join(f".{e}" for e in _images(parts))
                 yield RawSample(key, -1, None, where, f"image members {names}, none plain: set "
                                 "image_column to the one to read", "missing_column")  # fmt: skip
                 continue
