@@ -8,6 +8,16 @@ this process's CPU-seconds per image for each, decode only (no crop, no resample
                        (`raypipe.loader.resample.read_region`), which would spare decoding
                        the rest of each file
 
+and the rest of the rank's ``decode="gpu"`` step, so that its parts can be told apart:
+
+  rank_step            the whole step: ``collate_encoded`` + ``DeviceDecode`` (nvJPEG,
+                       then crop, resize and flip), uint8 N×3×224×224 out
+  resample             the crop-resize-flip alone on images already decoded
+  resample_mixed       the same with each image cut by 0–31 rows and columns (the shapes
+                       of a batch differ, as ImageNet's do)
+  *_86fff42            the resample as it was at 86fff42 (one copy per image into the
+                       padded batch), for the side by side
+
     python benchmarks/gpu_decoders.py --json gpu_decoders.json
 """
 
@@ -25,7 +35,8 @@ import numpy as np
 import torch
 from ingest import make_corpus
 
-from raypipe.loader.resample import read_region
+from raypipe.loader.devicedecode import DeviceDecode, collate_encoded
+from raypipe.loader.resample import read_region, resample
 from raypipe.preprocess.augment import plan, sample_rng
 from raypipe.preprocess.decode import jpeg_size
 
@@ -63,6 +74,61 @@ def front_ends(device, size: int):
     return out
 
 
+def rank_parts(device, size: int, batches: list) -> dict:
+    """{name: step(data, plans) -> N×3×size×size}: the rank's step and its resample."""
+    decoded = {id(d): front_ends(device, size)["torchvision"](d, p) for d, p in batches}
+    rng = np.random.default_rng(0)
+    mixed = {k: [im[:, : im.shape[1] - int(rng.integers(32)), : im.shape[2] - int(rng.integers(32))]
+                 .contiguous() for im in v] for k, v in decoded.items()}  # fmt: skip
+    step = DeviceDecode(size, device)
+
+    def whole(data, plans):
+        n = len(data)
+        batch = {"payload": data, "plan": np.stack(plans), "where": ["bench"] * n,
+                 "label": np.zeros(n, dtype=np.int64), "key": np.arange(n)}  # fmt: skip
+        return step(collate_encoded(batch))["image"]
+
+    def alone(images, version):
+        return lambda data, plans: version(images[id(data)], np.stack(plans), size)
+
+    return {"rank_step": whole,
+            "resample": alone(decoded, resample), "resample_86fff42": alone(decoded, _before),
+            "resample_mixed": alone(mixed, resample),
+            "resample_mixed_86fff42": alone(mixed, _before)}  # fmt: skip
+
+
+def _before(images, plans, size, budget=1 << 29):
+    """`raypipe.loader.resample.resample` at 86fff42: each image's region copied into the
+    padded batch by its own indexing (a copy launched from Python per image)."""
+    from raypipe.loader import resample as r
+
+    device = images[0].device
+    rows = [r._span(p[1], p[3], size, img.shape[1]) for img, p in zip(images, plans, strict=True)]
+    cols = [r._span(p[0], p[2], size, img.shape[2]) for img, p in zip(images, plans, strict=True)]
+    hmax, wmax = max(b - a for a, b in rows), max(b - a for a, b in cols)
+    region = torch.zeros((len(images), 3, hmax, wmax), dtype=torch.uint8, device=device)
+    for j, (img, (y0, y1), (x0, x1)) in enumerate(zip(images, rows, cols, strict=True)):
+        region[j, :, : y1 - y0, : x1 - x0] = img[:, y0:y1, x0:x1]
+    spans = np.array(
+        [(y0, y1 - y0, x0, x1 - x0) for (y0, y1), (x0, x1) in zip(rows, cols, strict=True)]
+    )
+    geometry = torch.tensor(np.column_stack([plans[:, :4], spans]), dtype=torch.float64,
+                            device=device)  # fmt: skip
+    left, top, width, height, y0, h, x0, w = geometry.unbind(1)
+    flip = torch.tensor(plans[:, 4] > 0, device=device)
+    out = torch.empty((len(images), 3, size, size), dtype=torch.uint8, device=device)
+    step = max(1, budget // (12 * hmax * wmax))
+    for c in range(0, len(images), step):
+        part = slice(c, c + step)
+        wy = r._weights(top[part] - y0[part], height[part], h[part], size, hmax)
+        wx = r._weights(left[part] - x0[part], width[part], w[part], size, wmax)
+        wx = torch.where(flip[part, None, None], wx.flip(1), wx)
+        x = region[part].to(torch.float32)
+        y = torch.matmul(torch.matmul(wy.unsqueeze(1), x), wx.transpose(1, 2).unsqueeze(1))
+        out[part] = y.round_().clamp_(0, 255).to(torch.uint8)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--images", type=int, default=2048, help="photo JPEGs (400x300)")
@@ -82,9 +148,14 @@ def main(argv=None) -> int:
         pl = plan(w, h, train=True, rng=sample_rng(0, 0, key), scale=(0.08, 1.0),
                   ratio=(3 / 4, 4 / 3), flip=True)  # fmt: skip
         plans.append(np.array([*pl.box, float(pl.flip)], dtype=np.float32))
-    fronts = front_ends(device, 224)
     batches = [(data[i : i + args.batch], plans[i : i + args.batch])
                for i in range(0, len(data) - args.batch + 1, args.batch)]  # fmt: skip
+    fronts = {**front_ends(device, 224), **rank_parts(device, 224, batches)}
+    for name, mine in (("resample", "resample"), ("resample_mixed", "resample_mixed")):
+        a = [fronts[mine](*b) for b in batches]
+        o = [fronts[name + "_86fff42"](*b) for b in batches]
+        diff = torch.cat([(x.int() - y.int()).abs().flatten() for x, y in zip(a, o, strict=True)])
+        print(f"{name} against 86fff42: mean {diff.float().mean():.4f}, worst {diff.max()}")
     for decode in fronts.values():  # warm-up: the decoders' own allocations
         decode(*batches[0])
     torch.cuda.synchronize(device)

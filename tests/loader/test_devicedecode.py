@@ -241,3 +241,20 @@ def test_decoding_only_the_region_resample_reads_gives_the_same_crops():
     # and the region is needed: one row fewer changes the output somewhere
     cut = [r[:, 1:, :] if r.shape[1] > 1 else r for r in regions]
     assert not torch.equal(resample(cut, np.stack(moved) - [0, 1, 0, 0, 0], 20), whole)
+
+
+def test_a_batch_of_mixed_shapes_resamples_each_image_as_alone():
+    """Images of different sizes share one padded batch: the padding past an image's edge
+    never reaches its output, which equals the image resampled on its own."""
+    rng = np.random.default_rng(7)
+    images, plans = [], []
+    for key in range(12):
+        w, h = int(rng.integers(24, 120)), int(rng.integers(24, 120))
+        p = plan(w, h, train=key % 2 == 0, rng=sample_rng(0, 0, key), scale=(0.08, 1.0),
+                 ratio=(3 / 4, 4 / 3), flip=True)  # fmt: skip
+        box = p.box if key % 3 else (0, 0, w, h)  # a box to the image's edges reads them
+        images.append(torch.randint(0, 256, (3, h, w), dtype=torch.uint8))
+        plans.append(np.array([*box, float(p.flip)], dtype=np.float32))
+    batch = resample(images, np.stack(plans), 16)
+    for image, row, out in zip(images, plans, batch, strict=True):
+        assert torch.equal(crop_resize(image, row, 16), out)
