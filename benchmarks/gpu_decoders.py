@@ -15,8 +15,6 @@ and the rest of the rank's ``decode="gpu"`` step, so that its parts can be told 
   resample             the crop-resize-flip alone on images already decoded
   resample_mixed       the same with each image cut by 0–31 rows and columns (the shapes
                        of a batch differ, as ImageNet's do)
-  *_86fff42            the resample as it was at 86fff42 (one copy per image into the
-                       padded batch), for the side by side
 
     python benchmarks/gpu_decoders.py --json gpu_decoders.json
 """
@@ -92,41 +90,8 @@ def rank_parts(device, size: int, batches: list) -> dict:
         return lambda data, plans: version(images[id(data)], np.stack(plans), size)
 
     return {"rank_step": whole,
-            "resample": alone(decoded, resample), "resample_86fff42": alone(decoded, _before),
-            "resample_mixed": alone(mixed, resample),
-            "resample_mixed_86fff42": alone(mixed, _before)}  # fmt: skip
-
-
-def _before(images, plans, size, budget=1 << 29):
-    """`raypipe.loader.resample.resample` at 86fff42: each image's region copied into the
-    padded batch by its own indexing (a copy launched from Python per image)."""
-    from raypipe.loader import resample as r
-
-    device = images[0].device
-    rows = [r._span(p[1], p[3], size, img.shape[1]) for img, p in zip(images, plans, strict=True)]
-    cols = [r._span(p[0], p[2], size, img.shape[2]) for img, p in zip(images, plans, strict=True)]
-    hmax, wmax = max(b - a for a, b in rows), max(b - a for a, b in cols)
-    region = torch.zeros((len(images), 3, hmax, wmax), dtype=torch.uint8, device=device)
-    for j, (img, (y0, y1), (x0, x1)) in enumerate(zip(images, rows, cols, strict=True)):
-        region[j, :, : y1 - y0, : x1 - x0] = img[:, y0:y1, x0:x1]
-    spans = np.array(
-        [(y0, y1 - y0, x0, x1 - x0) for (y0, y1), (x0, x1) in zip(rows, cols, strict=True)]
-    )
-    geometry = torch.tensor(np.column_stack([plans[:, :4], spans]), dtype=torch.float64,
-                            device=device)  # fmt: skip
-    left, top, width, height, y0, h, x0, w = geometry.unbind(1)
-    flip = torch.tensor(plans[:, 4] > 0, device=device)
-    out = torch.empty((len(images), 3, size, size), dtype=torch.uint8, device=device)
-    step = max(1, budget // (12 * hmax * wmax))
-    for c in range(0, len(images), step):
-        part = slice(c, c + step)
-        wy = r._weights(top[part] - y0[part], height[part], h[part], size, hmax)
-        wx = r._weights(left[part] - x0[part], width[part], w[part], size, wmax)
-        wx = torch.where(flip[part, None, None], wx.flip(1), wx)
-        x = region[part].to(torch.float32)
-        y = torch.matmul(torch.matmul(wy.unsqueeze(1), x), wx.transpose(1, 2).unsqueeze(1))
-        out[part] = y.round_().clamp_(0, 255).to(torch.uint8)
-    return out
+            "resample": alone(decoded, resample),
+            "resample_mixed": alone(mixed, resample)}  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -151,11 +116,6 @@ def main(argv=None) -> int:
     batches = [(data[i : i + args.batch], plans[i : i + args.batch])
                for i in range(0, len(data) - args.batch + 1, args.batch)]  # fmt: skip
     fronts = {**front_ends(device, 224), **rank_parts(device, 224, batches)}
-    for name, mine in (("resample", "resample"), ("resample_mixed", "resample_mixed")):
-        a = [fronts[mine](*b) for b in batches]
-        o = [fronts[name + "_86fff42"](*b) for b in batches]
-        diff = torch.cat([(x.int() - y.int()).abs().flatten() for x, y in zip(a, o, strict=True)])
-        print(f"{name} against 86fff42: mean {diff.float().mean():.4f}, worst {diff.max()}")
     for decode in fronts.values():  # warm-up: the decoders' own allocations
         decode(*batches[0])
     torch.cuda.synchronize(device)
