@@ -1,13 +1,25 @@
 """The Ray job entry points in jobs/ (what ``ray job submit`` runs) stop a Ray they start,
-as ``raypipe run`` does; Ray's start and stop are faked here, nothing starts."""
+as ``raypipe run`` does, when training ends and when it fails, and leave a Ray already
+running in their process alone. A real Ray each time: the script's own, started in a
+process of its own with its own temporary folder, so that its processes can be told
+apart from the test session's Ray by their command lines."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
+import yaml
+
+from raypipe.cli.causal_lm import make_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,29 +31,89 @@ def _job(name: str):
     return module
 
 
-@pytest.mark.parametrize("fails", [False, True])
-@pytest.mark.parametrize("running", [False, True])
-def test_train_lm_stops_the_ray_it_started(monkeypatch, capsys, fails, running):
-    """A Ray started by the script is shut down (`localray.shutdown`, which also kills
-    leftover workers by pid) when training ends or fails; one already there is left alone."""
-    calls = []
+def _config(tmp_path: Path, source: Path) -> Path:
+    """The shipped LM config, one small worker, over ``source``."""
+    raw = yaml.safe_load((ROOT / "jobs/configs/tokens-lm.yaml").read_text())
+    raw["data"]["source"] = str(source)
+    raw["trainer"].update(num_workers=1, storage_path=str(tmp_path / "runs"))
+    path = tmp_path / "lm.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _processes_under(folder: str) -> set[int]:
+    """Live processes whose command line names ``folder`` (Ray's session lives there)."""
+    found = set()
+    for name in os.listdir("/proc"):
+        try:
+            if name.isdigit() and folder.encode() in Path(f"/proc/{name}/cmdline").read_bytes():
+                found.add(int(name))
+        except OSError:
+            pass
+    return found
+
+
+def _run_job(config: Path, marker: str) -> tuple[int, str, int, set[int], set[int]]:
+    """``python jobs/train_lm.py CONFIG --epochs 1`` with Ray's temporary folder its own:
+    its exit code and output, the most of that Ray's processes seen at once while it ran,
+    those alive when the first line holding ``marker`` came out (the script's last words,
+    its result or its traceback: by then it has stopped the Ray it started; Ray's own exit
+    handler, which runs after, does not count), and those alive once it exited."""
+    folder = tempfile.mkdtemp(prefix="rp-job-", dir="/tmp")  # Ray's socket paths stay short
+    env = {**os.environ, "RAY_TMPDIR": folder, "PYTHONUNBUFFERED": "1"}
+    seen, at_marker, lines = [0], [], []
+    proc = subprocess.Popen([sys.executable, "jobs/train_lm.py", str(config), "--epochs", "1"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+    def watch():
+        while proc.poll() is None:
+            seen[0] = max(seen[0], len(_processes_under(folder)))
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if marker in line and not at_marker:
+                at_marker.append(_processes_under(folder))
+        proc.wait(timeout=400)
+    finally:
+        proc.kill()
+        watcher.join()
+    assert at_marker, f"no line with {marker!r}: {''.join(lines)[-3000:]}"
+    return proc.returncode, "".join(lines), seen[0], at_marker[0], _processes_under(folder)
+
+
+@pytest.mark.slow
+def test_train_lm_stops_the_ray_it_started(tmp_path):
+    make_tokens(tmp_path / "tokens", documents=120, files=2)
+    code, out, seen, at_result, left = _run_job(_config(tmp_path, tmp_path / "tokens"), "loss ")
+    assert code == 0, out[-3000:]
+    assert re.search(r"loss \d+\.\d+ → \d+\.\d+ over 1 epochs", out), out[-3000:]
+    assert seen >= 2, "the job's own Ray (its raylet, GCS, workers) was running"
+    assert at_result == set(), f"Ray still ran as the job reported: {sorted(at_result)}"
+    assert left == set(), f"the job's Ray left processes behind: {sorted(left)}"
+
+
+@pytest.mark.slow
+def test_train_lm_stops_the_ray_it_started_when_training_fails(tmp_path):
+    config = _config(tmp_path, tmp_path / "no-such-corpus")
+    code, out, seen, at_traceback, left = _run_job(config, "Traceback")
+    assert code != 0
+    assert "no-such-corpus" in out, out[-3000:]
+    assert seen >= 2, "Ray had started before the training failed"
+    assert at_traceback == set(), f"Ray still ran as the job failed: {sorted(at_traceback)}"
+    assert left == set(), f"the job's Ray left processes behind: {sorted(left)}"
+
+
+def test_train_lm_leaves_a_running_ray_alone(ray_session, tmp_path, capsys):
+    make_tokens(tmp_path / "tokens", documents=120, files=2)
     train_lm = _job("train_lm")
-    monkeypatch.setattr("ray.is_initialized", lambda: running or bool(calls))
-    monkeypatch.setattr("raypipe.localnode.ensure", lambda: calls.append("start"))
-    monkeypatch.setattr("raypipe.cli.localray.shutdown", lambda: calls.append("stop"))
-
-    def run(config, epochs=None):
-        calls.append("run")
-        if fails:
-            raise RuntimeError("training failed")
-        metrics = {"first_loss": 5.0, "loss": 2.0, "epoch": 0, "tokens_per_s": 10.0}
-        return SimpleNamespace(metrics=metrics)
-
-    monkeypatch.setattr(train_lm, "run", run)
-    if fails:
-        with pytest.raises(RuntimeError, match="training failed"):
-            train_lm.main(["lm.yaml"])
-    else:
-        assert train_lm.main(["lm.yaml"]) == 0
-        assert "loss 5.000 → 2.000" in capsys.readouterr().out
-    assert calls == ["start", "run"] + ["stop"] * (not running)
+    before = ray_session.get_runtime_context().get_node_id()
+    assert train_lm.main([str(_config(tmp_path, tmp_path / "tokens")), "--epochs", "1"]) == 0
+    assert "over 1 epochs" in capsys.readouterr().out
+    assert ray_session.is_initialized()
+    assert ray_session.get_runtime_context().get_node_id() == before
+    assert ray_session.get(ray_session.put(7)) == 7
