@@ -37,10 +37,11 @@ def collate_for(config) -> Callable | None:
 def pad_collate(batch: dict[str, np.ndarray], *, pad_value: int = 0,
                 masks: bool = False) -> dict[str, Any]:  # fmt: skip
     """The default collate: numeric columns as tensors; a column of arrays (ragged) padded
-    to the batch's maximum shape with ``<field>_mask`` (True where the row has data, over the
-    varying leading dimension when only that one varies, else over every element); any
-    other column (strings, dicts) as a list. ``masks``: a column of arrays that came
-    stacked (every row of the block one shape) gets its all-True mask too."""
+    to the batch's maximum shape with ``<field>_mask``, of the padded field's own shape
+    and True where the row has data (so a field's mask has one layout in every batch,
+    whichever of its axes the batch's rows differ in); any other column (strings, dicts)
+    as a list. ``masks``: a column of arrays that came stacked (every row of the block one
+    shape) gets its all-True mask too."""
     import torch
 
     out: dict[str, Any] = {}
@@ -50,7 +51,7 @@ def pad_collate(batch: dict[str, np.ndarray], *, pad_value: int = 0,
                 warnings.filterwarnings("ignore", message=".*not writable.*")
                 out[field] = torch.from_numpy(np.ascontiguousarray(column))
             if masks and column.ndim > 1:  # as `_pad` masks rows of one shape
-                out[f"{field}_mask"] = torch.ones(column.shape[:2], dtype=torch.bool)
+                out[f"{field}_mask"] = torch.ones(column.shape, dtype=torch.bool)
         elif len(column) and all(isinstance(v, np.ndarray) for v in column):
             out[field], out[f"{field}_mask"] = _pad(field, list(column), pad_value)
         else:
@@ -73,15 +74,12 @@ def _pad(field: str, arrays: list[np.ndarray], pad_value: int):
         ndims = sorted({a.ndim for a in arrays})
         raise ValueError(f"field {field!r} has rows of {ndims} dimensions in one batch (mono "
                          "and stereo clips?): make every row's dimensions the same")  # fmt: skip
-    shapes = np.array([a.shape for a in arrays])
-    top = tuple(shapes.max(axis=0))
-    varies = np.flatnonzero((shapes != shapes[0]).any(axis=0))
+    top = tuple(np.array([a.shape for a in arrays]).max(axis=0))
     dtype = np.result_type(*{a.dtype for a in arrays})
     padded = np.full((len(arrays), *top), pad_value, dtype=dtype)
-    leading_only = list(varies) in ([0], [])
-    mask = np.zeros((len(arrays), top[0] if top else 1) if leading_only else padded.shape, bool)
+    mask = np.zeros(padded.shape, bool)
     for i, a in enumerate(arrays):
         index = (i, *(slice(0, n) for n in a.shape))
         padded[index] = a
-        mask[(i, slice(0, a.shape[0] if a.ndim else 1)) if leading_only else index] = True
+        mask[index] = True
     return torch.from_numpy(padded), torch.from_numpy(mask)

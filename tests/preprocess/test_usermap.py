@@ -114,10 +114,25 @@ def test_pad_collate_alone():
     column = np.empty(3, dtype=object)
     column[:] = [np.ones((2, 4)), np.ones((3, 4)), np.ones((1, 4))]
     out = pad_collate({"boxes": column, "key": np.arange(3)})
-    assert out["boxes"].shape == (3, 3, 4) and out["boxes_mask"].tolist() == [
+    assert out["boxes"].shape == out["boxes_mask"].shape == (3, 3, 4)
+    assert out["boxes_mask"][..., 0].tolist() == [
         [True, True, False], [True, True, True], [True, False, False]
     ]  # fmt: skip
     assert out["boxes"][2, 1:].abs().sum() == 0
+
+
+def test_a_fields_mask_has_one_layout_whether_its_rows_differ_or_not():
+    """(channels, frames) clips: a batch whose clips share a length and one whose clips
+    differ give masks of one layout, the field's own (the first was B×C, the other
+    B×C×T: a loop written against one broke on the other)."""
+    ragged = np.empty(3, dtype=object)
+    ragged[:] = [np.ones((2, 5)), np.ones((2, 7)), np.ones((2, 3))]
+    same = pad_collate({"audio": np.ones((3, 2, 5))}, masks=True)["audio_mask"]
+    varied = pad_collate({"audio": ragged}, masks=True)
+    assert same.shape == (3, 2, 5) and same.all()
+    assert varied["audio_mask"].shape == varied["audio"].shape == (3, 2, 7)
+    assert varied["audio_mask"].sum(dim=(1, 2)).tolist() == [10, 14, 6]
+    assert varied["audio_mask"][:, 0].sum(1).tolist() == [5, 7, 3]  # frames per clip
 
 
 def test_pad_collate_holds_rows_of_two_actors_types_and_refuses_mixed_dimensions():
