@@ -35,11 +35,12 @@ from raypipe.train.context import TrainContext, _eval_name, _train_name
 log = logging.getLogger(__name__)
 
 
-def _check_cpus(config, eval_config, num_workers: int, cpus_per_worker: float):
+def _check_resources(config, eval_config, num_workers: int, cpus_per_worker: float,
+                     use_gpu: bool = False):  # fmt: skip
     """Say so when the workers and the smallest pools cannot all start on today's cluster
     (every rank's pool holds its CPUs for the whole run: the run waits for the autoscaler);
-    refuse it when the Train workers alone do not fit a local Ray this process started,
-    which nothing adds nodes to (Ray Train waited for them forever)."""
+    refuse it on a local Ray this process started, which nothing adds nodes to (Ray Train
+    waited for its workers, or the ranks for their pools, for ever)."""
     import ray
 
     def pools(actors) -> int:  # the ranks' smallest pools, together
@@ -49,16 +50,34 @@ def _check_cpus(config, eval_config, num_workers: int, cpus_per_worker: float):
     need = num_workers * cpus_per_worker + lo * config.actor_cpus
     if eval_config is not None:  # a warm held-out pool per rank as well
         need += pools(eval_config.actors) * eval_config.actor_cpus
-    have = ray.cluster_resources().get("CPU", 0)
+    resources = ray.cluster_resources()
+    gpus = resources.get("GPU", 0)
+    if use_gpu and gpus < num_workers:
+        why = f"use_gpu=True needs {num_workers} GPU(s), one a worker, and the cluster has {gpus:g}"
+        if localnode.started_here():
+            raise ValueError(f"{why}: this local Ray gets no more nodes; set use_gpu=False "
+                             "or lower num_workers")  # fmt: skip
+        log.warning("raypipe: %s now: it waits for GPU nodes", why)
+    have = resources.get("CPU", 0)
     if need <= have:
         return
+    fix = "lower num_workers, cpus_per_worker, actors or actor_cpus to fit"
+    configs = [c for c in (config, eval_config) if c is not None]
+    if localnode.started_here():  # nothing adds nodes: refused where it would wait for ever
+        # what must run at once: every rank's smallest pools of actors (they hold their
+        # CPUs for the run), or one task at a time (the ranks' tasks take turns)
+        task = max(c.actor_cpus for c in configs)
+        actors = any(c.compute == "actors" for c in configs)
+        least = need if actors else num_workers * cpus_per_worker + task
+        if least > have:
+            beside = "their pools' actors" if actors else f"one {task:g}-CPU preprocessing task"
+            raise ValueError(f"this run needs {least:.2f} CPUs at once ({num_workers} workers "
+                             f"x {cpus_per_worker:g} and {beside}) and this local Ray has "
+                             f"{have:g} and gets no more nodes; {fix}")  # fmt: skip
     why = (f"this run needs at least {need:.2f} CPUs ({num_workers} workers x "
            f"{cpus_per_worker:.2f} + {lo} actor(s) in the rank pools x {config.actor_cpus:.2f}"
            f"{' + the held-out pools' if eval_config is not None else ''}) and the cluster "
            f"has {have:.2f}")  # fmt: skip
-    fix = "lower num_workers, cpus_per_worker, actors or actor_cpus to fit"
-    if localnode.started_here() and num_workers * cpus_per_worker > have:
-        raise ValueError(f"{why}: this local Ray gets no more nodes; {fix}")
     log.warning("raypipe: %s now: it waits for more nodes; %s", why, fix)
 
 
@@ -180,7 +199,7 @@ def train_ddp(
         skip_logs.update({_eval_name(e): eval_skips.epoch(e) for e in range(epochs)})
     progress = RunPosition(seed=config.seed, num_samples=listing.num_samples,
                         fingerprint=listing.fingerprint, start=start, start_from=start_from)  # fmt: skip
-    _check_cpus(config, eval_config, num_workers, cpus_per_worker)
+    _check_resources(config, eval_config, num_workers, cpus_per_worker, use_gpu)
     ledger = create_ledger(num_workers) if num_workers > 1 else None
     ctx = TrainContext(config, eval_config, dict(loop_config or {}), epochs,
                        checkpoint_every=checkpoint_every, progress=progress, listing=listing,

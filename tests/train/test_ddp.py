@@ -144,8 +144,29 @@ def test_a_run_bigger_than_the_local_ray_this_process_started_is_refused(ray_ses
 
     assert localnode.started_here()
     config = PipelineConfig(source=str(datasets["parquet"]), batch_size=2)
-    with pytest.raises(ValueError, match="this local Ray gets no more nodes; lower num_workers"):
+    with pytest.raises(ValueError, match="and gets no more nodes; lower num_workers"):
         train_ddp(config, lambda ctx: None, num_workers=8, cpus_per_worker=1)
+
+
+@pytest.mark.parametrize(("compute", "cpus_per_worker", "need"),
+                         [("actors", 1, "6.00"), ("tasks", 1.5, "5.00")])  # fmt: skip
+def test_pools_bigger_than_the_local_ray_this_process_started_are_refused(
+    ray_session, datasets, compute, cpus_per_worker, need
+):
+    """The Train workers fit the session's 4 CPUs, but not with the preprocessing that
+    must run beside them: every rank's pool of actors (2 x 2 CPUs), or one 2-CPU task at
+    a time: the run waited for nodes a local Ray never gets (its ranks at 0 samples)."""
+    config = PipelineConfig(source=str(datasets["parquet"]), batch_size=2, actors=(1, 1),
+                            actor_cpus=2, compute=compute)  # fmt: skip
+    with pytest.raises(ValueError, match=f"needs {need} CPUs at once .* gets no more nodes"):
+        train_ddp(config, lambda ctx: None, num_workers=2, cpus_per_worker=cpus_per_worker)
+
+
+def test_use_gpu_on_a_local_ray_without_gpus_is_refused(ray_session, datasets):
+    """Ray Train asked for a GPU node for ever, deaf to Ctrl-C."""
+    config = PipelineConfig(source=str(datasets["parquet"]), batch_size=2)
+    with pytest.raises(ValueError, match=r"use_gpu=True needs 1 GPU\(s\).* has 0.*use_gpu=False"):
+        train_ddp(config, lambda ctx: None, num_workers=1, use_gpu=True)
 
 
 def test_batch_larger_than_a_rank_share_is_refused(datasets):
