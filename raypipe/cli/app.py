@@ -36,11 +36,13 @@ def _run(args: argparse.Namespace) -> int:
     jobspec.check_sources(args.config, args.data_root)
     with tempfile.TemporaryDirectory(prefix="raypipe-") as tmp:
         config = jobspec.write_resolved(args.config, args.data_root, tmp)
-        classes = check_classes(RunConfig.from_yaml(config), args.config)  # before Ray
+        run_cfg = RunConfig.from_yaml(config)
+        classes = check_classes(run_cfg, args.config)  # before Ray
+        storage = args.storage_path and jobspec.resolve(args.data_root, args.storage_path)
+        _writable(storage or run_cfg.trainer.storage_path)
         verbose = quiet.is_verbose(args.verbose)
         with _ray_session(args.address, verbose=verbose):
             t0 = time.perf_counter()  # the run's time, not Ray's start-up
-            storage = args.storage_path and jobspec.resolve(args.data_root, args.storage_path)
             result = run(config, epochs=args.epochs, storage_path=storage, classes=classes,
                          ray_log_level="INFO" if verbose else quiet.TRAIN_LOG_LEVEL)  # fmt: skip
     m = result.metrics or {}
@@ -62,6 +64,12 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _writable(folder: str | None) -> None:
+    """A local output folder made now, before Ray starts (OSError if it cannot be)."""
+    if folder and "://" not in folder:
+        os.makedirs(os.path.expanduser(folder), exist_ok=True)
+
+
 def _convert(args: argparse.Namespace) -> int:
     from raypipe.cli.convert import ShardsConfig, convert, plan
 
@@ -70,6 +78,7 @@ def _convert(args: argparse.Namespace) -> int:
     raw = jobspec.resolve_paths(args.config, args.data_root)
     cfg = ShardsConfig.from_dict(raw[jobspec.convert_section(raw)])
     plan(cfg)  # fail on a bad folder before starting Ray
+    _writable(cfg.out)
     with _ray_session(args.address, verbose=quiet.is_verbose(args.verbose)):
         s = convert(cfg)
     _summary(
@@ -77,7 +86,7 @@ def _convert(args: argparse.Namespace) -> int:
         [
             ("shards", f"{s.shards} in {s.out} ({s.written} written, {s.reused} already done)"),
             ("samples", str(s.samples)),
-            ("samples/s", f"{s.samples_per_s:.1f}"),
+            ("samples/s", f"{s.samples_per_s:.1f}" if s.written else "- (nothing to write)"),
             ("skipped", f"{len(s.skipped)}" + (" (listed above)" if s.skipped else "")),
             ("time", f"{s.seconds:.1f} s"),
         ],
@@ -152,6 +161,27 @@ def _ray_address(address: str | None) -> str:
     return address or os.environ.get("RAY_ADDRESS") or "local"
 
 
+def _check_head(address: str) -> None:
+    """A head's GCS address must answer before Ray is asked to join it (Ray retried an
+    address nothing listened on for minutes)."""
+    import socket
+
+    if address in ("local", "auto") or address.startswith("ray://"):
+        return
+    if "://" in address:
+        raise ValueError(f"address {address!r}: raypipe run joins a Ray head by its GCS "
+                         "address (host:6379); an http:// address is the dashboard's, "
+                         "for raypipe submit")  # fmt: skip
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
+    except (OSError, ValueError) as e:
+        raise ConnectionError(
+            f"nothing answers at {address} ({e}): is the head up (ray "
+            "start --head), and is this its GCS address?"
+        ) from None
+
+
 @contextlib.contextmanager
 def _ray_session(address: str | None, *, verbose: bool = False):
     """Ray at `_ray_address` for the block, unless this process already has one; a Ray
@@ -162,6 +192,7 @@ def _ray_session(address: str | None, *, verbose: bool = False):
     started = not ray.is_initialized()
     if started:
         address = _ray_address(address)
+        _check_head(address)
         if not verbose:
             quiet.quiet_ray(local=address == "local")
         localray.start(address, log_to_driver=True, configure_logging=False)
@@ -217,6 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except ConnectionError as e:
         print(f"raypipe {args.command}: error: cannot reach Ray: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a folder it cannot write, a path through a file
+        print(f"raypipe {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("raypipe: interrupted", file=sys.stderr)

@@ -30,6 +30,25 @@ class TrainerSettings:
     storage_path: str | None = None
     max_failures: int = 0
 
+    def __post_init__(self):
+        def whole(value, low):
+            return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+        def number(value):
+            return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+        checks = [("num_workers", whole(self.num_workers, 1), "an integer >= 1"),
+                  ("epochs", whole(self.epochs, 1), "an integer >= 1"),
+                  ("lr", number(self.lr), "a number > 0"),
+                  ("use_gpu", isinstance(self.use_gpu, bool), "true or false"),
+                  ("cpus_per_worker", number(self.cpus_per_worker), "a number > 0"),
+                  ("storage_path", self.storage_path is None or isinstance(self.storage_path, str),
+                   "a path"),
+                  ("max_failures", whole(self.max_failures, -1), "an integer >= -1 (-1: no limit)")]  # fmt: skip
+        for name, ok, what in checks:
+            if not ok:
+                raise ValueError(f"trainer.{name}={getattr(self, name)!r} must be {what}")
+
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
@@ -44,14 +63,23 @@ class RunConfig:
         if "data" not in raw:
             raise ValueError(f"{path}: a run config needs a 'data' section")
         trainer = raw.get("trainer") or {}
+        if not isinstance(trainer, dict):
+            raise ValueError(f"{path}: trainer must be a mapping of settings, not {trainer!r}")
         check_keys(
             trainer, [f.name for f in dataclasses.fields(TrainerSettings)], where=f"{path}: trainer"
         )
         return cls(
             data=_section(path, "data", raw["data"]),
             eval=_section(path, "eval", raw["eval"]) if raw.get("eval") else None,
-            trainer=TrainerSettings(**trainer),
+            trainer=_trainer(path, trainer),
         )
+
+
+def _trainer(path, settings: dict) -> TrainerSettings:
+    try:
+        return TrainerSettings(**settings)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def _section(path, name: str, data: Any) -> PipelineConfig:
@@ -199,7 +227,7 @@ def run(config_path: str | Path, *, epochs: int | None = None, storage_path: str
         classify_loop,
         num_workers=t.num_workers,
         use_gpu=t.use_gpu,
-        epochs=epochs or t.epochs,
+        epochs=t.epochs if epochs is None else epochs,
         storage_path=storage_path or t.storage_path,
         eval_config=run_cfg.eval,
         loop_config={"num_classes": len(classes), "lr": t.lr},

@@ -10,6 +10,22 @@ __all__ = ["build_parser"]
 assert __all__ == sorted(__all__)
 
 
+def _at_least(low: int):
+    """An argparse type: an integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
 def _ray_address_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--address",
@@ -51,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
         "out", nargs="?", default="demo-data", help="output folder (default: %(default)s)"
     )
     p.add_argument(
-        "--photos", type=int, default=512, help="photo JPEGs to write (default: %(default)s)"
+        "--photos",
+        type=_at_least(0),
+        default=512,
+        help="photo JPEGs to write (default: %(default)s)",
     )
     p.add_argument("--seed", type=int, default=0, help="split and crop seed (default: %(default)s)")
 
@@ -60,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "trainer sections) with DDP on Ray Train.")  # fmt: skip
     p.add_argument("config", help="run config YAML, e.g. jobs/configs/digits.yaml")
     _ray_address_flag(p)
-    p.add_argument("--epochs", type=int, default=None, help="override trainer.epochs")
+    p.add_argument("--epochs", type=_at_least(1), default=None, help="override trainer.epochs")
     p.add_argument("--storage-path", default=None, help="override trainer.storage_path")
     p.add_argument("--data-root", default=".",
                    help="resolve relative data paths in the config against this folder "
@@ -88,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default=None, choices=FORMATS,
                    help="the source's format (default: inferred from file names)")  # fmt: skip
     p.add_argument(
-        "--samples", type=int, default=32, help="samples to decode (default: %(default)s)"
+        "--samples", type=_at_least(1), default=32, help="samples to decode (default: %(default)s)"
     )
     for flag, default, what in (("--image-column", "image", "Parquet column, TFRecord feature, LMDB key or HDF5 dataset of the image; none: samples with no image"),
                                 ("--label-column", "label", "the same, of the label"),

@@ -26,7 +26,9 @@ IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 def list_images(paths: list[str], storage: Storage) -> tuple[list[tuple[str, int]], list[str]]:
     """``([(file, label), ...], classes)`` of one image folder, in key order."""
     if len(paths) != 1 or storage.kind(paths[0]) != "dir":
-        raise ValueError(f"an image folder source is one directory, got {paths!r}")
+        shown = ", ".join(repr(p) for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
+        raise ValueError(f"an image folder source is one directory (the folder of the class "
+                         f"folders), got {len(paths)} path(s): {shown}")  # fmt: skip
     root = paths[0]
     classes = storage.dirs(root)
     if not classes:

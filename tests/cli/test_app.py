@@ -348,3 +348,59 @@ def test_submit_to_something_that_is_not_a_ray_head(capsys, run_config, tmp_path
         server.server_close()
         thread.join()
     assert f"the job API at {url} failed: Version check returned 404" in line
+
+
+@pytest.mark.parametrize(
+    ("trainer", "said"),
+    [("lr: fast", "trainer.lr='fast' must be a number > 0"),
+     ("epochs: 0", "trainer.epochs=0 must be an integer >= 1"),
+     ("use_gpu: 'no'", "trainer.use_gpu='no' must be true or false"),
+     ("cpus_per_worker: -1", "trainer.cpus_per_worker=-1 must be a number > 0"),
+     ("max_failures: 1.5", "trainer.max_failures=1.5 must be an integer >= -1")],
+)  # fmt: skip
+def test_bad_trainer_settings_are_one_line_before_ray(capsys, tmp_path, folder, trainer, said):
+    """They reached the Train workers: 55 lines of their tracebacks after Ray's start."""
+    cfg = _write(tmp_path / "t.yaml", f"data:\n  source: {folder}\ntrainer:\n  {trainer}\n")
+    assert said in _error_line(capsys, ["run", str(cfg)])
+    cfg = _write(tmp_path / "s.yaml", f"data:\n  source: {folder}\ntrainer: 5\n")
+    assert "trainer must be a mapping of settings, not 5" in _error_line(capsys, ["run", str(cfg)])
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [(["run", "c.yaml", "--epochs", "0"], "argument --epochs: 0 is below 1"),
+     (["demo-data", "d", "--photos", "-3"], "argument --photos: -3 is below 0"),
+     (["inspect", "d", "--samples", "x"], "argument --samples: 'x' is not an integer")],
+)  # fmt: skip
+def test_counts_on_the_command_line_are_checked(capsys, monkeypatch, tmp_path, argv, said):
+    """`--epochs 0` trained the config's epochs and `--photos -3` wrote "-3 JPEGs"."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_an_output_folder_that_cannot_be_made_is_one_line(capsys, tmp_path, folder, run_config):
+    """Through a file: a traceback (demo-data), or one from pyarrow after Ray's start."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert "Not a directory" in _error_line(capsys, ["demo-data", str(blocker / "d")])
+    line = _error_line(capsys, ["run", str(run_config), "--storage-path", str(blocker / "runs")])
+    assert "Not a directory" in line and str(blocker) in line
+    cfg = _write(tmp_path / "p.yaml", f"convert:\n  source: {folder}\n  out: {blocker}/out\n")
+    assert "Not a directory" in _error_line(capsys, ["convert", str(cfg)])
+
+
+def test_an_image_folder_given_as_files_is_named_briefly(capsys, folder):
+    """A glob of 1,438 files was one 30 KB line naming every one."""
+    line = _error_line(capsys, ["inspect", f"{folder}/*/*"])
+    assert "is one directory (the folder of the class folders), got 5 path(s)" in line
+    assert line.count(str(folder)) == 3 and len(line) < 600
+
+
+def test_run_with_an_address_nothing_answers_on_is_one_line(capsys, run_config):
+    """Ray retried 127.0.0.1:1 for minutes; a dashboard URL got Ray's RAY_ADDRESS advice."""
+    line = _error_line(capsys, ["run", str(run_config), "--address", f"127.0.0.1:{_free_port()}"])
+    assert "cannot reach Ray: nothing answers at 127.0.0.1:" in line and "GCS address" in line
+    line = _error_line(capsys, ["run", str(run_config), "--address", "http://127.0.0.1:8265"])
+    assert "an http:// address is the dashboard's, for raypipe submit" in line
