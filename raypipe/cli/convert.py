@@ -109,10 +109,12 @@ class Summary:
     samples: int
     skipped: tuple[tuple[str, str], ...]
     seconds: float
+    samples_written: int = 0  # the samples of the shards this run wrote
 
     @property
     def samples_per_s(self) -> float:
-        return self.samples / self.seconds if self.seconds > 0 else 0.0
+        """The rate of this run's writing (shards an earlier run finished not counted)."""
+        return self.samples_written / self.seconds if self.seconds > 0 else 0.0
 
 
 def shard_name(prefix: str, index: int, total: int, fmt: str) -> str:
@@ -180,9 +182,10 @@ def convert(config: ShardsConfig, *, log: TextIO | None = None) -> Summary:
     _save_index(out, index)
     print(f"convert: {total} shards into {out} ({reused} already finished)", file=log)
 
+    _check_cpus(config.cpus_per_task)
     task = ray.remote(num_cpus=config.cpus_per_task)(write_shard)
     pending = {task.remote(parts[i], out, names[i], fmt): i for i in todo}
-    reused_ids = set(range(total)) - set(todo)
+    reused_ids, written = set(range(total)) - set(todo), 0
     skipped = [(p, why) for i in sorted(reused_ids) for p, why in entries[i]["skipped"]]
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=1)
@@ -190,6 +193,7 @@ def convert(config: ShardsConfig, *, log: TextIO | None = None) -> Summary:
         w: Written = ray.get(ready[0])
         entries[i] = _entry(w, done=True)
         skipped.extend(w.skipped)
+        written += w.samples
         _save_index(out, index)
         done = total - len(pending)
         print(f"  [{done:>{len(str(total))}}/{total}] {w.name}: {w.samples} samples", file=log)
@@ -198,26 +202,25 @@ def convert(config: ShardsConfig, *, log: TextIO | None = None) -> Summary:
     _save_index(out, index)
     for path, reason in skipped:
         print(f"convert: skipped {path}: {reason}", file=log)
-    return Summary(
-        out,
-        total,
-        len(todo),
-        reused,
-        index["num_samples"],
-        tuple(skipped),
-        time.perf_counter() - t0,
-    )
+    return Summary(out, total, len(todo), reused, index["num_samples"], tuple(skipped),
+                   time.perf_counter() - t0, written)  # fmt: skip
+
+
+def _check_cpus(cpus: float) -> None:
+    """A task no node of a local Ray started here can hold waits for ever: refused."""
+    import ray
+
+    from raypipe import localnode
+
+    most = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]), default=0)
+    if cpus > most and localnode.started_here():
+        raise ValueError(f"convert.cpus_per_task={cpus:g} is more than this local Ray's "
+                         f"{most:g} CPUs, and it gets no more nodes: lower it")  # fmt: skip
 
 
 def _planned(name: str, part: list[Sample]) -> dict[str, Any]:
-    return {
-        "name": name,
-        "samples": len(part),
-        "first_key": part[0].key,
-        "bytes": 0,
-        "skipped": [],
-        "done": False,
-    }
+    return {"name": name, "samples": len(part), "first_key": part[0].key, "bytes": 0,
+            "skipped": [], "done": False}  # fmt: skip
 
 
 def _entry(w: Written, *, done: bool) -> dict[str, Any]:

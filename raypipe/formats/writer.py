@@ -68,17 +68,28 @@ def write_shard(samples: list[Sample], out: str, name: str, fmt: str) -> Written
 
 
 def _load(samples: list[Sample]) -> Iterator[tuple[Sample, bytes | None, str]]:
-    """Yield ``(sample, bytes, ext)``; JPEG and PNG stay as they are, others become PNG."""
+    """Yield ``(sample, bytes, ext)``; JPEG and PNG stay as they are, others become PNG;
+    bytes that are no image are ``(sample, None, why)``."""
     for s in samples:
         ext = Path(s.path).suffix.lower().lstrip(".")
         try:
             data = Path(s.path).read_bytes()
-            if ext not in WDS_IMAGE_EXTS:
+            if ext in WDS_IMAGE_EXTS:
+                _identify(data)  # stored as it is: at least an image's header
+            else:
                 data, ext = _to_png(data), "png"
         except Exception as e:  # unreadable file or undecodable odd format
             yield s, None, f"{type(e).__name__}: {e}"
             continue
         yield s, data, ext
+
+
+def _identify(data: bytes) -> None:
+    """Pillow's reading of the header (nothing decoded): raises on bytes of no image."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)):
+        pass
 
 
 def _to_png(data: bytes) -> bytes:

@@ -91,9 +91,17 @@ def test_rerun_skips_finished_shards(ray_session, folder, tmp_path, capsys):
     assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
     again = convert(config)
     assert (again.written, again.reused) == (0, 3)
+    assert again.samples_per_s == 0  # it read 27 samples a second of nothing written
     with open(out / first, "ab") as f:  # not the file that was written: written again
         f.write(b"\0" * 1024)
     assert convert(config).written == 1
+
+
+def test_a_task_bigger_than_the_local_ray_is_refused(ray_session, folder, tmp_path):
+    """A task no node of this local Ray can hold: Ray's autoscaler message every 35 s."""
+    config = ShardsConfig(source=str(folder), out=str(tmp_path / "o"), cpus_per_task=64)
+    with pytest.raises(ValueError, match="cpus_per_task=64 is more than this local Ray's 4"):
+        convert(config)
 
 
 def test_other_plan_in_the_same_folder_is_refused(ray_session, folder, tmp_path):
@@ -109,9 +117,10 @@ def test_unreadable_and_odd_formats(ray_session, tmp_path):
     root = make_imagefolder(tmp_path / "f", {"a": 4, "b": 3})
     Image.new("RGB", (9, 7), (10, 200, 30)).save(root / "b" / "0100.bmp")
     os.symlink(root / "missing.jpg", root / "a" / "0099.jpg")  # dangling: unreadable
+    (root / "b" / "0101.jpg").write_text("notjpeg\n")  # was stored, and read as no image
     summary = convert(ShardsConfig(source=str(root), out=str(tmp_path / "o"), shards=2))
     assert summary.samples == 8
-    assert [os.path.basename(p) for p, _ in summary.skipped] == ["0099.jpg"]
+    assert [os.path.basename(p) for p, _ in summary.skipped] == ["0099.jpg", "0101.jpg"]
     keys = _rows(tmp_path / "o", "webdataset")
     assert sorted(keys) == list(range(8))
 
