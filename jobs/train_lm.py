@@ -9,6 +9,7 @@ job's copy of the working dir, which ``.gitignore``'d ``demo-data/`` is not ship
 """
 
 import argparse
+import os
 import sys
 
 from raypipe import localnode
@@ -22,10 +23,20 @@ def main(argv=None) -> int:
     parser.add_argument("--make-data", metavar="DIR", help="write the demo corpus to DIR")
     parser.add_argument("--epochs", type=int, help="override trainer.epochs")
     args = parser.parse_args(argv)
+    if not (args.config or args.make_data):
+        parser.error("give a config to train from, or --make-data DIR")
+    if args.config and not os.path.isfile(args.config):
+        parser.error(f"config {args.config!r} not found")
+    if args.epochs is not None and args.epochs < 1:
+        parser.error(f"--epochs {args.epochs}: must be >= 1")
     if args.make_data:
         print(f"wrote {make_tokens(args.make_data)}")
     if args.config:
-        result = _train(args.config, args.epochs)
+        try:
+            result = _train(args.config, args.epochs)
+        except ValueError as e:  # a config or its data refused: one line
+            print(f"train_lm: error: {' '.join(str(e).split())}", file=sys.stderr)
+            return 2
         m = result.metrics
         print(f"loss {m['first_loss']:.3f} → {m['loss']:.3f} over {m['epoch'] + 1} epochs, "
               f"{m['tokens_per_s']:.0f} tokens/s")  # fmt: skip

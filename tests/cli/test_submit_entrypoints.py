@@ -57,7 +57,7 @@ def _run_job(config: Path, marker: str) -> tuple[int, str, int, set[int], set[in
     """``python jobs/train_lm.py CONFIG --epochs 1`` with Ray's temporary folder its own:
     its exit code and output, the most of that Ray's processes seen at once while it ran,
     those alive when the first line holding ``marker`` came out (the script's last words,
-    its result or its traceback: by then it has stopped the Ray it started; Ray's own exit
+    its result or its error: by then it has stopped the Ray it started; Ray's own exit
     handler, which runs after, does not count), and those alive once it exited."""
     folder = tempfile.mkdtemp(prefix="rp-job-", dir="/tmp")  # Ray's socket paths stay short
     env = {**os.environ, "RAY_TMPDIR": folder, "PYTHONUNBUFFERED": "1"}
@@ -100,11 +100,12 @@ def test_train_lm_stops_the_ray_it_started(tmp_path):
 @pytest.mark.slow
 def test_train_lm_stops_the_ray_it_started_when_training_fails(tmp_path):
     config = _config(tmp_path, tmp_path / "no-such-corpus")
-    code, out, seen, at_traceback, left = _run_job(config, "Traceback")
-    assert code != 0
-    assert "no-such-corpus" in out, out[-3000:]
+    code, out, seen, at_error, left = _run_job(config, "train_lm: error:")
+    assert code == 2
+    assert re.search(r"train_lm: error: .*no-such-corpus", out), out[-3000:]
+    assert "Traceback" not in out, "a refused source is one line"
     assert seen >= 2, "Ray had started before the training failed"
-    assert at_traceback == set(), f"Ray still ran as the job failed: {sorted(at_traceback)}"
+    assert at_error == set(), f"Ray still ran as the job failed: {sorted(at_error)}"
     assert left == set(), f"the job's Ray left processes behind: {sorted(left)}"
 
 
@@ -117,3 +118,18 @@ def test_train_lm_leaves_a_running_ray_alone(ray_session, tmp_path, capsys):
     assert ray_session.is_initialized()
     assert ray_session.get_runtime_context().get_node_id() == before
     assert ray_session.get(ray_session.put(7)) == 7
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [([], "give a config to train from, or --make-data DIR"),
+     (["no-such.yaml"], "config 'no-such.yaml' not found"),
+     (["jobs/configs/tokens-lm.yaml", "--epochs", "0"], "--epochs 0: must be >= 1")],
+)  # fmt: skip
+def test_train_lm_refuses_what_it_cannot_run_before_ray(monkeypatch, capsys, argv, said):
+    """Refused by its parser, before `_train` starts Ray: it did nothing and exited 0 with
+    no arguments, and a missing config was a traceback after Ray had started."""
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as exit_:
+        _job("train_lm").main(argv)
+    assert exit_.value.code == 2 and said in capsys.readouterr().err
