@@ -71,7 +71,10 @@ class ProgressLine:
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
-            print(self.line(), file=self._out, flush=True)
+            # written, not print()ed: in a Ray Train worker print() both writes the line
+            # and logs it, and the driver showed every line twice
+            self._out.write(self.line() + "\n")
+            self._out.flush()
 
     def close(self) -> None:
         self._stop.set()

@@ -336,3 +336,43 @@ def test_progress_lines_count_the_epoch_the_rate_the_wait_and_the_pool():
     printed = out.getvalue().splitlines()
     assert len(printed) >= 2 and all(x.startswith("raypipe rank 1 epoch 1") for x in printed)
     assert not any(t.name == "raypipe-progress" for t in threading.enumerate())
+
+
+def test_the_progress_line_comes_once_under_ray_trains_print(monkeypatch):
+    """In a Ray Train worker ``print`` is Ray's `redirected_print`: to a stderr that is not
+    the process's own it both writes the line and logs it (to stderr again there), and
+    the driver showed every progress line twice."""
+    import builtins
+    import io
+    import logging
+    import threading
+
+    from ray.train.v2._internal.logging.patch_print import redirected_print
+
+    from raypipe.loader.progress import ProgressLine
+
+    f, clock, demand = make()
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    monkeypatch.setattr("sys.stderr", stream)
+    monkeypatch.setattr(builtins, "print", redirected_print)
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "level", logging.INFO)  # as Train configures its workers'
+    root.addHandler(handler)
+    try:
+
+        class Counted(ProgressLine):
+            made = 0
+
+            def line(self) -> str:
+                Counted.made += 1
+                return super().line()
+
+        p = Counted(0.05, rank=0, demand=demand, planned=lambda e: 100, follower=f)
+        threading.Event().wait(0.18)
+        p.close()
+    finally:
+        root.removeHandler(handler)
+    lines = stream.getvalue().splitlines()
+    assert lines and all(x.startswith("raypipe rank 0") for x in lines)
+    assert len(lines) == Counted.made, lines  # each line once
