@@ -61,7 +61,8 @@ import cache as cache_bench
 import ingest
 
 from raypipe.plan.blocksize import MAX_FILES_PER_TASK
-from raypipe.plan.rankplan import RankPlan, RankTasks
+from raypipe.plan.rankplan import RankPlan
+from raypipe.plan.ranktasks import RankTasks
 from raypipe.plan.shards import list_shards
 from raypipe.preprocess.augment import plan, sample_plan, sample_rng
 from raypipe.preprocess.cache import entryfile, mapped
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = ingest.pool_config(corpus, 2).replace(files_per_task=MAX_FILES_PER_TASK)
     listing = list_shards(config)
     rank = RankPlan.of(listing, seed=ingest.SEED, shuffle=True, rank=0, world_size=1,
-                       per_task=listing.shards_per_task(config))  # fmt: skip
+                       per_task=config.files_per_task)  # fmt: skip
     tasks = RankTasks.of(listing, rank, range(1))
     rounds = [one_round(files, args.shm, args.disk, args.cap, tasks) for _ in range(args.rounds)]
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}

@@ -58,7 +58,8 @@ from pathlib import Path
 
 import numpy as np
 
-from raypipe.plan.rankplan import RankPlan, task_table
+from raypipe.plan.rankplan import RankPlan
+from raypipe.plan.ranktasks import task_table
 from raypipe.train.state import PipelineState
 
 STEP_S = 0.1  # a train step of the simulated ranks

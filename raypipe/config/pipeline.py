@@ -51,9 +51,11 @@ class PipelineConfig:
         ratio: aspect-ratio range of random-resized-crop.
         shuffle_files: shuffle the file order per epoch from ``(seed, epoch)``.
         shuffle_buffer: rows in each rank's local shuffle buffer (0 = off).
-        files_per_task: image-folder files one actor call reads and decodes; one call
-            makes blocks of up to ``rows_per_block`` rows, and blocks of ``batch_size``
-            rows reach the trainer without a copy. None (the default): 256, or fewer when
+        files_per_task: samples one actor call reads and decodes: image-folder files, or
+            a piece of one shard (WebDataset, Parquet, records: a longer shard is read in
+            near-equal pieces); one call makes blocks of up to ``rows_per_block`` rows, and
+            blocks of ``batch_size`` rows reach the trainer without a copy. None (the
+            default): 256 files (65,536 samples of a shard), or fewer when
             the tasks one rank's pool has in flight would hold over 25 % of its share of
             the smallest object store (`raypipe.plan.blocksize`); a set value whose tasks
             cannot fit that share is refused before work.

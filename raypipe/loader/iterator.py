@@ -172,7 +172,8 @@ class TorchBatches:
         self._stays = getattr(device, "type", str(device)) == "cpu" and not channels_last
         self._stats = IterStats()
         self._delivered = Delivered()  # keys handed to the consumer this pass
-        self._epoch = first_pass - 1  # the epoch number of the next pass, minus one
+        self._epoch = first_pass - 1  # the epoch number of the running or last pass
+        self._passes = 0
         self._running: Iterator[Batch] | None = None
         self._more_stats = more_stats
         self.skips = skips  # the source's raypipe.SkipLog, or None
@@ -182,9 +183,14 @@ class TorchBatches:
     def device(self):
         return self._device
 
+    @property
+    def epoch(self) -> int:
+        """The running or last pass's epoch; before the first, the first's."""
+        return self._epoch if self._passes else self._epoch + 1
+
     def __iter__(self) -> Iterator[Batch]:
         self.close()
-        self._epoch += 1
+        self._epoch, self._passes = self._epoch + 1, self._passes + 1
         self._stats = IterStats()
         self._delivered = Delivered()
         self._running = self._pass()
@@ -220,13 +226,13 @@ class TorchBatches:
     def stats(self) -> dict[str, Any]:
         skipped = self.skips.counts() if self.skips is not None else {}
         pool = {"pool": self.watch.summary()} if self.watch is not None else {}
-        base = {"epoch": max(self._epoch, 0), **self._stats.as_dict(), "skipped": skipped, **pool}
+        base = {"epoch": self.epoch, **self._stats.as_dict(), "skipped": skipped, **pool}
         return {**base, **self._more_stats(base)} if self._more_stats is not None else base
 
     def state_dict(self) -> dict[str, Any]:
         """The pass so far; ``keys`` (int64) are those delivered, for `raypipe.train.state`."""
         return {
-            "epoch": max(self._epoch, 0),
+            "epoch": self.epoch,
             "batches": self._stats.batches,
             "samples": self._stats.samples,
             "keys": self._delivered.keys(),

@@ -13,10 +13,9 @@
 
 The same object serves a single process (``world_size=1``) and each Ray Train worker of
 `raypipe.train_ddp`. With ``world_size > 1`` the ranks share an `raypipe.loader.ledger` actor
-(``Pipeline.ledger(world_size)``) that keeps their batch counts equal when bad samples
-are skipped. ``drop_last=False`` (evaluation: `raypipe.train.TrainContext.eval_batches`)
-keeps every row instead: each rank's last batch of an epoch is short, and batch counts
-may differ between ranks.
+(``Pipeline.ledger(world_size)``) that keeps their batch counts equal when bad samples are
+skipped. ``drop_last=False`` (evaluation: `raypipe.train.TrainContext.eval_batches`) keeps
+every row: each rank's last batch of an epoch is short, batch counts may differ.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from typing import Any
 
 from raypipe import localnode
 from raypipe.config import PipelineConfig, rank_loader
+from raypipe.config.checks import check_share
 from raypipe.loader.blocks import execute
 from raypipe.loader.buckets import Bucketing
 from raypipe.loader.collate import collate_for
@@ -71,11 +71,13 @@ class Pipeline:
             (`train_ddp` does so); None: a log of this rank's own. The skip budget
             (``config.max_skipped``) counts the samples of the ranks that share the log.
         start: a `raypipe.train.state.PipelineState` to resume from: its epoch leaves out
-            the keys it marks consumed, and the run starts there.
+            the keys it marks consumed, and the run starts there (refused when it is of other
+            data or another seed, `PipelineState.check`).
         progress_s: seconds between live progress lines on stderr (`raypipe.loader.progress`);
             None: every 30 s on rank 0 and none on the others; 0: none.
         drop_last: True: every rank the same number of ``batch_size`` batches per epoch,
-            the rows beyond them dropped (training). False: every row of the rank's share,
+            the rows beyond them dropped (training; a batch larger than a rank's share of
+            the samples is refused). False: every row of the rank's share,
             the epoch's last batch short, counts per rank unequal by a batch or so, and
             no ledger needed (evaluation, where nothing may be left out). With
             ``config.pack`` the counts are equal either way, fixed by the plan
@@ -89,8 +91,7 @@ class Pipeline:
                  world_size: int = 1, ledger=None, group: str = "", device: Any = "auto",
                  pin_memory: bool | None = None, prefetch_batches: int | None = None,
                  normalize: bool | None = None, channels_last: bool | None = None,
-                 listing: Listing | None = None,
-                 skips: SkipLog | None = None, start=None,
+                 listing: Listing | None = None, skips: SkipLog | None = None, start=None,
                  progress_s: float | None = None, drop_last: bool = True):  # fmt: skip
         if not isinstance(config, PipelineConfig):
             raise TypeError(f"config must be a PipelineConfig, got {type(config).__name__}")
@@ -101,19 +102,22 @@ class Pipeline:
                     progress_s=progress_s, start=start, drop_last=drop_last)  # fmt: skip
         self.config, self.num_epochs, self.rank, self.world_size = config, epochs, rank, world_size
         self.drop_last = drop_last
-        self.listing = listing or list_shards(config)
+        self.listing = listing = listing or list_shards(config)
+        if drop_last:  # a batch no rank can fill: every epoch would be empty
+            check_share(config, listing.num_samples, world_size)
+        if start is not None:  # the same data and seed, or the keys mean other samples
+            start.check(listing, config.seed)
         self._shared_skips = skips is not None and world_size > 1
         if skips is None:
             localnode.ensure()
             skips = SkipLog.create()
         self.skips = skips
         self.config = config = sized_blocks(
-            documents_per_block(config, self.listing), world_size=world_size,
-            actors=rank_pool(config.actors, world_size, rank)[1],
+            documents_per_block(config, listing), world_size=world_size,
+            actors=rank_pool(config.actors, world_size, rank)[1], listing=listing,
         )  # fmt: skip
         self.first_epoch = start.epoch if start is not None else 0
-        self.plan = rank_plan(config, self.listing, rank, world_size,
-                              per_task=self.listing.shards_per_task(config), start=start)  # fmt: skip
+        self.plan = rank_plan(config, listing, rank, world_size, start=start)
         self.loader = loader.replace(device=resolve_device(loader.device))
         self._collate = collate_for(config)
         equal = world_size > 1 and drop_last  # the ledger evens batch counts out
@@ -231,12 +235,12 @@ class Pipeline:
 
 
 def rank_plan(config: PipelineConfig, listing: Listing, rank: int, world_size: int, *,
-              per_task: int, start=None) -> RankPlan:  # fmt: skip
-    """The `RankPlan` of ``rank`` of ``world_size`` for ``config``, resumed at ``start``
-    (a `raypipe.train.state.PipelineState`, or None)."""
+              start=None) -> RankPlan:  # fmt: skip
+    """The `RankPlan` of ``rank`` of ``world_size`` for ``config`` (unsized: for its keys
+    and sizes), resumed at ``start`` (a `raypipe.train.state.PipelineState`, or None)."""
     return RankPlan.of(
         listing, seed=config.seed, shuffle=config.shuffle_files, rank=rank,
-        world_size=world_size, per_task=per_task,
+        world_size=world_size, per_task=config.files_per_task or 1,
         resume_epoch=start.epoch if start is not None else -1,
         consumed=start.consumed if start is not None else None,
         weights=listing.lengths if config.pack is not None else None,
@@ -279,10 +283,8 @@ def _check_args(*, epochs, rank, world_size, ledger, progress_s, start, drop_las
     if not isinstance(drop_last, bool):
         raise ValueError(f"{drop_last=} must be True or False")
     if world_size > 1 and ledger is None and drop_last:
-        raise ValueError(
-            f"{world_size=} needs ledger=Pipeline.ledger({world_size}) for equal batches "
-            "(or drop_last=False)"
-        )
+        raise ValueError(f"{world_size=} needs ledger=Pipeline.ledger({world_size}) for equal "
+                         "batches (or drop_last=False)")  # fmt: skip
     if world_size > 1 and drop_last and (made := _world_of(ledger)) != world_size:
         raise ValueError(f"ledger= was made for {made} ranks, this run has {world_size=}")
     if progress_s is not None and not (isinstance(progress_s, (int, float)) and progress_s >= 0):

@@ -7,7 +7,8 @@ nothing but three integers per task crosses the object store::
     shards (sorted, dense keys) ─► seeded shard permutation (seed, epoch) ─► the epoch's
     key order ─► minus keys consumed before a resume ─► np.array_split into ``world``
     contiguous slices (sizes differ by at most one) ─► rank r's slice ─► tasks of
-    ``files_per_task`` image files, or one shard piece (tar / Parquet) each
+    ``files_per_task`` image files, or of one piece of a shard (tar, Parquet, records) of
+    at most that many samples: a task's output is bounded whatever a shard holds
 
 With per-key weights (packing: each document's tokens) the slices even out the weight
 instead of the count, so ranks pack about the same number of rows.
@@ -23,9 +24,9 @@ import functools
 
 import numpy as np
 
-from raypipe.plan.shards import Listing, pack_done, shard_permutation
+from raypipe.plan.shards import Listing, shard_permutation
 
-__all__ = ["RankPlan", "RankTasks", "epoch_keys", "rank_pool", "task_table"]
+__all__ = ["RankPlan", "epoch_keys", "rank_pool"]
 assert __all__ == sorted(__all__)
 
 
@@ -50,7 +51,8 @@ class RankPlan:
         first, counts: first key and sample count of every shard, in key order.
         seed, shuffle: ``PipelineConfig.seed`` and ``shuffle_files``.
         rank, world_size: this rank and the number of ranks.
-        per_task: shards one task reads (image files per task; 1 for tar / Parquet).
+        per_task: image files one task reads (shards of one sample), or the most samples
+            of a shard one task reads (a longer run of a shard is cut into near-equal pieces).
         resume_epoch, consumed: keys of ``resume_epoch`` already consumed (bool per
             key), left out of that epoch before it is split; None for a fresh start.
         weights: a weight per key (packing: its document's tokens) that the split evens
@@ -132,7 +134,8 @@ class RankPlan:
         return np.searchsorted(self.first, keys, side="right") - 1
 
     def tasks(self, epoch: int) -> list[tuple[int, int]]:
-        """``(lo, hi)`` positions into `keys`: each task reads ``per_task`` shard pieces."""
+        """``(lo, hi)`` positions into `keys`: ``per_task`` image files, or one piece of a
+        shard of at most ``per_task`` samples."""
         return [(lo, hi) for lo, hi in self.task_bounds(epoch).tolist()]
 
     def task_bounds(self, epoch: int) -> np.ndarray:
@@ -144,15 +147,18 @@ class RankPlan:
         if self.weights is None and self.one_per_shard:
             count = self.sizes(epoch)[self.rank]
             starts = np.arange(0, count, self.per_task, dtype=np.int64)
-        elif self.weights is None:  # each touched shard's run of keys, from the shards
-            runs = _rank_runs(self, epoch)[2]
-            count = int(runs.sum())
-            starts = _starts(runs)[runs > 0][:: self.per_task]
         else:
-            keys = self.keys(epoch)
-            count = len(keys)
-            shard = self.shard_of(keys)
-            starts = np.flatnonzero(np.diff(shard, prepend=-1))[:: self.per_task]
+            if self.weights is None:  # each touched shard's run of keys, from the shards
+                runs = _rank_runs(self, epoch)[2]
+            else:
+                shard = self.shard_of(self.keys(epoch))
+                runs = np.diff(np.flatnonzero(np.diff(shard, prepend=-1, append=-1)))
+            count = int(runs.sum())
+            starts, runs = _starts(runs)[runs > 0], runs[runs > 0]
+            if self.one_per_shard:  # packing over files of one document each
+                starts = starts[:: self.per_task]
+            else:
+                starts = _pieces(starts, runs, self.per_task)
         ends = np.append(starts[1:], count) if count else starts
         return np.stack([starts, ends], axis=1).astype(np.int64, copy=False)
 
@@ -168,71 +174,6 @@ def rank_pool(actors: tuple[int, int], world_size: int, rank: int = 0) -> tuple[
     run's (a fixed pool stays fixed: min = max on every rank); at least one a rank."""
     lo, hi = (n // world_size + (rank < n % world_size) for n in actors)
     return max(1, lo), max(1, lo, hi)
-
-
-def task_table(plan: RankPlan, epochs: range) -> np.ndarray:
-    """``(epoch, lo, hi)`` of every task of the rank, epochs in order."""
-    tables = [np.insert(plan.task_bounds(e), 0, e, axis=1) for e in epochs]
-    return np.concatenate(tables) if tables else np.zeros((0, 3), dtype=np.int64)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class RankTasks:
-    """A rank's tasks for the actors: task id → its epoch and its shard rows (`shard_row`).
-
-    Attributes:
-        plan: the rank's `RankPlan`; table: its `task_table`.
-        paths, labels: every shard's path and label, shards in key order.
-        shared_skips: every rank writes to one skip log, so the skip budget counts the
-            epoch's samples over all ranks; else this rank's own.
-    """
-
-    plan: RankPlan
-    table: np.ndarray
-    paths: list[str]
-    labels: np.ndarray
-    shared_skips: bool = False
-
-    @classmethod
-    def of(cls, listing: Listing, plan: RankPlan, epochs: range, *, shared_skips: bool = False):
-        labels = np.fromiter((s.label for s in listing.shards), np.int64, len(listing.shards))
-        return cls(plan, task_table(plan, epochs), [s.path for s in listing.shards], labels,
-                   shared_skips)  # fmt: skip
-
-    def __len__(self) -> int:
-        return len(self.table)
-
-    def samples(self, epoch: int) -> int:
-        """The samples of epoch ``epoch`` this rank's skip budget is a share of: the whole
-        epoch's, a resumed one's too (a checkpoint consumes good keys only: the bad ones
-        met before it are read and skipped again, against the whole epoch's budget)."""
-        plan = self.plan
-        if epoch == plan.resume_epoch:
-            plan = dataclasses.replace(plan, consumed=None)
-        sizes = plan.sizes(epoch)
-        return int(sum(sizes)) if self.shared_skips else sizes[self.plan.rank]
-
-    def rows(self, task: int) -> tuple[int, dict[str, list]]:
-        """The task's epoch and its keys as shard rows: members of a shard that are not the
-        task's are marked done, so they are not read."""
-        epoch, lo, hi = (int(v) for v in self.table[task])
-        plan = self.plan
-        keys = plan.keys(epoch)[lo:hi]
-        shard = plan.shard_of(keys)
-        starts = np.r_[0, np.flatnonzero(np.diff(shard)) + 1]  # one row per run of a shard
-        ids = shard[starts]
-        lengths = np.diff(np.r_[starts, len(keys)])
-        rows = {"path": [self.paths[s] for s in ids.tolist()], "first_key": plan.first[ids].tolist(),
-                "num_samples": plan.counts[ids].tolist(), "label": self.labels[ids].tolist(),
-                "done": [b""] * len(ids)}  # fmt: skip
-        # a shard this task reads only part of (shared with another task or rank, or
-        # resumed): the members not its own are marked done
-        for i in np.flatnonzero(lengths != plan.counts[ids]).tolist():
-            first, count = rows["first_key"][i], rows["num_samples"][i]
-            done = np.ones(count, dtype=bool)
-            done[keys[starts[i] : starts[i] + lengths[i]] - first] = False
-            rows["done"][i] = pack_done(done)
-        return epoch, rows
 
 
 @functools.lru_cache(maxsize=4)
@@ -282,6 +223,16 @@ def _rank_runs(plan: RankPlan, epoch: int) -> tuple[np.ndarray, np.ndarray, np.n
 
 def _starts(lengths: np.ndarray) -> np.ndarray:
     return np.cumsum(lengths) - lengths
+
+
+def _pieces(starts: np.ndarray, runs: np.ndarray, most: int) -> np.ndarray:
+    """Where each piece starts when every run (``runs`` samples from ``starts``) is cut
+    into the fewest near-equal pieces of at most ``most`` samples (the first ones of a
+    run one longer, as `np.array_split` cuts)."""
+    cuts = -(-runs // most)  # pieces of each run
+    i = np.arange(int(cuts.sum())) - np.repeat(_starts(cuts), cuts)  # piece index in its run
+    size, longer = np.repeat(runs // cuts, cuts), np.repeat(runs % cuts, cuts)
+    return np.repeat(starts, cuts) + i * size + np.minimum(i, longer)
 
 
 def _frozen(keys: np.ndarray) -> np.ndarray:

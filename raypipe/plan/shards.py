@@ -30,6 +30,7 @@ from raypipe.formats.storage import Storage
 from raypipe.formats.writer import INDEX
 
 FIELD_FORMATS = ("parquet", "webdataset")  # where samples with no image can be read
+SIZED_SHARDS = 8  # shard files `Listing.stored_per_sample` sizes
 SHARD_ROW = ("path", "first_key", "num_samples", "label", "done")  # the fields of `shard_row`
 PROGRESS_S = 5.0  # a listing longer than this says how far it is, every PROGRESS_S
 COUNT_THREADS = 32  # shards counted at once on the driver (`_counted`)
@@ -76,9 +77,20 @@ class Listing:
             )
         return h.hexdigest()[:32]
 
-    def shards_per_task(self, config: PipelineConfig) -> int:
-        """Shards one actor call reads: ``files_per_task`` image files, or one shard file."""
-        return config.files_per_task if get_format(self.format).one_per_file else 1
+    @functools.cached_property
+    def stored_per_sample(self) -> float | None:
+        """Mean bytes a sample takes on storage, over the first `SIZED_SHARDS` shard files
+        that can be sized (None: none of them): what `raypipe.plan.blocksize` sizes a
+        sample with no image from."""
+        sized, samples = 0, 0
+        for shard in self.shards[:SIZED_SHARDS]:
+            try:
+                size = self.reader.storage.size(shard.path)
+            except (OSError, ValueError):  # a folder (LMDB), a piece, gone since listing
+                continue
+            if size is not None:  # None: not a file on a remote store
+                sized, samples = sized + size, samples + shard.num_samples
+        return sized / samples if samples else None
 
 
 def list_shards(config: PipelineConfig) -> Listing:

@@ -3,7 +3,7 @@
 ```
  task: shard rows {path, first_key, num_samples, label, done} of one epoch
        (`raypipe.plan.shards.shard_row`; a run-long dataset's task id names its epoch and
-       rows through `raypipe.plan.rankplan.RankTasks`)
+       rows through `raypipe.plan.ranktasks.RankTasks`)
    ▼ read the shard (raypipe.formats) → decode + crop, or the user's transform
      (with ``config.cache``: the capped image from the node's cache, or decoded and kept
      there: `raypipe.preprocess.cache`)
@@ -30,7 +30,7 @@ import numpy as np
 from raypipe.config import PipelineConfig
 from raypipe.formats import get_format
 from raypipe.formats.sample import RawSample
-from raypipe.plan.rankplan import RankTasks
+from raypipe.plan.ranktasks import RankTasks
 from raypipe.plan.shards import Reader, unpack_done
 from raypipe.preprocess.augment import Plan, sample_plan
 from raypipe.preprocess.cache import mapped

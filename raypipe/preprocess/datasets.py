@@ -11,7 +11,7 @@ same `Preprocessor` (`raypipe.preprocess.actor`):
      task ids), all epochs in order (epoch e's tasks first)
    ▼ preserve_order: blocks come out in task order, so epochs never interleave
    RankPreprocessor pool (this rank's share of config.actors), started once for the run:
-   task id → (epoch, shard rows) (`raypipe.plan.rankplan.RankTasks`) → read + decode + crop
+   task id → (epoch, shard rows) (`raypipe.plan.ranktasks.RankTasks`) → read + decode + crop
    ▼ blocks {image, label, key, epoch}; one task's rows are one epoch's (a block Ray
      Data merged from several tasks' outputs may hold two)
  the rank's Feeder cuts epochs where the ``epoch`` column changes, within a block too
@@ -30,7 +30,8 @@ import numpy as np
 from raypipe import localnode
 from raypipe.config import PipelineConfig
 from raypipe.plan.blocksize import rank_store_limit, sized_blocks
-from raypipe.plan.rankplan import RankPlan, RankTasks, rank_pool
+from raypipe.plan.rankplan import RankPlan, rank_pool
+from raypipe.plan.ranktasks import RankTasks
 from raypipe.plan.shards import Listing, list_shards
 from raypipe.preprocess.actor import Preprocessor, RankPreprocessor, preprocess_task
 from raypipe.preprocess.cache import node as node_cache
@@ -76,11 +77,11 @@ def build_dataset(
     if skips is None:  # after listing: a bad source fails before Ray starts
         localnode.ensure()
         skips = SkipLog.create()
-    config = sized_blocks(config)
+    config = sized_blocks(config, listing=listing)
     node_cache.ensure(config)  # the decoded cache's actors, one per node, if it is on
     # the plan of one rank of one: the epoch's seeded order, minus what ``consumed`` marks
     plan = RankPlan.of(listing, seed=config.seed, shuffle=config.shuffle_files, rank=0,
-                       world_size=1, per_task=listing.shards_per_task(config),
+                       world_size=1, per_task=config.files_per_task,
                        resume_epoch=epoch if consumed is not None else -1,
                        consumed=consumed)  # fmt: skip
     tasks = RankTasks.of(listing, plan, range(epoch, epoch + 1))

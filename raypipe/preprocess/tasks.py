@@ -28,7 +28,8 @@ import uuid
 import numpy as np
 
 from raypipe.plan.blocksize import TASKS_IN_FLIGHT
-from raypipe.plan.rankplan import RankTasks, rank_pool
+from raypipe.plan.rankplan import rank_pool
+from raypipe.plan.ranktasks import RankTasks
 from raypipe.preprocess.actor import Preprocessor
 from raypipe.preprocess.cache import mapped
 from raypipe.preprocess.cache import node as node_cache

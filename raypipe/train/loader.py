@@ -140,7 +140,7 @@ class Loader:
         resumed epoch's steps on from its checkpoint's): the same on every rank (with
         ``drop_last``; fewer when samples are skipped); with packing, its packed rows'."""
         if self._len_plan is None:
-            self._len_plan = rank_plan(self.config, self.listing, *self._rank_world(), per_task=1)
+            self._len_plan = rank_plan(self.config, self.listing, *self._rank_world())
         epoch = min(self.epoch, self.num_epochs - 1)
         return rank_batches(self.config, self.listing, self._len_plan, epoch, self._drop_last)
 

@@ -175,3 +175,16 @@ def test_a_loader_over_packed_rows_counts_their_batches(ray_session, tokens):
             epochs.append(loader.state_dict()["epoch"])
     assert len(epochs) == n > len(docs) // BATCH
     assert epochs == [0] * (n - 1) + [1]
+
+
+def test_short_documents_are_sized_as_documents_not_images(ray_session, tmp_path):
+    """Blocks of packed documents are sized from the documents' stored size: 5,000
+    documents of 1-7 tokens fill a batch of 16 rows of 1,024 tokens with 4,096 documents a
+    block, which as 224² images (the old sizing) would be 588 MiB, more than a rank's share
+    of the session's store: the run was refused naming an image_size it does not have."""
+    docs = make_tokens(tmp_path, [5000], seed=3, max_len=7)
+    config = PipelineConfig(source=str(tmp_path), image_column=None, pack="tokens",
+                            seq_len=1024, batch_size=16, seed=7)  # fmt: skip
+    out, _ = run_ranks(config, 2, 1, drop_last=False)
+    delivered = np.concatenate([b["tokens"][b["segment_ids"] > 0] for r in out for b in r[0]])
+    np.testing.assert_array_equal(np.sort(delivered), np.arange(sum(len(d) for d in docs)))

@@ -251,3 +251,44 @@ def test_bad_settings_name_the_value(ray_session, datasets):
         Pipeline(config, epochs=0)
     with pytest.raises(TypeError, match="PipelineConfig"):
         Pipeline({"source": "x"}, epochs=1)
+
+
+def test_a_batch_no_rank_can_fill_is_refused_as_the_loader_refuses_it(ray_session, datasets):
+    """61 samples over 4 ranks: a batch of 16 would leave every epoch of every rank empty."""
+    config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=8, batch_size=16)
+    share = r"batch_size=16 is larger than one rank's share \(61 samples / 4 ranks = 15\)"
+    with pytest.raises(ValueError, match=share):
+        Pipeline(config, epochs=1, rank=0, world_size=4, ledger=Pipeline.ledger(4))
+    with pytest.raises(ValueError, match=r"batch_size=64 .* \(61 samples / 1 ranks = 61\)"):
+        Pipeline(config.replace(batch_size=64), epochs=1)
+    Pipeline(config.replace(batch_size=64), epochs=1, drop_last=False).close()  # every row
+
+
+def test_a_resume_state_of_other_data_or_another_seed_is_refused(ray_session, datasets):
+    from raypipe.plan.shards import list_shards
+    from raypipe.train.state import PipelineState
+
+    config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=8, batch_size=7)
+    fingerprint, consumed = list_shards(config).fingerprint, np.arange(61) < 10
+    for state, match in (
+        (PipelineState(0, 999, 61, fingerprint, consumed), "seed=999"),
+        (PipelineState(0, config.seed, 61, "0" * 32, consumed), "fingerprint '0000"),
+        (PipelineState(0, config.seed, 60, fingerprint, consumed[:60]), "num_samples=60"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            Pipeline(config, epochs=1, start=state)
+    pipe = Pipeline(config, epochs=1, device="cpu", progress_s=0,
+                    start=PipelineState(0, config.seed, 61, fingerprint, consumed))  # fmt: skip
+    keys = [k for _, batches in pipe.epochs() for b in batches for k in b["key"].tolist()]
+    assert len(keys) == 49 and min(keys) >= 10  # 51 left, whole batches of 7
+
+
+def test_an_epochs_batches_name_their_epoch_before_the_first_batch(ray_session, datasets):
+    """A checkpoint taken between epochs, from the next epoch's batches, names that epoch
+    with nothing consumed (it named the one before, whose keys it then read again)."""
+    config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=8, batch_size=7)
+    for epoch, batches in Pipeline(config, epochs=3, device="cpu", progress_s=0).epochs():
+        state = batches.state_dict()
+        assert batches.stats()["epoch"] == state["epoch"] == epoch and len(state["keys"]) == 0
+        assert sum(1 for _ in batches) == 8
+        assert batches.stats()["epoch"] == batches.state_dict()["epoch"] == epoch

@@ -102,7 +102,7 @@ def test_a_resumed_epochs_skip_budget_is_a_share_of_the_whole_epoch(shared):
     """A checkpoint consumes good keys only, so a resumed epoch reads its bad keys again:
     its budget is a share of the whole epoch, as the uninterrupted one's (it was of the
     keys left, and a run resumed near an epoch's end broke it on data that passes)."""
-    from raypipe.plan.rankplan import RankTasks
+    from raypipe.plan.ranktasks import RankTasks
 
     lst = listing([5, 1, 9, 3, 12, 7])
     consumed = np.zeros(37, bool)
@@ -116,15 +116,24 @@ def test_a_resumed_epochs_skip_budget_is_a_share_of_the_whole_epoch(shared):
             assert sum(b.sizes(0)) == 4  # what the resumed epoch reads: the keys left
 
 
-@pytest.mark.parametrize("per_task", [1, 4])
-def test_tasks_cover_the_rank_keys_and_hold_per_task_shard_pieces(per_task):
-    lst = listing([5, 1, 9, 3, 12, 7])
+@pytest.mark.parametrize("per_task", [1, 4, 5, 100])
+@pytest.mark.parametrize("sizes", [[5, 1, 9, 3, 12, 7], [1] * 30])
+def test_tasks_cover_the_rank_keys_and_hold_at_most_per_task_samples(sizes, per_task):
+    """A task reads ``per_task`` image files, or one piece of at most ``per_task`` samples
+    of one shard: what a task returns is bounded by ``files_per_task`` whatever a tar or
+    Parquet shard holds (a shard of 12 with per_task 5: pieces of 4)."""
+    lst = listing(sizes)
     for plan in plans(lst, 2, per_task=per_task):
         keys, tasks = plan.keys(1), plan.tasks(1)
         assert tasks[0][0] == 0 and tasks[-1][1] == len(keys)
         assert all(a[1] == b[0] for a, b in zip(tasks[:-1], tasks[1:], strict=True))
         for lo, hi in tasks:
-            assert len(np.unique(plan.shard_of(keys[lo:hi]))) <= per_task
+            assert 0 < hi - lo <= per_task
+            if not plan.one_per_shard:
+                assert len(np.unique(plan.shard_of(keys[lo:hi]))) == 1
+        if not plan.one_per_shard:  # the fewest pieces: whole runs where they fit
+            runs = np.unique(plan.shard_of(keys), return_counts=True)[1]
+            assert len(tasks) == int(np.ceil(runs / per_task).sum())
 
 
 @pytest.mark.parametrize("sizes", [*SIZES, [1] * 7, [1, 1, 2, 1], [3, 0, 4, 0, 2]])
@@ -140,14 +149,22 @@ def test_tasks_are_the_runs_of_shards_in_the_rank_keys(sizes, world, per_task):
             assert plan.one_per_shard == (set(sizes) == {1})
             for epoch in range(3):
                 keys = plan.keys(epoch)
-                runs = np.flatnonzero(np.diff(plan.shard_of(keys), prepend=-1))[::per_task]
+                runs = np.flatnonzero(np.diff(plan.shard_of(keys), prepend=-1))
+                if plan.one_per_shard:
+                    runs = runs[::per_task]
+                else:  # each run of a shard in near-equal pieces of at most per_task keys
+                    ends = [*runs[1:].tolist(), len(keys)][: len(runs)]
+                    runs = np.array([piece[0] for a, b in zip(runs, ends, strict=True)
+                                     for piece in np.array_split(np.arange(a, b),
+                                                                 -(-(b - a) // per_task))],
+                                    dtype=np.int64)  # fmt: skip
                 ends = [*runs[1:].tolist(), len(keys)] if len(keys) else []
                 expect = list(zip(runs.tolist(), ends, strict=True))
                 assert plan.tasks(epoch) == expect
 
 
 def test_the_task_table_lists_every_epochs_tasks_in_order():
-    from raypipe.plan.rankplan import task_table
+    from raypipe.plan.ranktasks import task_table
 
     for sizes in ([1] * 50, [5, 1, 9, 3]):
         plan = plans(listing(sizes), 2, per_task=4)[1]
@@ -162,7 +179,7 @@ def test_the_task_table_lists_every_epochs_tasks_in_order():
 def test_task_rows_read_exactly_the_task_keys(sizes, world, per_task):
     """The shard rows of a task (`RankTasks.rows`) name its keys and no other: members of a
     shard that are another task's or rank's, or consumed before a resume, are done."""
-    from raypipe.plan.rankplan import RankTasks
+    from raypipe.plan.ranktasks import RankTasks
     from raypipe.plan.shards import SHARD_ROW, unpack_done
 
     lst = listing(sizes)

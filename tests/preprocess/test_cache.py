@@ -750,7 +750,7 @@ def test_a_memory_budget_shared_memory_has_no_room_for_is_refused_before_work(ra
     from raypipe import Pipeline
 
     config = PipelineConfig(source=str(datasets["imagefolder"]), cache="memory",
-                            cache_budget=1 << 50)  # fmt: skip
+                            cache_budget=1 << 50, batch_size=8)  # fmt: skip
     with pytest.raises(ValueError, match="shared memory .* has room for") as e:
         Pipeline(config, epochs=1, device="cpu").start()
     assert "\n" not in str(e.value)

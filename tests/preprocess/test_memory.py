@@ -3,9 +3,12 @@ stream through a small store without spilling or dying; sizes that cannot fit ar
 
 from __future__ import annotations
 
+import io
 import json
+import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +36,7 @@ def small_jpegs(root: Path, n: int, *, seed: int = 0) -> Path:
 
 def test_a_block_larger_than_the_object_store_is_refused_before_work(ray_session, datasets):
     config = PipelineConfig(
-        source=str(datasets["imagefolder"]), image_size=512, rows_per_block=2000
+        source=str(datasets["imagefolder"]), image_size=512, rows_per_block=2000, batch_size=8
     )  # 1.5 GiB blocks, the session's store is 1 GiB
     for make in (lambda: build_dataset(config), lambda: Pipeline(config, epochs=1)):
         with pytest.raises(ValueError, match=r"rows_per_block=2000 x image_size=512.*MiB"):
@@ -81,6 +84,36 @@ def test_defaults_stream_ten_stores_of_data_through_a_small_store(tmp_path):
     assert growth <= STORE_MIB / 2, f"peak memory grew {growth:.0f} MiB with the data: {peaks}"
 
 
+def small_shards(root: Path, n: int, shards: int) -> Path:
+    """`small_jpegs` as ``shards`` WebDataset tars of ``n // shards`` samples each."""
+    images = sorted(small_jpegs(root / "images", n).rglob("*.jpg"))
+    for s, part in enumerate(np.array_split(np.arange(n), shards)):
+        with tarfile.open(root / f"shard-{s:03d}.tar", "w") as tar:
+            for i in part.tolist():
+                tar.add(images[i], f"{i:05d}.jpg")
+                label = io.BytesIO(str(i % 2).encode())
+                info = tarfile.TarInfo(f"{i:05d}.cls")
+                info.size = len(label.getvalue())
+                tar.addfile(info, label)
+    shutil.rmtree(root / "images")
+    return root
+
+
+@pytest.mark.slow
+def test_defaults_stream_shards_larger_than_the_store_through_it(tmp_path):
+    """A WebDataset shard is read in pieces of ``files_per_task`` samples, as an image
+    folder's files are: two tars of 1,152 images, each 165 MiB decoded at 224² (more than the
+    128 MiB store), stream through it with the defaults, every key once, without spilling
+    (a task that returned a whole shard spilled 172 MiB of 344 here)."""
+    report = run_memory_driver(small_shards(tmp_path / "wds", N_MEMORY // 2, 2),
+                               tmp_path / "wds.json", epochs=1, pause_s=0.15)  # fmt: skip
+    keys = [k for rank in report["keys"] for batch in rank[0] for k in batch]
+    assert len(keys) == len(set(keys)) == N_MEMORY // 2
+    p = report["peaks"]
+    assert "error" not in p and p["samples"] >= 5, p
+    assert p["store_mib"] <= STORE_MIB and p["spilled_mib"] <= 2 * BLOCK_MIB, p
+
+
 def test_default_blocks_are_one_batch_unless_the_store_is_too_small(ray_session, datasets):
     from raypipe.plan.blocksize import sized_blocks
 
@@ -118,3 +151,24 @@ def test_default_tasks_fit_the_ranks_share_of_the_store_and_set_ones_that_cannot
         sized_blocks(config.replace(files_per_task=256), world_size=8, actors=4)
     with pytest.raises(ValueError, match=r"rows_per_block=1000 .* with 8 ranks \(128\.0 MiB\)"):
         sized_blocks(config.replace(rows_per_block=1000), world_size=8)  # 144 MiB blocks
+
+
+def test_a_sample_with_no_image_is_sized_from_its_stored_bytes(ray_session, tmp_path):
+    from raypipe.plan.blocksize import NO_IMAGE_EXPANSION, sample_bytes, sized_blocks
+    from raypipe.plan.shards import list_shards
+    from tests.preprocess.test_samples import make_tokens
+
+    make_tokens(tmp_path, [3000, 1000], max_len=500)  # 250 tokens a document on average
+    config = PipelineConfig(source=str(tmp_path), image_column=None, batch_size=64)
+    listing = list_shards(config)
+    stored = sum(p.stat().st_size for p in tmp_path.glob("*.parquet")) / 4000
+    assert listing.stored_per_sample == pytest.approx(stored)
+    assert sample_bytes(config, listing) == int(NO_IMAGE_EXPANSION * stored)
+    assert sample_bytes(config.replace(image_column="image"), listing) == 3 * 224**2
+    sized = sized_blocks(config, listing=listing)  # pieces of a shard: no cap of 256 files
+    assert sized.files_per_task > 256 and sized.rows_per_block == 64
+    with pytest.raises(ValueError, match=r"^PipelineConfig\.rows_per_block=10000000 samples of "
+                       r"about \d+ KiB \(4x their size on storage\) make blocks of [\d.]+ MiB, "
+                       r"more than one rank's object store \(1024\.0 MiB\): lower "
+                       r"rows_per_block$"):  # fmt: skip
+        sized_blocks(config.replace(rows_per_block=10_000_000), listing=listing)

@@ -100,7 +100,8 @@ def test_a_released_memory_cache_is_let_go_at_the_workers_next_task(ray_session,
     some samples again (benchmarks/RESULTS.md, "Many entries on a node")."""
     import ray
 
-    from raypipe.plan.rankplan import RankPlan, RankTasks
+    from raypipe.plan.rankplan import RankPlan
+    from raypipe.plan.ranktasks import RankTasks
     from raypipe.plan.shards import list_shards
     from raypipe.preprocess.cache import node
     from tests.conftest import make_imagefolder
@@ -140,7 +141,8 @@ def test_a_released_memory_cache_is_let_go_at_the_workers_next_task(ray_session,
 def test_a_worker_keeps_one_preprocessor_per_run_and_only_the_last_few(ray_session, datasets):
     import ray
 
-    from raypipe.plan.rankplan import RankPlan, RankTasks
+    from raypipe.plan.rankplan import RankPlan
+    from raypipe.plan.ranktasks import RankTasks
     from raypipe.plan.shards import list_shards
 
     config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=8, batch_size=4,

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from raypipe import PipelineConfig, SkipLog, build_dataset, iter_torch_batches
-from raypipe.plan.rankplan import RankPlan, RankTasks
+from raypipe.plan.rankplan import RankPlan
+from raypipe.plan.ranktasks import RankTasks
 from raypipe.plan.shards import Listing, Shard, list_shards
 from raypipe.train.state import PipelineState, merge_states
 from tests.conftest import make_imagefolder, make_parquet, make_webdataset
@@ -138,7 +139,7 @@ def test_merge_is_the_or_of_ranks_and_base():
 def pending_rows(shards, consumed) -> list[dict]:
     """The shard rows the actors read of a resumed epoch (every task of a rank of one)."""
     listing = Listing("webdataset", tuple(shards))
-    plan = RankPlan.of(listing, seed=0, shuffle=False, rank=0, world_size=1, per_task=1,
+    plan = RankPlan.of(listing, seed=0, shuffle=False, rank=0, world_size=1, per_task=64,
                        resume_epoch=0 if consumed is not None else -1, consumed=consumed)  # fmt: skip
     tasks = RankTasks.of(listing, plan, range(1))
     columns = [tasks.rows(t)[1] for t in range(len(tasks))]
