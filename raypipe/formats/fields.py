@@ -109,7 +109,7 @@ def read_tar_fields(storage: Storage, path: str, first_key: int, done: np.ndarra
     from raypipe.formats.webdataset import _label_of, _tar_index
 
     try:
-        groups, cut = _tar_index(storage, path, need_image=False)
+        groups, cut = _tar_index(storage, path)
     except (tarfile.TarError, OSError) as e:
         yield RawSample(first_key, -1, None, path, os_error(e), "unreadable_shard")
         return
@@ -130,7 +130,10 @@ def read_tar_fields(storage: Storage, path: str, first_key: int, done: np.ndarra
                     yield RawSample(key, -1, None, where, f"no .{label_member} member",
                                     "missing_label")  # fmt: skip
                     continue
-                text = members.pop(label_member).decode(errors="replace").strip()
+                # a .json holds more than the label: it stays a field
+                keep = label_member.endswith("json")
+                data = members[label_member] if keep else members.pop(label_member)
+                text = data.decode(errors="replace").strip()
                 label, reason, detail = _label_of(text, label_member, label_key)
                 if reason is not None:
                     yield RawSample(key, -1, None, where, detail, reason)

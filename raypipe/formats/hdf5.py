@@ -55,9 +55,10 @@ def _datasets(f) -> list[str]:
 
 
 def _pair(f, reader):
-    """``(images, labels)`` datasets of an open file, or None."""
+    """``(images, labels)`` datasets of an open file, or None (a scalar is no rows either)."""
     names = pick(_datasets(f), reader.image_column, reader.label_column, CONVENTIONS)
-    return None if names is None else (f[names[0]], f[names[1]])
+    pair = None if names is None else (f[names[0]], f[names[1]])
+    return None if pair is None or min(pair[0].ndim, pair[1].ndim) == 0 else pair
 
 
 def pieces(reader, path: str, listed: frozenset[str] = frozenset()) -> list[tuple[str, int]]:

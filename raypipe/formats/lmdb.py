@@ -136,8 +136,16 @@ def _load(value: bytes):
         return pickle.loads(value)
     try:
         return msgpack.unpackb(value, raw=False, strict_map_key=False)
-    except Exception:
-        return pickle.loads(value)
+    except UnicodeDecodeError:  # packed without use_bin_type (msgpack < 1.0): bytes as str
+        loaded = msgpack.unpackb(value, raw=True, strict_map_key=False)
+        if isinstance(loaded, dict):
+            return {k.decode() if isinstance(k, bytes) else k: v for k, v in loaded.items()}
+        return loaded
+    except Exception as e:
+        try:
+            return pickle.loads(value)
+        except Exception:
+            raise ValueError(f"msgpack: {e}") from None  # the reason, not pickle's guess
 
 
 def _image_label(value, reader) -> tuple[object, object, str | None]:

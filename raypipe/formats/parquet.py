@@ -62,11 +62,14 @@ def open_file(storage: Storage, path: str, first_key: int):
     return file, None
 
 
-def parquet_labels(storage: Storage, paths: list[str], column: str) -> tuple[tuple[str, ...], str]:
+def parquet_labels(storage: Storage, paths: list[str], column: str,
+                   fields: bool = False) -> tuple[tuple[str, ...], str]:  # fmt: skip
     """The class names of ``column`` over all ``paths`` and how labels are read from it.
 
     Integers: the ``ClassLabel`` names of the first file that has them, else none.
     Strings: every file's distinct values, sorted (one column chunk read per file).
+    ``fields`` (samples with no image, whose label is their field ``label``): a column
+    ``label`` beside another ``column`` is refused (ValueError), never overwritten.
     """
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -79,6 +82,10 @@ def parquet_labels(storage: Storage, paths: list[str], column: str) -> tuple[tup
             continue  # an unreadable shard: its samples are skipped by the reader
         if column not in schema.names:
             return (), f"column {column!r} missing (the files have {schema.names})"
+        if fields and column != "label" and "label" in schema.names:
+            raise ValueError(f"PipelineConfig.label_column={column!r}: {path} also has a column "
+                             "'label', which the label would replace in each sample's fields: "
+                             "rename one of them")  # fmt: skip
         kind = label_kind(schema.field(column).type)
         if kind == "int":
             names = _class_label_names(schema, column)
@@ -120,11 +127,14 @@ def read_parquet(storage: Storage, path: str, first_key: int, done: np.ndarray |
 
     def rows(batch, key: int) -> Iterator[RawSample]:
         images, labels = _image_bytes(batch.column(0)), batch.column(1).to_pylist()
+        paths = _image_paths(batch.column(0))
         more = {n: batch.column(n).to_pylist() for n in others}
         for i in range(batch.num_rows):
             if done is None or not done[key + i - first_key]:
                 where = f"{path}:row{key + i - first_key}"
                 row = _row(key + i, where, images[i].as_py(), labels[i], index)
+                if row.reason == "null_value" and paths is not None and paths[i] is not None:
+                    row = dataclasses.replace(row, error=by_path_only(image_column, paths[i]))
                 if others and row.reason is None:
                     row = dataclasses.replace(row, extras={n: v[i] for n, v in more.items()})
                 yield row
@@ -189,7 +199,7 @@ def is_image_type(t) -> bool:
     if pa.types.is_struct(t):
         i = t.get_field_index("bytes")
         return i >= 0 and is_image_type(t.field(i).type)
-    return pa.types.is_binary(t) or pa.types.is_large_binary(t)
+    return pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_binary_view(t)
 
 
 def label_kind(t) -> str | None:
@@ -201,7 +211,7 @@ def label_kind(t) -> str | None:
         t = t.value_type
     if pa.types.is_integer(t):
         return "int"
-    if pa.types.is_string(t) or pa.types.is_large_string(t):
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
         return "str"
     return None
 
@@ -212,6 +222,22 @@ def _image_bytes(column):
     import pyarrow.compute as pc
 
     return pc.struct_field(column, "bytes") if pa.types.is_struct(column.type) else column
+
+
+def _image_paths(column) -> list | None:
+    """The ``path`` field of a Hugging Face ``Image()`` struct column, per row; None without."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not pa.types.is_struct(column.type) or column.type.get_field_index("path") < 0:
+        return None
+    return pc.struct_field(column, "path").to_pylist()
+
+
+def by_path_only(column: str, path: str) -> str:
+    """Why a Hugging Face ``Image()`` / ``Audio()`` value with a path and no bytes is a skip."""
+    return (f"{column!r} holds only the path {path!r}, not the bytes (datasets' to_parquet of "
+            "files loaded from disk): write the Parquet with the bytes embedded")  # fmt: skip
 
 
 def _class_label_names(schema, column: str) -> tuple[str, ...]:
@@ -226,7 +252,7 @@ def _class_label_names(schema, column: str) -> tuple[str, ...]:
 
 def labels(reader, paths: list[str]) -> tuple[tuple[str, ...], str]:
     """`parquet_labels` of ``reader``'s label column: (class names, how labels are read)."""
-    return parquet_labels(reader.storage, paths, reader.label_column)
+    return parquet_labels(reader.storage, paths, reader.label_column, reader.image_column is None)
 
 
 def count(reader, path: str) -> int:

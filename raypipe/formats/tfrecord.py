@@ -9,9 +9,10 @@ TFDS and TF's ImageNet build script write them: ``*.tfrecord``, ``*.tfrecords``,
  actor: seek to the piece's offset, read its records, check both CRCs, parse each Example
 ```
 
-The image and the label are features ``image_column`` / ``label_column``; while those keep
-their defaults, TF's ImageNet convention (``image/encoded``, ``image/class/label``) or TFDS's
-(``image``, ``label``) is used, whichever the records have. A GZIP file is one piece.
+The image and label are features ``image_column`` / ``label_column``; at their defaults,
+TF's ImageNet names (``image/encoded``, ``image/class/label``) or TFDS's (``image``,
+``label``), whichever the records have. A GZIP file is one piece. A transform gets the
+other features as 1-D float32 / int64 arrays or lists of bytes, however many values.
 
 Bad data never raises here: a record whose data CRC fails is one ``bad_checksum`` sample
 (file and byte offset) and the next record is read; a length CRC that fails or a file that
@@ -94,9 +95,7 @@ def scan(storage: Storage, path: str, listed: frozenset[str] = frozenset()):
                     return offsets, sizes, None
                 length, why = _length(head, offset)
                 end = offset + HEADER + (length or 0) + 4
-                if why is None and size is not None and end > size:
-                    why = ("truncated_shard", f"the file ends inside the record at byte {offset}")
-                if why is None and gz and len(f.read(length + 4)) < length + 4:
+                if why is None and (len(f.read(length + 4)) < length + 4 if gz else end > size):
                     why = ("truncated_shard", f"the file ends inside the record at byte {offset}")
             except READ_ERRORS as e:  # a GZIP stream cut or damaged after its first records
                 if not offsets:
@@ -255,13 +254,14 @@ def _fields(features: dict, key: int, where: str, reader) -> RawSample:
         what = "no int64" if not labels else f"{len(labels)} int64s"
         return RawSample(key, -1, None, where, f"feature {label_name!r} holds {what}, not one",
                          "bad_label")  # fmt: skip
-    extras = {k: _plain(feature_values(kind, v)) for k, (kind, v) in features.items()
+    extras = {k: _typed(kind, feature_values(kind, v)) for k, (kind, v) in features.items()
               if reader.extras and k not in (image_name, label_name)}  # fmt: skip
     return RawSample(key, labels[0], images[0], where, extras=extras)
 
 
-def _plain(values: list):
-    return values[0] if len(values) == 1 else values
+def _typed(kind: int, values: list):
+    """A feature's values, however many (a record's boxes): 1-D float32 / int64, or bytes."""
+    return values if kind == 1 else np.asarray(values, np.float32 if kind == 2 else np.int64)
 
 
 def labels(reader, paths: list[str]) -> tuple[tuple[str, ...], str]:

@@ -8,6 +8,7 @@ count and the reader always agree on the number of keys.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -19,17 +20,19 @@ import numpy as np
 from raypipe.formats.sample import RawSample, os_error
 from raypipe.formats.storage import Storage
 
-WDS_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+WDS_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")  # stored as they are by `raypipe convert`
+READ_IMAGE_EXTS = (*WDS_IMAGE_EXTS, "bmp", "gif", "tif", "tiff")  # image members read
+DEFAULT_IMAGE = "image"  # `Reader.image_column`'s default: the member is found by type
 LABEL_MEMBERS = ("cls", "json", "txt")  # where a sample's label is looked for, in order
+INDEXES_KEPT = 16  # tar indexes a process keeps (`_tar_index`)
 
 
-def _wds_groups(members: list[tarfile.TarInfo],
-                need_image: bool = True) -> list[tuple[str, dict[str, tarfile.TarInfo]]]:  # fmt: skip
+def _wds_groups(members: list[tarfile.TarInfo]) -> list[tuple[str, dict[str, tarfile.TarInfo]]]:
     """Group tar members into samples, in first-seen order, by webdataset's rule: a
     member's key is its path up to the first dot of its base name, the rest its extension;
     a key met again with an extension its sample already has starts another sample (a tar
-    that repeats a key holds a sample for each). ``need_image``: only the groups with an
-    image member are samples."""
+    that repeats a key holds a sample for each). Every group is a sample, one without an
+    image too: the reader skips it as missing_column, counted, never dropped unseen."""
     groups: list[tuple[str, dict[str, tarfile.TarInfo]]] = []
     latest: dict[str, int] = {}  # key -> its newest group
     for m in members:
@@ -45,18 +48,21 @@ def _wds_groups(members: list[tarfile.TarInfo],
             latest[prefix] = i = len(groups)
             groups.append((prefix, {}))
         groups[i][1][ext] = m
-    return [(k, v) for k, v in groups if not need_image or _image_member(v) is not None]
+    return groups
 
 
 def _image_member(parts: dict[str, tarfile.TarInfo], named: str = "") -> str | None:
-    """The sample's image member: the one ``named`` (``image_column``), else the one whose
-    extension is an image type's alone (``jpg``), else the one whose extension ends in one
-    (``left.png``); None without one. Two candidates, none of them plain (``rgb.jpg`` and
-    ``mask.png``): `AMBIGUOUS` (tar order would pick the mask)."""
+    """The sample's image member: the one ``named`` (``image_column``; None when the
+    sample lacks it, never another image), else, with `DEFAULT_IMAGE` or no name, the one
+    whose extension is an image type's alone (``jpg``), else the one whose extension ends
+    in one (``left.png``); None without one. Two candidates, none of them plain
+    (``rgb.jpg`` and ``mask.png``): `AMBIGUOUS` (tar order would pick the mask)."""
     if named in parts:
         return named
+    if named and named != DEFAULT_IMAGE:
+        return None
     found = _images(parts)
-    plain = [e for e in found if e in WDS_IMAGE_EXTS]
+    plain = [e for e in found if e in READ_IMAGE_EXTS]
     if len(plain) == 1 or len(found) <= 1:
         return (plain or found or [None])[0]
     return AMBIGUOUS
@@ -65,18 +71,37 @@ def _image_member(parts: dict[str, tarfile.TarInfo], named: str = "") -> str | N
 AMBIGUOUS = "\0ambiguous"  # `_image_member`: several image members, none plain
 
 
+def _image_or_why(parts: dict[str, tarfile.TarInfo], named: str) -> tuple[str | None, str | None]:
+    """``(the image member, None)`` (`_image_member`), or ``(None, why there is none)``."""
+    ext = _image_member(parts, named)
+    if ext == AMBIGUOUS:
+        names = ", ".join(f".{e}" for e in _images(parts))
+        return None, f"image members {names}, none plain: set image_column to the one to read"
+    if ext is None:
+        want = (f".{named}" if named not in ("", DEFAULT_IMAGE)
+                else "image (." + ", .".join(READ_IMAGE_EXTS) + ")")  # fmt: skip
+        return None, f"no {want} member; it has " + ", ".join(f".{e}" for e in parts)
+    return ext, None
+
+
 def _images(parts: dict[str, tarfile.TarInfo]) -> list[str]:
     """The members whose extension's last part names an image type."""
-    return [e for e in parts if e.rsplit(".", 1)[-1] in WDS_IMAGE_EXTS]
+    return [e for e in parts if e.rsplit(".", 1)[-1] in READ_IMAGE_EXTS]
 
 
-def _tar_index(storage: Storage, path: str, need_image: bool = True):
+def _tar_index(storage: Storage, path: str):
     """The samples of a tar, and why it ends early (None when it ends properly).
 
     Raises ``tarfile.TarError`` / ``OSError`` when not even one member can be listed.
     A tar that stops mid-member, or lacks the two zero blocks that end an archive,
-    is truncated: the samples before the cut are kept. Only headers are read.
-    """
+    is truncated: the samples before the cut are kept. Only headers are read, once per
+    process for a file of the same size and time (a shard's pieces are tasks of their own:
+    `raypipe.plan.rankplan.RankPlan.task_bounds`)."""
+    return _indexed(storage, path, storage.stat(path))
+
+
+@functools.lru_cache(maxsize=INDEXES_KEPT)
+def _indexed(storage: Storage, path: str, identity: tuple):
     members: list[tarfile.TarInfo] = []
     with storage.open(path) as f, tarfile.open(fileobj=f, mode="r:") as tar:
         try:
@@ -94,12 +119,12 @@ def _tar_index(storage: Storage, path: str, need_image: bool = True):
             cut = str(e)
     if cut is not None:
         cut = f"tar ends early after {len(members)} members ({cut})"
-    return _wds_groups(members, need_image), cut
+    return _wds_groups(members), cut
 
 
-def count_tar_samples(storage: Storage, path: str, need_image: bool = True) -> int:
+def count_tar_samples(storage: Storage, path: str) -> int:
     try:
-        groups, cut = _tar_index(storage, path, need_image)
+        groups, cut = _tar_index(storage, path)
     except (tarfile.TarError, OSError):
         return 1  # the reader yields one unreadable_shard sample for it
     return len(groups) + (cut is not None)
@@ -122,11 +147,9 @@ def read_tar(storage: Storage, path: str, first_key: int, done: np.ndarray | Non
             if done is not None and done[i]:
                 continue
             key, where = first_key + i, f"{path}:{prefix}"
-            image_ext = _image_member(parts, image_member)
-            if image_ext == AMBIGUOUS:
-                names = ", ".join(f".{e}" for e in _images(parts))
-                yield RawSample(key, -1, None, where, f"image members {names}, none plain: set "
-                                "image_column to the one to read", "missing_column")  # fmt: skip
+            image_ext, why = _image_or_why(parts, image_member)
+            if why is not None:
+                yield RawSample(key, -1, None, where, why, "missing_column")
                 continue
             member = next((m for m in wanted if m in parts), None)
             try:
@@ -185,7 +208,7 @@ def labels(reader, paths: list[str]) -> tuple[tuple[str, ...], str]:
 
 def count(reader, path: str) -> int:
     """`count_tar_samples` with ``reader``'s storage (a `raypipe.formats.Reader`)."""
-    return count_tar_samples(reader.storage, path, reader.image_column is not None)
+    return count_tar_samples(reader.storage, path)
 
 
 def read(reader, path: str, first_key: int, label: int,

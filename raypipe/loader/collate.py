@@ -1,8 +1,9 @@
 """The rank iterator's collate: a numpy batch of exact size in, the trainer's batch out.
 
 Without a user transform every column is numeric and becomes a zero-copy tensor. A user
-transform's ragged fields (one array per row) are padded to the batch's maximum shape with
-a ``<field>_mask``; strings and other objects become lists. A user ``collate`` replaces it.
+transform's array fields (one array per row where their shapes vary) are padded to the
+batch's maximum shape with a ``<field>_mask`` in every batch; strings and other objects
+(arrays of strings too) become lists. A user ``collate`` replaces it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from raypipe.config import resolve_callable
 __all__ = ["collate_for", "pad_collate"]
 assert __all__ == sorted(__all__)
 
+NUMBERS = "biufc"  # the dtype kinds a column of which becomes a tensor
+
 
 def collate_for(config) -> Callable | None:
     """The rank iterator's collate for a `PipelineConfig`: its own, `pad_collate` when it
@@ -31,7 +34,7 @@ def collate_for(config) -> Callable | None:
         return own
     if config.image_column is None and not config.pack:  # packed rows: tokens, no padding
         return _fields_collate
-    return pad_collate
+    return _transform_collate if config.transform is not None else pad_collate
 
 
 def pad_collate(batch: dict[str, np.ndarray], *, pad_value: int = 0,
@@ -46,17 +49,26 @@ def pad_collate(batch: dict[str, np.ndarray], *, pad_value: int = 0,
 
     out: dict[str, Any] = {}
     for field, column in batch.items():
-        if column.dtype != object:
+        if column.dtype.kind in NUMBERS:
             with warnings.catch_warnings():  # Ray's arrays may be read-only views
                 warnings.filterwarnings("ignore", message=".*not writable.*")
                 out[field] = torch.from_numpy(np.ascontiguousarray(column))
             if masks and column.ndim > 1:  # as `_pad` masks rows of one shape
                 out[f"{field}_mask"] = torch.ones(column.shape, dtype=torch.bool)
-        elif len(column) and all(isinstance(v, np.ndarray) for v in column):
+        elif len(column) and all(isinstance(v, np.ndarray) and v.dtype.kind in NUMBERS
+                                 for v in column):  # fmt: skip
             out[field], out[f"{field}_mask"] = _pad(field, list(column), pad_value)
-        else:
+        else:  # strings, dicts, arrays of strings
             out[field] = list(column)
     return out
+
+
+def _transform_collate(batch: dict[str, np.ndarray]) -> dict[str, Any]:
+    """A transform's rows: every array field but ``image`` with its mask in every batch, as
+    `_fields_collate` gives them (a field stacked in the first blocks, one shape there, came
+    without one until a batch's rows differed)."""
+    image = pad_collate({k: v for k, v in batch.items() if k == "image"})
+    return {**image, **pad_collate({k: v for k, v in batch.items() if k != "image"}, masks=True)}
 
 
 def _fields_collate(batch: dict[str, np.ndarray]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ class Schema:
     dimensions is kept one array per row from the first row on, so each batch pads it with
     its mask; decided by shape, the first blocks of a field mostly of one length (text
     chunked to 512 tokens, clips cut to a length) stacked without a mask, the later ones
-    padded with one."""
+    padded with one. A ragged field's rows may differ in numeric type (not in dimensions)."""
 
     def __init__(self, arrays_ragged: bool = False) -> None:
         self.fields: dict[str, tuple[str, int | None]] | None = None  # dtype, ndim
@@ -45,7 +45,7 @@ class Schema:
                 f"at key {key} ({where})"
             )
         for k, s in spec.items():
-            if s != self.fields[k]:
+            if s != self.fields[k] and not (k in self.ragged and _numbers(s, self.fields[k])):
                 raise TransformOutputError(
                     f"field {k!r} is {_says(s)} at key {key} ({where}), but {_says(self.fields[k])} "
                     "in the earlier samples"
@@ -58,6 +58,14 @@ def _spec(v: Any) -> tuple[str, int | None]:
     if isinstance(v, np.ndarray):
         return (str(v.dtype), v.ndim)
     return (type(v).__name__, None)
+
+
+def _numbers(a: tuple[str, int | None], b: tuple[str, int | None]) -> bool:
+    """Two numeric arrays of as many dimensions: one ragged field, padded into the type
+    that holds both (uint16 and int32 token ids of two files)."""
+    return (
+        a[1] is not None and a[1] == b[1] and all(np.dtype(d).kind in "biuf" for d in (a[0], b[0]))
+    )
 
 
 def _says(spec: tuple[str, int | None]) -> str:

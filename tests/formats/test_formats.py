@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import tarfile
 
 import numpy as np
 import pytest
@@ -33,6 +34,12 @@ def level(label: int) -> int:
 def png(label: int, size=(12, 10)) -> bytes:
     out = io.BytesIO()
     Image.new("RGB", size, (level(label),) * 3).save(out, "PNG")
+    return out.getvalue()
+
+
+def bmp(label: int, size=(12, 10)) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", size, (level(label),) * 3).save(out, "BMP")
     return out.getvalue()
 
 
@@ -415,3 +422,71 @@ def test_inspect_reads_samples_with_no_image(tmp_path, capsys):
     assert main(["inspect", str(tmp_path), "--image-column", "none"]) == 0
     out = capsys.readouterr().out
     assert "4 good, 0 would be skipped" in out and "tokens int32 (1-D)" in out, out
+
+
+def test_a_webdataset_sample_without_its_image_is_a_counted_skip_never_another_image(tmp_path):
+    """A sample whose image member is missing (a writer stopped mid-sample) was left out of
+    the count, unseen; one stored as .bmp too; and with ``image_column="depth.png"`` a
+    sample lacking its depth map was read from its .jpg instead."""
+    root = tmp_path / "wds"
+    root.mkdir()
+    members = [("s0.jpg", png(0)), ("s0.depth.png", png(10)), ("s0.cls", b"0"),
+               ("s1.cls", b"1"), ("s1.json", b'{"label": 1}'),
+               ("s2.bmp", bmp(2)), ("s2.cls", b"2"),
+               ("s3.jpg", png(3)), ("s3.cls", b"3")]  # fmt: skip
+    with tarfile.open(root / "a.tar", "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+    def read(**settings) -> list:
+        listing = list_shards(PipelineConfig(source=str(root), **settings))
+        got = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
+        assert listing.num_samples == len(got) == 4
+        return got
+
+    got = read()
+    assert [(r.reason, r.label) for r in got] == [(None, 0), ("missing_column", -1),
+                                                  (None, 2), (None, 3)]  # fmt: skip
+    assert "no image (.jpg," in got[1].error and "it has .cls, .json" in got[1].error
+    assert got[2].data == bmp(2)
+    got = read(image_column="depth.png")
+    assert [r.reason for r in got] == [None, "missing_column", "missing_column", "missing_column"]
+    assert got[0].data == png(10) and "no .depth.png member" in got[3].error
+
+
+def test_a_hugging_face_image_stored_by_path_only_says_so(tmp_path):
+    """``datasets``' to_parquet of images loaded from files keeps ``{bytes: None, path}``:
+    every row was "image is null", with the path right there; fields of no-image samples
+    passed through as dicts."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raypipe.preprocess.samples.fields import decode_member
+    from raypipe.skips.records import BadSample
+
+    image = pa.array([{"bytes": None, "path": "/data/img0.png"}, {"bytes": png(1), "path": None}],
+                     pa.struct([("bytes", pa.binary()), ("path", pa.string())]))  # fmt: skip
+    pq.write_table(pa.table({"image": image, "label": [0, 1]}), tmp_path / "hf.parquet")
+    listing = list_shards(PipelineConfig(source=str(tmp_path)))
+    got = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
+    assert [r.reason for r in got] == ["null_value", None] and got[1].data == png(1)
+    assert "'image' holds only the path '/data/img0.png', not the bytes" in got[0].error
+    with pytest.raises(BadSample, match="'audio' holds only the path 'a.wav'"):
+        decode_member("audio", {"bytes": None, "path": "a.wav"})
+
+
+def test_parquet_view_types_are_images_and_labels(tmp_path):
+    """``binary_view`` images and ``string_view`` labels (Arrow's view types, kept in the
+    stored schema by newer writers) failed every row as wrong_type."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"image": pa.array([png(0), png(1)], pa.binary_view()),
+                      "label": pa.array(["dog", "cat"], pa.string_view())})  # fmt: skip
+    pq.write_table(table, tmp_path / "views.parquet")
+    listing = list_shards(PipelineConfig(source=str(tmp_path)))
+    got = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
+    assert listing.classes == ("cat", "dog")
+    assert [(r.reason, r.label, r.data) for r in got] == [(None, 1, png(0)), (None, 0, png(1))]

@@ -288,3 +288,30 @@ def test_an_lmdb_file_cut_short_is_one_unreadable_shard_not_a_dead_process(tmp_p
                          timeout=60, cwd=Path(__file__).resolve().parents[2])  # fmt: skip
     assert out.returncode == 0, (out.returncode, out.stderr[-1500:])
     assert "'unreadable_shard'" in out.stdout and "the file is cut short" in out.stdout
+
+
+def test_old_msgpack_values_and_a_scalar_hdf5_dataset(tmp_path):
+    """Values packed by msgpack before 1.0 (``use_bin_type=False``: bytes as str) were every
+    one a bad_record blamed on pickle; a scalar ``images`` dataset crashed the listing with
+    an IndexError."""
+    import h5py
+    import lmdb
+    import msgpack
+
+    env = lmdb.open(str(tmp_path / "db"), map_size=1 << 24)
+    with env.begin(write=True) as txn:
+        txn.put(b"0", msgpack.packb({"image": png(1), "label": 1}, use_bin_type=False))
+        txn.put(b"1", msgpack.packb({"image": png(2), "label": 2}, use_bin_type=True))
+        txn.put(b"2", b"\xc1 neither")
+    env.close()
+    listing = list_shards(PipelineConfig(source=str(tmp_path / "db")))
+    got = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
+    assert [(r.reason, r.label) for r in got[:2]] == [(None, 1), (None, 2)]
+    assert got[0].data == png(1) and got[2].reason == "bad_record"
+    assert "msgpack:" in got[2].error and "pickle" not in got[2].error.split(":", 1)[1]
+    with h5py.File(tmp_path / "s.h5", "w") as f:
+        f.create_dataset("images", data=np.uint8(3))
+        f.create_dataset("labels", data=np.int64(1))
+    listing = list_shards(PipelineConfig(source=str(tmp_path / "s.h5")))
+    got = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
+    assert [r.reason for r in got] == ["missing_column"]

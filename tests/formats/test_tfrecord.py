@@ -226,7 +226,7 @@ def test_a_big_shard_is_read_by_several_tasks_exactly_once(ray_session, tmp_path
     listing = list_shards(config)
     assert len({s.path.split("#")[0] for s in listing.shards}) == 1 and len(listing.shards) >= 8
     for rank in range(2):
-        plan = RankPlan.of(listing, seed=3, shuffle=True, rank=rank, world_size=2, per_task=1)
+        plan = RankPlan.of(listing, seed=3, shuffle=True, rank=rank, world_size=2, per_task=64)
         assert len(plan.tasks(0)) >= 4
     runs = [run_ranks(config, 2, 2, listing=listing, keys_only=True)[0] for _ in range(2)]
     for epoch in range(2):
@@ -345,3 +345,30 @@ def test_a_damaged_first_record_does_not_refuse_the_source(tmp_path):
     got = records(PipelineConfig(source=str(root)))
     assert [r.reason for r in got] == ["bad_checksum"] + [None] * 5
     assert [r.label for r in got[1:]] == [1, 2, 3, 4, 5]
+
+
+def test_a_transform_gets_every_feature_as_an_array_however_many_values(tmp_path):
+    """Boxes of a detection record: 0, 1 and 2 objects came as ``[]``, ``0.5`` and
+    ``[0.5, 0.5]``, so a transform's ``len(boxes)`` failed on every one-object record."""
+    from raypipe.formats.tfexample import _message, _uvarint, frame
+
+    def feature(name: str, kind: int, payload: bytes) -> bytes:
+        return _message(1, _message(1, name.encode()) + _message(2, _message(kind, payload)))
+
+    root = tmp_path / "tf"
+    root.mkdir()
+    with open(root / "det.tfrecord", "wb") as f:
+        for n in range(3):
+            floats = _message(1, np.full(n, 0.5, "<f4").tobytes())
+            ints = _message(1, b"".join(_uvarint(i) for i in range(n)))
+            f.write(frame(_message(1, feature("image", 1, _message(1, png(0)))
+                                   + feature("label", 3, _message(1, _uvarint(n)))
+                                   + feature("bbox/xmin", 2, floats) + feature("obj", 3, ints)
+                                   + feature("name", 1, _message(1, b"r%d" % n)))))  # fmt: skip
+    listing = list_shards(PipelineConfig(source=str(root), transform="tests.user_transforms:noisy"))
+    got = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
+    for n, raw in enumerate(got):
+        boxes, objects = raw.extras["bbox/xmin"], raw.extras["obj"]
+        assert boxes.dtype == np.float32 and boxes.tolist() == [0.5] * n
+        assert objects.dtype == np.int64 and objects.tolist() == list(range(n))
+        assert raw.extras["name"] == [b"r%d" % n] and raw.label == n

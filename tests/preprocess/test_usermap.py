@@ -121,6 +121,34 @@ def test_pad_collate_alone():
     assert out["boxes"][2, 1:].abs().sum() == 0
 
 
+def test_a_transforms_fields_have_their_masks_in_every_batch_the_image_none():
+    """An image transform's boxes: the first blocks happened to hold two boxes an image,
+    stacked, and their batches came without ``boxes_mask`` (a KeyError in a loop that
+    reads it) until a batch's rows differed."""
+    from raypipe.loader.collate import collate_for
+
+    collate = collate_for(PipelineConfig(source="x", transform=f"{T}:with_mask"))
+    ragged = np.empty(2, dtype=object)
+    ragged[:] = [np.ones((3, 4), np.float32), np.ones((1, 4), np.float32)]
+    image = np.zeros((2, 3, 8, 8), np.uint8)
+    for boxes in (np.ones((2, 2, 4), np.float32), ragged):
+        out = collate({"image": image, "boxes": boxes, "key": np.arange(2)})
+        assert sorted(out) == ["boxes", "boxes_mask", "image", "key"]
+        assert out["boxes_mask"].shape == out["boxes"].shape
+    assert out["boxes_mask"][:, :, 0].tolist() == [[True] * 3, [True, False, False]]
+
+
+def test_arrays_of_strings_arrive_as_lists():
+    """A ``.npy`` member of strings: the rank iterator died in ``torch.from_numpy``."""
+    words = np.empty(2, dtype=object)
+    words[:] = [np.array(["a", "bb"]), np.array(["ccc"])]
+    out = pad_collate({"words": words, "tags": np.array([["x", "y"], ["z", "w"]]),
+                       "key": np.arange(2)}, masks=True)  # fmt: skip
+    assert [w.tolist() for w in out["words"]] == [["a", "bb"], ["ccc"]]
+    assert [t.tolist() for t in out["tags"]] == [["x", "y"], ["z", "w"]]
+    assert out["key"].tolist() == [0, 1] and sorted(out) == ["key", "tags", "words"]
+
+
 def test_a_fields_mask_has_one_layout_whether_its_rows_differ_or_not():
     """(channels, frames) clips: a batch whose clips share a length and one whose clips
     differ give masks of one layout, the field's own (the first was B×C, the other

@@ -44,6 +44,11 @@ def decode_member(ext: str, data: Any, rate: int | None = None,
     """The fields one member makes: ``{name: value}``, two for audio (the samples under
     the member's name, or ``audio``, and ``sample_rate`` / ``<name>_sample_rate``); an
     image member under ``max_pixels`` (``max_image_pixels``)."""
+    if isinstance(data, dict) and isinstance(data.get("path"), str) and data.get("bytes") is None:
+        from raypipe.formats.parquet import by_path_only
+        from raypipe.skips.records import BadSample
+
+        raise BadSample("null_value", by_path_only(ext, data["path"]))
     if isinstance(data, dict) and (kind := _struct_kind(data)) is not None:
         return decode_member(f"{ext}.{kind}", data["bytes"], rate, max_pixels)
     if not isinstance(data, (bytes, bytearray)):
