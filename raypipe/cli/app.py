@@ -190,9 +190,10 @@ def _ray_session(address: str | None, *, verbose: bool = False):
     import ray
 
     started = not ray.is_initialized()
-    if started:
+    if started or address is not None:  # a head asked for by name answers, in every case
         address = _ray_address(address)
         _check_head(address)
+    if started:
         if not verbose:
             quiet.quiet_ray(local=address == "local")
         localray.start(address, log_to_driver=True, configure_logging=False)
