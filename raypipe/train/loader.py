@@ -29,9 +29,9 @@ from raypipe.config.checks import check_share
 from raypipe.loader.pipeline import Pipeline, rank_batches, rank_plan
 from raypipe.plan.rankplan import RankPlan
 from raypipe.plan.shards import Listing, list_shards
+from raypipe.train import ranks
 from raypipe.train.checkpoint import any_rank
 from raypipe.train.epochread import MISUSE, EpochRead, EpochSampler, start_point
-from raypipe.train.ranks import join_ranks, leave, resolve_world, run_settings
 from raypipe.train.state import PipelineState, merge_states
 
 __all__ = ["Loader"]
@@ -93,8 +93,7 @@ class Loader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """The next epoch's batches; it starts at the first ``next()``, and a later
         ``iter()`` makes this iterator stale (Lightning asks twice per epoch, uses one)."""
-        if self._closed:
-            raise RuntimeError("the Loader is closed")
+        self._check_open()
         if self._next >= self.num_epochs:
             raise RuntimeError(
                 f"the Loader's epochs={self.num_epochs} were all read: pass a larger epochs= "
@@ -187,7 +186,7 @@ class Loader:
             epoch, keys, base = self._next, [], self._base
         n = self.listing.num_samples
         mine = merge_states([{"keys": keys}], n, base)
-        consumed = any_rank(mine, self._collective_device(), self._rank_world()[1])
+        consumed = any_rank(mine, ranks.collective_device(), self._rank_world()[1])
         state = PipelineState(epoch, self.config.seed, n, self.listing.fingerprint, consumed)
         return {"epoch": epoch, "state": torch.frombuffer(bytearray(state.to_bytes()),
                                                           dtype=torch.uint8)}  # fmt: skip
@@ -199,8 +198,8 @@ class Loader:
         if data is None:
             raise ValueError(f"not a Loader.state_dict(): {type(state).__name__} without 'state'")
         data = data.cpu().numpy() if hasattr(data, "cpu") else data  # a tensor: any device
-        resumed = PipelineState.from_bytes(np.asarray(data, dtype=np.uint8).tobytes(),
-                                           source="the Loader state")  # fmt: skip
+        data = bytes(data) if isinstance(data, (bytes, bytearray)) else np.asarray(data, np.uint8)
+        resumed = PipelineState.from_bytes(bytes(data), source="the Loader state")
         resumed.check(self.listing, self.config.seed)
         if not 0 <= resumed.epoch <= self.num_epochs:
             raise ValueError(f"the state is at epoch {resumed.epoch}: epochs={self.num_epochs}")
@@ -218,6 +217,7 @@ class Loader:
     def start(self) -> Loader:
         """Start the pool now, so that it warms up while the model is built (``with`` and
         the first ``iter()`` do it too); with several ranks, wait for all of them first."""
+        self._check_open()  # a closed Loader's new pool would outlive it: close() is done
         if self._epochs is None and self._next < self.num_epochs:
             self._build()
         if self._pipeline is not None:
@@ -258,29 +258,30 @@ class Loader:
     def _rank_world(self) -> tuple[int, int]:
         if self._world is None:
             rank, world, _ = self._asked
-            self._world = resolve_world(rank, world)
+            self._world = ranks.resolve_world(rank, world)
         return self._world
 
     def _join(self):
-        """The ledger, once: made or found, and every rank joined with the same settings."""
-        if self._ledger is None and self._rank_world()[1] > 1:
-            settings = run_settings(self.config, epochs=self.num_epochs, listing=self.listing,
-                                    drop_last=self._drop_last)  # fmt: skip
-            settings["start"] = start_point(self._next, self._base)  # loaded on some ranks only?
-            self._ledger, self._run, self._named = join_ranks(
-                self._asked[2], *self._rank_world(), group=self._group, settings=settings,
-                timeout_s=self._join_timeout_s,
-            )  # fmt: skip
+        """The ledger, made or found once, every rank joined with the same settings; at each
+        restart (`set_epoch`, `load_state_dict` after a start), every rank restarted at the
+        same point (one rank restarting alone read an empty epoch while it waited for ever)."""
+        rank, world = self._rank_world()
+        start = {"start": start_point(self._next, self._base)}  # loaded on some ranks only?
+        if self._ledger is None and world > 1:
+            settings = ranks.run_settings(self.config, epochs=self.num_epochs,
+                                          listing=self.listing, drop_last=self._drop_last)  # fmt: skip
+            self._ledger, self._run, self._named = ranks.join_ranks(
+                self._asked[2], rank, world, group=self._group, settings={**settings, **start},
+                timeout_s=self._join_timeout_s)  # fmt: skip
+        elif world > 1:
+            ranks.wait_for_ranks(self._ledger, f"{self._run}/restart{self._generation}",
+                                 rank=rank, world_size=world, settings=start,
+                                 timeout_s=self._join_timeout_s, doing="restarted")  # fmt: skip
         return self._ledger
 
-    @staticmethod
-    def _collective_device():
-        """Where NCCL's all_reduce of `state_dict` runs: this process's CUDA device."""
-        import torch
-
-        return (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        )
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the Loader is closed")
 
     def close(self) -> None:
         """End the pool; with a named ledger, leave it and wait (a while) for the others."""
@@ -289,7 +290,7 @@ class Loader:
         self._closed = True
         self._stop_pipeline()
         if self._named and self._ledger is not None:
-            leave(self._ledger, self._run, self._rank_world()[0])
+            ranks.leave(self._ledger, self._run, self._rank_world()[0])
 
     def __enter__(self) -> Loader:
         return self.start()

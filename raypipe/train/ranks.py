@@ -26,6 +26,7 @@ from raypipe.loader.waiters import concurrency
 from raypipe.plan.shards import Listing
 
 __all__ = [
+    "collective_device",
     "join_ranks",
     "leave",
     "named_ledger",
@@ -72,6 +73,10 @@ def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
         found = dist.get_rank(), dist.get_world_size()
     else:
         found = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        if rank is None and found[1] > 1 and "RANK" not in os.environ:  # every process rank 0
+            raise ValueError(f"WORLD_SIZE={found[1]} but RANK is not set (a launcher's child "
+                             "before init_process_group?): pass rank=, or initialize "
+                             "torch.distributed first")  # fmt: skip
     rank = found[0] if rank is None else rank
     world = found[1] if world_size is None else world_size
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
@@ -153,9 +158,10 @@ def named_ledger(name: str, world_size: int):
 
 
 def wait_for_ranks(ledger, run: str, *, rank: int, world_size: int, settings: dict[str, str],
-                   timeout_s: float) -> None:  # fmt: skip
+                   timeout_s: float, doing: str = "started") -> None:  # fmt: skip
     """Join ``run`` and return once all ``world_size`` ranks did; `RanksDisagree` (on every
-    rank) when one differs, TimeoutError when they do not all come in ``timeout_s``."""
+    rank) when one differs, TimeoutError when they do not all come in ``timeout_s`` (what
+    they were ``doing``, in its words)."""
     import ray
 
     count, failed = ray.get(ledger.join.remote(run, rank, world_size, settings))
@@ -163,11 +169,19 @@ def wait_for_ranks(ledger, run: str, *, rank: int, world_size: int, settings: di
     while failed is None and count < world_size:
         if time.monotonic() > deadline:
             raise TimeoutError(
-                f"{count} of world_size={world_size} ranks started in {timeout_s:.0f} s: "
-                "is every rank running, with the same world size?"
+                f"{count} of world_size={world_size} ranks {doing} in {timeout_s:.0f} s: "
+                "is every rank running, with the same world size"
+                + ("?" if doing == "started" else ", and did each set_epoch or load_state_dict?")
             )
         time.sleep(pause)
         pause = min(pause * 2, 0.2)
         count, failed = ray.get(ledger.joined.remote(run))
     if failed is not None:
         raise failed
+
+
+def collective_device():
+    """Where NCCL's all_reduce of a Loader's state runs: this process's CUDA device."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None

@@ -76,14 +76,18 @@ class PipelineState:
         """The state `to_bytes` made; ValueError naming ``source`` for anything else."""
         if not data.startswith(_MAGIC):
             raise ValueError(f"{source} is not a raypipe pipeline checkpoint")
-        size = int.from_bytes(data[8:12], "little")
-        header = json.loads(data[12 : 12 + size])
-        bits = memoryview(data)[12 + size :]
-        if header.pop("bits", None) == "deflate":
-            bits = zlib.decompress(bits)
-        bits = np.frombuffer(bits, dtype=np.uint8)
-        consumed = np.unpackbits(bits, count=header["num_samples"]).astype(bool)
-        return cls(consumed=consumed, **header)
+        try:
+            size = int.from_bytes(data[8:12], "little")
+            header = json.loads(data[12 : 12 + size])
+            bits = memoryview(data)[12 + size :]
+            if header.pop("bits", None) == "deflate":
+                bits = zlib.decompress(bits)
+            consumed = np.unpackbits(np.frombuffer(bits, dtype=np.uint8),
+                                     count=header["num_samples"]).astype(bool)  # fmt: skip
+            return cls(consumed=consumed, **header)
+        except (ValueError, TypeError, KeyError, AttributeError, zlib.error) as e:  # cut short
+            raise ValueError(f"{source} is a damaged raypipe pipeline checkpoint "
+                             f"({type(e).__name__}: {e})") from None  # fmt: skip
 
     def save(self, path: str | os.PathLike) -> int:
         """Write the state atomically (temp file + rename); returns the bytes written."""

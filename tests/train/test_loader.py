@@ -269,3 +269,61 @@ def test_a_batch_no_rank_could_fill_is_refused_before_the_ranks_join(datasets):
                        r"\(61 samples / 4 ranks = 15\)"):  # fmt: skip
         next(iter(loader))
     loader.close()
+
+
+def test_ranks_that_restart_differently_after_the_start_fail_in_one_line(ray_session, datasets):
+    """Both ranks started; rank 0 then set epoch 1, rank 1 loaded a state of epoch 0: each
+    gets one line naming the difference. One rank restarting alone times out in
+    join_timeout_s instead of waiting for ever (its peer's epoch came up empty)."""
+    config, ledger = _config(datasets), Pipeline.ledger(2)
+    state = Loader(config, epochs=2, rank=0, world_size=1, device="cpu").state_dict()
+    errors: list = []
+
+    def body(r: int):
+        with Loader(config, epochs=2, rank=r, world_size=2, ledger=ledger, device="cpu",
+                    join_timeout_s=20) as loader:  # fmt: skip
+            loader.load_state_dict(state) if r else loader.set_epoch(1)
+            try:
+                loader.start()
+            except RanksDisagree as e:
+                errors.append(str(e))
+
+    _ranks(body)
+    assert len(errors) == 2 and all("start=epoch" in m and "\n" not in m for m in errors), errors
+    ledger = Pipeline.ledger(2)
+
+    def alone(r: int):
+        with Loader(config, epochs=2, rank=r, world_size=2, ledger=ledger, device="cpu",
+                    join_timeout_s=5) as loader:  # fmt: skip
+            if r == 1:
+                loader.set_epoch(1)
+                with pytest.raises(TimeoutError, match=r"1 of world_size=2 ranks restarted"):
+                    loader.start()
+
+    _ranks(alone)
+
+
+def test_a_closed_loader_starts_no_pool_and_says_so(ray_session, datasets):
+    loader = Loader(_config(datasets), epochs=1, rank=0, world_size=1, device="cpu")
+    loader.close()
+    for use in (loader.start, loader.__enter__, lambda: iter(loader)):
+        with pytest.raises(RuntimeError, match="the Loader is closed"):
+            use()
+    assert loader._pipeline is None
+
+
+def test_world_size_without_rank_is_refused_and_a_damaged_state_is_one_line(datasets, monkeypatch):
+    from raypipe.train.ranks import resolve_world
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="WORLD_SIZE=2 but RANK is not set"):
+        resolve_world(None, None)
+    assert resolve_world(1, None) == (1, 2)
+    monkeypatch.setenv("RANK", "1")
+    assert resolve_world(None, None) == (1, 2)
+    loader = Loader(_config(datasets), epochs=2, rank=0, world_size=1, device="cpu")
+    good = PipelineState(0, 0, 60, "f" * 32, np.zeros(60, bool)).to_bytes()
+    for data in (good[:20], torch.frombuffer(bytearray(good[:30]), dtype=torch.uint8)):
+        with pytest.raises(ValueError, match=r"^the Loader state is a damaged raypipe pipeline"):
+            loader.load_state_dict({"state": data})
