@@ -34,7 +34,8 @@ def collate_for(config) -> Callable | None:
         return own
     if config.image_column is None and not config.pack:  # packed rows: tokens, no padding
         return _fields_collate
-    return _transform_collate if config.transform is not None else pad_collate
+    image_rows = config.transform is not None and config.image_column is not None
+    return _transform_collate if image_rows else pad_collate  # packed rows: as they are
 
 
 def pad_collate(batch: dict[str, np.ndarray], *, pad_value: int = 0,
