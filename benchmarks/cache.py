@@ -7,11 +7,13 @@ Each of ``--rounds`` interleaved rounds runs, in an order that rotates from roun
   (c) the warm `Pipeline` with ``cache="disk"`` (a fresh directory every round);
   (c') the warm `Pipeline` with ``cache="memory", cache_encoding="jpeg"`` (fresh too);
   (d) a tuned Pillow DataLoader (as many workers as the pool has, ``--actors``: 2 was
-      ingest.py's sweep winner on the 2-core machine; prefetch 2, persistent workers), the
-      same seeded crop, with Ray shut down while it runs (as its users run it: not beside
-      an idle Ray's workers and preallocated store), and started again after;
-  (e) the same DataLoader running raypipe's own decoder and crop (``fast``): what the
-      cache gains over decoding every epoch with the same decoder, without Ray;
+      ingest.py's sweep winner on the 2-core machine; persistent workers; prefetch 2 and
+      4, the better of the two in each round, as ingest.py pairs them), the same seeded
+      crop, with Ray shut down while it runs (as its users run it: not beside an idle
+      Ray's workers and preallocated store), and started again after;
+  (e) the same DataLoader running raypipe's own decoder and crop (``fast``; its two
+      settings likewise): what the cache gains over decoding every epoch with the same
+      decoder, without Ray;
 
 each for ``--epochs`` epochs of random-resized-crop 224 + flip, batches of 256, uint8 on the
 host. Reported: the later epochs' rate (median of epochs 1+ within a run, then the median
@@ -62,6 +64,7 @@ from raypipe.preprocess.cache.capped import decode_capped, encode_stored
 from raypipe.preprocess.decode import crop_chw, decode_crop
 
 PILLOW = {"num_workers": 2, "persistent_workers": True, "prefetch_factor": 2}
+PREFETCHES = (2, 4)  # each DataLoader's settings: the better of them in each round
 SIDES = (128, 160, 224, 256, 320, 512)
 
 
@@ -142,9 +145,9 @@ def one_round(i: int, config, listing, shards, epochs: int, root: Path, only=RUN
 
     def loader(transform: str):
         with down():
-            return ingest.dataloader(
-                shards, transform, epochs, [PILLOW | {"num_workers": pillow_workers}]
-            )["best"]
+            settings = [PILLOW | {"num_workers": pillow_workers, "prefetch_factor": p}
+                        for p in PREFETCHES]  # fmt: skip
+            return ingest.dataloader(shards, transform, epochs, settings)["best"]
 
     runs = {
         "uncached": lambda: run(config, listing, epochs, pause_s),
