@@ -3,6 +3,7 @@ names the field and the value."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,7 @@ __all__ = [
     "FORMATS",
     "INPUTS",
     "ON_ERROR",
+    "cache_block",
     "validate",
 ]
 assert __all__ == sorted(__all__)
@@ -161,13 +163,31 @@ def _check_cache(c: PipelineConfig, bad: _Bad) -> None:
     if c.image_column is None or c.decode == "gpu" or c.transform_batch:
         raise bad("cache", "keeps decoded images: it needs image_column, decode='cpu' and a "
                   "per-sample transform (or none)")  # fmt: skip
-    rows, side = c.rows_per_block or c.batch_size, c.cache_max_side
-    block = rows * -(-(3 * side * side + CACHE_HEADER) // CACHE_BLOCK) * CACHE_BLOCK
-    if c.cache_budget is not None and c.cache_budget < block:
-        raise bad("cache_budget", f"is below one block: {rows} rows of up to {side}x{side}x3 "
-                  f"bytes in {CACHE_BLOCK}-byte pages = {block} bytes")  # fmt: skip
+    _check_cache_size(c, bad)
     if c.cache == "disk":
         _check_cache_dir(c, bad)
+
+
+def _check_cache_size(c: PipelineConfig, bad: _Bad) -> None:
+    if c.cache_max_side < c.image_size:  # once per place that makes such a config
+        warnings.warn(f"PipelineConfig.cache_max_side={c.cache_max_side} is below image_size="
+                      f"{c.image_size}: every crop, a held-out center crop too, is scaled up "
+                      "from the capped image", stacklevel=6)  # fmt: skip
+    rows, side, block = c.rows_per_block or c.batch_size, c.cache_max_side, cache_block(c)
+    if c.cache_budget is not None and c.cache_budget < block:
+        raise bad("cache_budget", f"is below one block: {rows} rows of {side}x{side}x3 "
+                  f"bytes in {CACHE_BLOCK}-byte pages = {block} bytes")  # fmt: skip
+
+
+def cache_block(c: PipelineConfig) -> int:
+    """Bytes one block of capped images takes in the cache (square ones: a 4:3 photo capped
+    at its short side takes a third more)."""
+    side = c.cache_max_side
+    return (
+        (c.rows_per_block or c.batch_size)
+        * -(-(3 * side * side + CACHE_HEADER) // CACHE_BLOCK)
+        * CACHE_BLOCK
+    )
 
 
 def _check_cache_dir(c: PipelineConfig, bad: _Bad) -> None:

@@ -204,8 +204,8 @@ class Pipeline:
                 **({"cache": self.cache_stats()} if self.config.cache else {})}  # fmt: skip
 
     def cache_stats(self) -> dict[str, Any] | None:
-        """The decoded cache's counters over the run so far, summed over nodes (hits,
-        misses, bytes held, decode seconds saved: `raypipe.preprocess.cache.store.Tally`)."""
+        """The decoded cache's counters since its actors started (a later Pipeline of these
+        settings adds to them), summed over nodes: `raypipe.preprocess.cache.store.Tally`."""
         return node_cache.stats(self.config)
 
     def _pool(self) -> dict[str, Any]:

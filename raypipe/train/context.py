@@ -15,6 +15,7 @@ from raypipe.config import PipelineConfig
 from raypipe.loader.iterator import TorchBatches
 from raypipe.loader.pipeline import Pipeline, rank_batches
 from raypipe.plan.shards import Listing
+from raypipe.preprocess.cache import node as node_cache
 from raypipe.skips.log import SkipLog
 from raypipe.train.checkpoint import EpochBatches, RunPosition
 from raypipe.train.ranks import start_id
@@ -178,12 +179,16 @@ class TrainContext:
                              self.eval_listing.fingerprint, np.zeros(n, dtype=bool))  # fmt: skip
 
     def close(self) -> None:
-        """End this worker's held-out pipeline, if it has one (`train_ddp` does so when the
-        loop returns or raises)."""
+        """End this worker's held-out pipeline, if it has one, and its decoded caches
+        (`train_ddp` does so when the loop returns or raises: Ray Train ends its workers
+        without their exit hooks, which left a memory cache in /dev/shm after the run)."""
         if self._eval is not None:
             self._eval[0].close()
         if self._train is not None:  # started, never iterated
             self._train.close()
+        for config in (self.config, self.eval_config):
+            if config is not None and config.cache is not None:
+                node_cache.release(config)
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Sum numbers over all ranks (e.g. correct / total for accuracy)."""

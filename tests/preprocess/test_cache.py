@@ -1030,3 +1030,31 @@ def test_a_plain_task_lets_go_of_released_caches_first(monkeypatch):
     monkeypatch.setattr(actor, "Preprocessor", lambda **kw: calls.append("built") or (lambda b: []))
     assert list(actor.preprocess_task({"id": np.array([0])})) == []
     assert calls == ["dropped", "built"]
+
+
+def test_a_cache_that_cannot_start_stops_the_run_it_was_dropped_from(ray_session, datasets):
+    """A cache_dir the node cannot write, which the config check passes as root (/proc):
+    the cache actor died in its creation, the workers went on without it, every epoch
+    decoded whole and stats() said nothing."""
+    from raypipe import Pipeline
+
+    config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=8, batch_size=8,
+                            cache="disk", cache_dir="/proc/raypipe-cache-test")  # fmt: skip
+    with pytest.raises(ValueError, match=r"cache='disk': a node's cache could not start: .*"
+                       r"/proc/raypipe-cache-test") as e:  # fmt: skip
+        Pipeline(config, epochs=1, device="cpu").start()
+    assert "\n" not in str(e.value)
+
+
+def test_shared_memory_room_leaves_out_a_store_ray_could_not_have_put_there():
+    """Under Docker's 64 MiB /dev/shm Ray keeps its store in /tmp; the room for a memory
+    cache was /dev/shm's free space less the whole store: 0, and every entry refused."""
+    st = os.statvfs(shm.SHM_DIR)
+    free, size = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    assert shm.room(size + 1) == pytest.approx(free, rel=0.01)
+    assert shm.room(1 << 20) == pytest.approx(free - (1 << 20), rel=0.01)
+
+
+def test_a_cap_below_the_crop_size_is_warned_about():
+    with pytest.warns(UserWarning, match=r"cache_max_side=320 is below image_size=384"):
+        PipelineConfig(source="x", cache="memory", image_size=384)

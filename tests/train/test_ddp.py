@@ -311,3 +311,25 @@ def test_packed_batches_are_not_held_to_the_documents_share(tmp_path):
     assert listing.num_samples == 8
     with pytest.raises(ValueError, match="larger than one rank's share"):
         list_sources(config.replace(pack=None, seq_len=None), 2)
+
+
+def test_a_memory_cache_is_gone_when_train_ddp_returns(ray_session, datasets, tmp_path):
+    """Ray Train ends its workers without their exit hooks: the memory cache each worker's
+    process started stayed in /dev/shm after the run (and after the driver exited)."""
+    import os
+
+    from raypipe.preprocess.cache import node, shm
+
+    config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=8, batch_size=4,
+                            cache="memory", cache_max_side=16)  # fmt: skip
+
+    def loop(ctx):
+        for _, batches in ctx.epochs():
+            for _ in batches:
+                pass
+        assert [p for p in os.listdir(shm.SHM_DIR) if p.startswith(node._name(config, ""))]
+
+    result = train_ddp(config, loop, num_workers=1, cpus_per_worker=0.5, epochs=2,
+                       storage_path=str(tmp_path / "runs"))  # fmt: skip
+    assert result.error is None
+    assert not [p for p in os.listdir(shm.SHM_DIR) if p.startswith(node._name(config, ""))]

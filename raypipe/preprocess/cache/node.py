@@ -3,28 +3,21 @@
 ```
  the driver / each rank (build_dataset, Pipeline.start) ── ensure(config) ──► one NodeCache
    per alive node (named, no CPUs, pinned to its node), owned by that process for its run;
-   an explicit budget the node has no room for fails here, before work
+   a cache that cannot start, or has no room, fails here, before work
  a preprocessing worker ── lookup(config) by its node id ──► where(): its directory, budget
    then reads and writes the entries itself (`DiskStore`), and note(counters)
  Pipeline.stats(), the progress line ── stats(config) ──► every node's counters, summed
 ```
 
-Both modes keep entries as files that every process of the node reads and writes without
-asking the actor (`raypipe.preprocess.cache.disk`):
-
-- ``cache="memory"``: in the node's shared memory (``/dev/shm``), one directory per node
-  and settings, for as long as an actor holds it. Each actor holds a shared ``flock`` on
-  the directory's ``lock`` file (`raypipe.preprocess.cache.shm`), so runs with the same
-  settings on one node share one directory (each of torchrun's ranks is a Ray job with an
-  actor of its own); the kernel lets the lock go however the actor ends, and every new
-  `NodeCache` (and `release`) removes the directories no one holds: a run killed hard
-  leaves its pixels in memory only until the next cached run on the node starts.
-  `release` (and, at exit, the process that called `ensure`) removes them at once, where
-  no other run holds them.
-- ``cache="disk"``: under ``cache_dir``, kept for later runs; the actor only counts.
-
-An actor dies with its node (what it held is decoded again where the samples go next) and
-with the process that made it.
+Entries are files every process of the node reads and writes without asking the actor
+(`raypipe.preprocess.cache.disk`): ``cache="memory"`` in the node's shared memory
+(``/dev/shm``), one directory per node and settings, held by each actor's shared ``flock``
+on its ``lock`` file (`raypipe.preprocess.cache.shm`), so runs with the same settings on a
+node share it; the kernel lets the lock go however the actor ends, and each new `NodeCache`
+(and `release`, and at exit the process that called `ensure`) removes the directories no
+one holds. ``cache="disk"``: under ``cache_dir``, kept for later runs; the actor only
+counts. An actor dies with its node (what it held is decoded again where the samples go
+next) and with the process that made it.
 """
 
 from __future__ import annotations
@@ -36,6 +29,7 @@ import hashlib
 import os
 import threading
 
+from raypipe.config.validate import cache_block
 from raypipe.preprocess.cache import shm
 from raypipe.preprocess.cache.disk import DiskStore
 from raypipe.preprocess.cache.store import Tally
@@ -54,9 +48,8 @@ START_TIMEOUT_S = 60.0  # ensure waits this long for new caches to be up
 
 
 def digest(config) -> str:
-    """The settings that change a sample's cached pixels (not the crop: it comes after),
-    and the `decoders` that make them: a disk cache is not reused across an upgrade that
-    could change its pixels."""
+    """The settings that change a sample's cached pixels (not the crop: it comes after) and
+    the `decoders` that make them: a disk cache is not reused across an upgrade of those."""
     text = (f"{CACHE_VERSION}|{config.image_column}|{config.cache_max_side}|"
             f"{config.max_image_pixels}|{config.cache_encoding}|{decoders()}")  # fmt: skip
     return hashlib.sha1(text.encode()).hexdigest()[:16]
@@ -70,9 +63,7 @@ def decoders() -> str:
     import PIL
     import simplejpeg
 
-    return (
-        f"simplejpeg {simplejpeg.__version__}, opencv {cv2.__version__}, pillow {PIL.__version__}"
-    )
+    return f"simplejpeg {simplejpeg.__version__}, opencv {cv2.__version__}, pillow {PIL.__version__}"  # fmt: skip
 
 
 def cache_root(config, node_id: str | None = None) -> str | None:
@@ -101,8 +92,7 @@ class NodeCache:
             limit = min(limit, self.room)
         self.budget = limit
         self.store = DiskStore(root, limit)
-        if mode == "disk":  # kept across runs: what writers killed mid-write left behind,
-            # looked for beside the run (a large cache on a network disk lists slowly)
+        if mode == "disk":  # kept across runs: what killed writers left, looked for aside
             threading.Thread(target=self.store.drop_leftovers, daemon=True).start()
         self.tally = Tally()  # what the preprocessing workers report
 
@@ -154,8 +144,7 @@ def ensure(config) -> None:
     """Start (or find) the `NodeCache` of every alive node for ``config``, and wait until
     the new ones are up (their workers then find them at once); no-op without a cache. The
     handles are kept in this process, so the actors live as long as it (or until
-    `release`). An explicit ``cache_budget`` that a node's shared memory has no room for is
-    refused here, in one line.
+    `release`); a cache that cannot start, or has no room, is refused (`_check_started`).
 
     Called again (a `Pipeline` does at each epoch), it starts the caches of the nodes that
     joined since, and again those whose actor died (empty), with the budget the first call
@@ -187,20 +176,34 @@ def ensure(config) -> None:
             ).remote(config.cache, limit, cache_root(config, node_id), store)  # fmt: skip
             _HELD[(job, name)] = handle
             started.append(handle)
-    if not started:
-        return
+    if started:
+        _check_started(config, started)
+
+
+def _check_started(config, handles: list) -> None:
+    """Wait for new caches; one that could not start (a ``cache_dir`` it cannot write), or
+    a memory cache a node has no room for (an explicit budget, or less than one block), is
+    refused in one line. A node lost meanwhile, or slow: its workers ask it themselves."""
+    import ray
+
     try:
-        infos = ray.get([h.info.remote() for h in started], timeout=START_TIMEOUT_S)
-    except Exception:  # a node lost meanwhile, or slow: its workers ask it themselves
-        return
-    short = [i for i in infos if i["budget"] < i["asked"]]
-    if config.cache == "memory" and config.cache_budget is not None and short:
+        infos = ray.get([h.info.remote() for h in handles], timeout=START_TIMEOUT_S)
+    except ray.exceptions.RayActorError as e:  # made, then dead: its creation, or its node
+        if "creation task" not in str(e):
+            return
         release(config)
-        raise ValueError(
-            f"PipelineConfig.cache_budget={config.cache_budget!r}: a node's shared memory "
-            f"({shm.SHM_DIR}) has room for {min(i['room'] for i in short)} bytes beside its "
-            "object store; lower it or use cache='disk'"
-        )
+        lines = [t.strip() for t in str(e).splitlines() if "Error" in t] or [str(e)]
+        raise ValueError(f"cache={config.cache!r}: a node's cache could not start: "
+                         f"{lines[-1][:300]}") from None  # fmt: skip
+    except Exception:  # slow (a timeout), or gone meanwhile
+        return
+    room = min((i["room"] for i in infos if i["budget"] < i["asked"]), default=None)
+    block, asked = cache_block(config), config.cache_budget
+    if config.cache == "memory" and room is not None and (asked is not None or room < block):
+        release(config)
+        what = f"PipelineConfig.cache_budget={asked!r}" if asked else f"cache='memory' (one block: {block} bytes)"  # fmt: skip
+        raise ValueError(f"{what}: a node's shared memory ({shm.SHM_DIR}) has room for {room} "
+                         "bytes beside its object store; lower it or use cache='disk'")  # fmt: skip
 
 
 def _alive(name: str) -> bool:

@@ -28,12 +28,14 @@ NEW_GRACE_S = 60.0  # a directory with no lock file yet is a cache being made, t
 
 def room(store_bytes: int) -> int:
     """Bytes the memory cache may take in `SHM_DIR`: what is free there, less the node's
-    object store (which Ray may keep there too, and fill)."""
+    object store where Ray may keep it there too, and fill it (not where `SHM_DIR` is
+    smaller than the store: Ray then keeps it in /tmp, as under Docker's 64 MiB)."""
     try:
         st = os.statvfs(SHM_DIR)
     except OSError:
         return 0
-    return max(0, st.f_bavail * st.f_frsize - store_bytes)
+    free, size = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    return max(0, free - store_bytes) if size >= store_bytes else free
 
 
 def hold(root: str) -> int:
