@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from raypipe.config import PipelineConfig, check_keys, load_yaml
+from raypipe.config.checks import is_int, is_num
 from raypipe.train.ddp import TrainContext, list_sources, train_ddp
 
 
@@ -32,16 +33,14 @@ class TrainerSettings:
 
     def __post_init__(self):
         def whole(value, low):
-            return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-        def number(value):
-            return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+            return is_int(value) and value >= low
 
         checks = [("num_workers", whole(self.num_workers, 1), "an integer >= 1"),
                   ("epochs", whole(self.epochs, 1), "an integer >= 1"),
-                  ("lr", number(self.lr), "a number > 0"),
+                  ("lr", is_num(self.lr) and self.lr > 0, "a number > 0"),
                   ("use_gpu", isinstance(self.use_gpu, bool), "true or false"),
-                  ("cpus_per_worker", number(self.cpus_per_worker), "a number > 0"),
+                  ("cpus_per_worker", is_num(self.cpus_per_worker) and self.cpus_per_worker > 0,
+                   "a number > 0"),
                   ("storage_path", self.storage_path is None or isinstance(self.storage_path, str),
                    "a path"),
                   ("max_failures", whole(self.max_failures, -1), "an integer >= -1 (-1: no limit)")]  # fmt: skip

@@ -51,37 +51,23 @@ def _wds_groups(members: list[tarfile.TarInfo]) -> list[tuple[str, dict[str, tar
     return groups
 
 
-def _image_member(parts: dict[str, tarfile.TarInfo], named: str = "") -> str | None:
-    """The sample's image member: the one ``named`` (``image_column``; None when the
-    sample lacks it, never another image), else, with `DEFAULT_IMAGE` or no name, the one
-    whose extension is an image type's alone (``jpg``), else the one whose extension ends
-    in one (``left.png``); None without one. Two candidates, none of them plain
-    (``rgb.jpg`` and ``mask.png``): `AMBIGUOUS` (tar order would pick the mask)."""
-    if named in parts:
-        return named
-    if named and named != DEFAULT_IMAGE:
-        return None
-    found = _images(parts)
-    plain = [e for e in found if e in READ_IMAGE_EXTS]
-    if len(plain) == 1 or len(found) <= 1:
-        return (plain or found or [None])[0]
-    return AMBIGUOUS
-
-
-AMBIGUOUS = "\0ambiguous"  # `_image_member`: several image members, none plain
-
-
 def _image_or_why(parts: dict[str, tarfile.TarInfo], named: str) -> tuple[str | None, str | None]:
-    """``(the image member, None)`` (`_image_member`), or ``(None, why there is none)``."""
-    ext = _image_member(parts, named)
-    if ext == AMBIGUOUS:
-        names = ", ".join(f".{e}" for e in _images(parts))
+    """``(the sample's image member, None)``, or ``(None, why it has none)``: the member
+    ``named`` (``image_column``; never another image when the sample lacks it), else, with
+    `DEFAULT_IMAGE` or no name, the one whose extension is an image type's alone (``jpg``),
+    else the one whose extension ends in one (``left.png``). Two candidates, none of them
+    plain (``rgb.jpg`` and ``mask.png``): none (tar order would pick the mask)."""
+    if named in parts:
+        return named, None
+    found = [] if named not in ("", DEFAULT_IMAGE) else _images(parts)
+    plain = [e for e in found if e in READ_IMAGE_EXTS]
+    if len(plain) == 1 or len(found) == 1:
+        return (plain or found)[0], None
+    if found:
+        names = ", ".join(f".{e}" for e in found)
         return None, f"image members {names}, none plain: set image_column to the one to read"
-    if ext is None:
-        want = (f".{named}" if named not in ("", DEFAULT_IMAGE)
-                else "image (." + ", .".join(READ_IMAGE_EXTS) + ")")  # fmt: skip
-        return None, f"no {want} member; it has " + ", ".join(f".{e}" for e in parts)
-    return ext, None
+    want = f".{named}" if named not in ("", DEFAULT_IMAGE) else "image (." + ", .".join(READ_IMAGE_EXTS) + ")"  # fmt: skip
+    return None, f"no {want} member; it has " + ", ".join(f".{e}" for e in parts)
 
 
 def _images(parts: dict[str, tarfile.TarInfo]) -> list[str]:

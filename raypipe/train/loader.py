@@ -198,8 +198,8 @@ class Loader:
         if data is None:
             raise ValueError(f"not a Loader.state_dict(): {type(state).__name__} without 'state'")
         data = data.cpu().numpy() if hasattr(data, "cpu") else data  # a tensor: any device
-        data = bytes(data) if isinstance(data, (bytes, bytearray)) else np.asarray(data, np.uint8)
-        resumed = PipelineState.from_bytes(bytes(data), source="the Loader state")
+        raw = bytes(data) if isinstance(data, (bytes, bytearray)) else np.asarray(data, np.uint8).tobytes()  # fmt: skip
+        resumed = PipelineState.from_bytes(raw, source="the Loader state")
         resumed.check(self.listing, self.config.seed)
         if not 0 <= resumed.epoch <= self.num_epochs:
             raise ValueError(f"the state is at epoch {resumed.epoch}: epochs={self.num_epochs}")

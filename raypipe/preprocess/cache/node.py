@@ -189,7 +189,7 @@ def _check_started(config, handles: list) -> None:
     try:
         infos = ray.get([h.info.remote() for h in handles], timeout=START_TIMEOUT_S)
     except ray.exceptions.RayActorError as e:  # made, then dead: its creation, or its node
-        if "creation task" not in str(e):
+        if not e.actor_init_failed:
             return
         release(config)
         lines = [t.strip() for t in str(e).splitlines() if "Error" in t] or [str(e)]
