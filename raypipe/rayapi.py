@@ -189,8 +189,9 @@ def auth_token_loader():
 # -- pool.watch: the GCS's actor and node tables ------------------------------------------
 
 
-def actor_table(state: str) -> dict:
-    """Every actor of the cluster in ``state`` (e.g. ``"ALIVE"``), by actor id."""
+def actor_table(state: str | None) -> dict:
+    """Every actor of the cluster in ``state`` (e.g. ``"ALIVE"``; None: in any, the dead
+    ones the GCS still holds too), by actor id."""
     from ray._private import state as gcs
 
     return gcs.actors(actor_state_name=state)
