@@ -15,7 +15,9 @@ header before the same bytes), so it crops and resizes them as it does any image
 Needs ``pip install 'raypipe[hdf5]'``.
 
 Bad data never raises here: a file that is not HDF5 is one ``unreadable_shard`` sample
-naming it; a row that cannot be read is ``unreadable``, a wrong label ``bad_label``.
+naming it; a row that cannot be read is ``unreadable``, a wrong label ``bad_label`` (every row
+of a file whose labels outnumber its images: which is whose cannot be told), a row past a
+shorter labels dataset ``missing_label``.
 """
 
 from __future__ import annotations
@@ -116,6 +118,12 @@ def _rows(images, labels, lo: int, hi: int, first_key: int, file: str, done):
 
 
 def _run(images, labels, a: int, b: int, lo: int, first_key: int, file: str, done):
+    if labels.shape[0] > images.shape[0]:  # which label is whose cannot be told
+        detail = f"the labels hold {labels.shape[0]} rows for {images.shape[0]} images"
+        for r in range(a, b):
+            if done is None or not done[r - lo]:
+                yield RawSample(first_key + r - lo, -1, None, f"{file}:row{r}", detail, "bad_label")
+        return
     labelled = max(a, min(b, labels.shape[0]))  # a label dataset shorter than the images'
     try:
         block, marks = images[a:b], np.asarray(labels[a:labelled])

@@ -200,6 +200,24 @@ def test_hdf5_rows_past_a_shorter_label_dataset_are_missing_labels_only(tmp_path
     assert {r.reason for r in raws[90:]} == {"missing_label"} and "90 rows" in raws[95].error
 
 
+def test_hdf5_labels_longer_than_the_images_are_no_ones_labels(tmp_path):
+    """12 images and 15 labels: which label is whose cannot be told (labels appended
+    without their images, or images cut), so every row is a ``bad_label`` skip naming both
+    lengths, not a sample trained on a label that may be another's (they were all read)."""
+    import h5py
+
+    with h5py.File(tmp_path / "long.h5", "w") as f:
+        images = f.create_dataset("images", (12,), h5py.vlen_dtype(np.uint8))
+        for i in range(12):
+            images[i] = np.frombuffer(png(i % 5), np.uint8)
+        f.create_dataset("labels", data=np.arange(15, dtype=np.int64) % 5)
+    listing = list_shards(PipelineConfig(source=str(tmp_path / "long.h5")))
+    raws = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
+    assert [r.key for r in raws] == list(range(12))
+    assert {r.reason for r in raws} == {"bad_label"} and {r.data for r in raws} == {None}
+    assert "15 rows" in raws[3].error and "12 images" in raws[3].error
+
+
 def test_hdf5_from_object_storage_reads_as_its_local_copy(tmp_path):
     """Through a remote file system (fsspec's in-memory one here): ranged reads of the file."""
     import fsspec
