@@ -23,17 +23,31 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from types import MappingProxyType
 
 from raypipe import rayapi
 from raypipe.rayapi import RAY_VERSION
 
-__all__ = ["CLUSTER_VAR", "LOOPBACK", "RAY_VERSION", "TLS_FILES", "check_ray", "check_tls",
-           "ensure", "is_loopback", "start", "started_here"]  # fmt: skip
+__all__ = ["CLUSTER_VAR", "LOCAL_SYSTEM_CONFIG", "LOOPBACK", "RAY_VERSION", "TLS_FILES",
+           "check_ray", "check_tls", "ensure", "is_loopback", "start", "started_here"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 CLUSTER_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a new node's address is loopback
 LOOPBACK = "127.0.0.1"
 TLS_FILES = ("RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")
+
+# A new local Ray raypipe starts (`raypipe.cli.localray.start`, and `ensure`):
+# - drops the per-handler timing every Ray process (raylet, GCS, workers, the driver) keeps
+#   of its event loops, which only Ray's own debug dumps read; on a 2-core node that CPU is
+#   the actors'. Task events and metrics, which the dashboard shows, stay on.
+# - frees the objects no one holds every 10 ms, not every second (or 100 objects): until
+#   they are freed, each new block takes store memory no block used yet, so the blocks walk
+#   the whole store and every worker, and the rank, meets a page fault each 4 KiB of them
+#   until it has been over all of it (benchmarks/RESULTS.md, "Blocks in the store's same
+#   pages"). Each free is also sent to every other node, which a one-node Ray has none of.
+LOCAL_SYSTEM_CONFIG = MappingProxyType(
+    {"event_stats": False, "free_objects_period_milliseconds": 10}
+)
 
 
 _STARTED = []  # this process started a new local Ray (one node: nothing adds more)
@@ -75,11 +89,13 @@ def start(address: str | None = None, **kwargs) -> None:
 
 def ensure() -> None:
     """A Ray for this process: `start` a local one on loopback unless one is running here,
-    as Ray Data and Ray Train would start one on first use (with the machine's address)."""
+    as Ray Data and Ray Train would start one on first use (with the machine's address);
+    a new one gets `LOCAL_SYSTEM_CONFIG`, a cluster to join is joined as it is."""
     import ray
 
     if not ray.is_initialized():
-        start()
+        new = _nothing_to_join()  # Ray refuses a system config when joining
+        start(**(rayapi.system_config(dict(LOCAL_SYSTEM_CONFIG)) if new else {}))
 
 
 def check_tls(environ: dict[str, str] | None = None) -> None:

@@ -190,8 +190,7 @@ def auth_token_loader():
 
 
 def actor_table(state: str | None) -> dict:
-    """Every actor of the cluster in ``state`` (e.g. ``"ALIVE"``; None: in any, the dead
-    ones the GCS still holds too), by actor id."""
+    """The cluster's actors in ``state`` (``"ALIVE"``...; None: any, dead too), by id."""
     from ray._private import state as gcs
 
     return gcs.actors(actor_state_name=state)

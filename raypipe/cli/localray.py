@@ -2,7 +2,8 @@
 
 `start` is `raypipe.localnode.start` (``ray.init``; a new local Ray listens on loopback
 only) with raypipe's settings when the address asks for a new local Ray
-(`LOCAL_SYSTEM_CONFIG`); an existing cluster is joined as it is configured.
+(`LOCAL_SYSTEM_CONFIG`, `raypipe.localnode`'s, which a `Pipeline` that starts its own Ray
+gets too); an existing cluster is joined as it is configured.
 
 ``ray.shutdown()`` stops the raylet and GCS that ``ray.init()`` started as this process's
 children; their workers are meant to exit with the raylet. With Ray 2.60 a pool actor's
@@ -21,26 +22,13 @@ import signal
 import sys
 import time
 from pathlib import Path
-from types import MappingProxyType
 
 from raypipe import localnode, rayapi
+from raypipe.localnode import LOCAL_SYSTEM_CONFIG
 
 __all__ = ["LOCAL_SYSTEM_CONFIG", "plain_prefixes", "process_tree", "ray_descendants",
            "shutdown", "start", "stop_leftovers"]  # fmt: skip
 assert __all__ == sorted(__all__)
-
-# A local Ray raypipe starts:
-# - drops the per-handler timing every Ray process (raylet, GCS, workers, the driver) keeps
-#   of its event loops, which only Ray's own debug dumps read; on a 2-core node that CPU is
-#   the actors'. Task events and metrics, which the dashboard shows, stay on.
-# - frees the objects no one holds every 10 ms, not every second (or 100 objects): until
-#   they are freed, each new block takes store memory no block used yet, so the blocks walk
-#   the whole store and every worker, and the rank, meets a page fault each 4 KiB of them
-#   until it has been over all of it (benchmarks/RESULTS.md, "Blocks in the store's same
-#   pages"). Each free is also sent to every other node, which a one-node Ray has none of.
-LOCAL_SYSTEM_CONFIG = MappingProxyType(
-    {"event_stats": False, "free_objects_period_milliseconds": 10}
-)
 
 
 def start(address: str = "local", *, system_config: dict | None = None, **kwargs) -> None:

@@ -130,3 +130,29 @@ def test_blocks_reuse_the_store_memory_the_blocks_before_them_freed(ray_session)
         places.append(array.__array_interface__["data"][0])
         del array
     assert len(set(places)) <= 8, f"{len(set(places))} places for 48 blocks of 8 MiB"
+
+
+def test_a_local_ray_a_pipeline_starts_for_itself_has_raypipes_settings(ray_session, tmp_path):
+    """`Pipeline`, `Loader`, `train_ddp` and `build_dataset` start a local Ray where none is
+    up (`raypipe.localnode.ensure`): it gets the settings `raypipe run`'s local Ray gets,
+    not plain ``ray.init()``'s."""
+    import json
+
+    script = (
+        "import json, os, sys\n"
+        "from raypipe import localnode\n"
+        "from raypipe.cli import localray\n"
+        "from tests.cli.test_localray import _gcs_config\n"
+        "localnode.ensure()\n"
+        "try:\n"
+        "    print(json.dumps(_gcs_config(os.getpid())))\n"
+        "finally:\n"
+        "    localray.shutdown()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=180, cwd=Path(__file__).resolve().parents[2], env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    config = json.loads(done.stdout.strip().splitlines()[-1])
+    for key, value in localray.LOCAL_SYSTEM_CONFIG.items():
+        assert config.get(key) == value, (key, config)
