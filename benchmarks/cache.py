@@ -68,7 +68,7 @@ PREFETCHES = (2, 4)  # each DataLoader's settings: the better of them in each ro
 SIDES = (128, 160, 224, 256, 320, 512)
 
 
-def start_ray(store: int, *, warm_store: bool = True) -> None:
+def start_ray(store: int, *, warm_store: bool = True, free_ms: int | None = None) -> None:
     """ingest.py's local Ray, with an object store of ``store`` bytes, its pages taken
     at start (``warm_store``) as a long run's are once its blocks have been through them.
 
@@ -76,7 +76,10 @@ def start_ray(store: int, *, warm_store: bool = True) -> None:
     block is copied into it. Left to the runs, the first ``store`` bytes of blocks pay
     that, spread over as many epochs as it takes (14 of the small corpus, in a 4 GiB
     store), and the runs of a round pay it unequally: the first pays all, the cached paths,
-    whose workers do least else, lose most. Warm, every run measures the steady state."""
+    whose workers do least else, lose most. Warm, every run measures the steady state.
+
+    ``free_ms``: how often Ray frees the objects no one holds (None: raypipe's local Ray's
+    10 ms, `raypipe.cli.localray.LOCAL_SYSTEM_CONFIG`; 1000 is Ray's own default)."""
     import os
 
     import ray.data
@@ -84,14 +87,17 @@ def start_ray(store: int, *, warm_store: bool = True) -> None:
     ingest.localray.start("local", num_cpus=os.cpu_count(), include_dashboard=False,
                           log_to_driver=False, object_store_memory=store,
                           configure_logging=False,
-                          system_config={"preallocate_plasma_memory": warm_store})  # fmt: skip
+                          system_config={"preallocate_plasma_memory": warm_store}
+                          | ({} if free_ms is None else
+                             {"free_objects_period_milliseconds": free_ms}))  # fmt: skip
     ray.data.DataContext.get_current().enable_progress_bars = False
 
 
 PATHS = {"pipeline": ingest.warm_epochs, "dataset": ingest.per_epoch_datasets}
 
 
-def without_ray(store: int, warm_store: bool, config: PipelineConfig, listing):
+def without_ray(store: int, warm_store: bool, config: PipelineConfig, listing,
+                free_ms: int | None = None):  # fmt: skip
     """A context with Ray shut down, for the DataLoader; Ray starts again after it, its
     workers warmed by one untimed epoch as at the start (`main`)."""
 
@@ -101,7 +107,7 @@ def without_ray(store: int, warm_store: bool, config: PipelineConfig, listing):
         try:
             yield
         finally:
-            start_ray(store, warm_store=warm_store)
+            start_ray(store, warm_store=warm_store, free_ms=free_ms)
             ingest.warm_epochs(config, listing, 1)
 
     return down
@@ -266,6 +272,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--store-gib", type=int, default=4, help="the object store, GiB")
     p.add_argument("--cold-store", action="store_true",
                    help="leave the object store's pages to the runs (see start_ray)")  # fmt: skip
+    p.add_argument("--free-ms", type=int,
+                   help="how often Ray frees unheld objects, ms (default: raypipe's local "
+                   "Ray's 10; 1000 is Ray's own default)")  # fmt: skip
     p.add_argument(
         "--photo",
         help="WxH: a corpus of photos of this size instead of ingest.py's (e.g. 1600x1200)",
@@ -313,8 +322,9 @@ def main(argv: list[str] | None = None) -> dict:
               "args": {k: str(v) for k, v in vars(args).items()},
               "capped": capped_sizes(files[:64], ingest.IMAGE)}  # fmt: skip
     print(json.dumps(result["capped"], indent=1), flush=True)
-    start_ray(args.store_gib << 30, warm_store=not args.cold_store)
-    down = without_ray(args.store_gib << 30, not args.cold_store, config, listing)
+    start_ray(args.store_gib << 30, warm_store=not args.cold_store, free_ms=args.free_ms)
+    down = without_ray(args.store_gib << 30, not args.cold_store, config, listing,
+                       args.free_ms)  # fmt: skip
     try:
         # one untimed epoch first: the pooled workers start and import raypipe here, not
         # in the first round's first run (whose epoch 0 it once slowed 2x, as its run's)
