@@ -1,6 +1,9 @@
 # Everything starts from a fresh machine: `make demo` and `make test` build the
-# virtualenv first. The CPU build of torch is installed before anything else so
-# that pip never pulls the multi-GB CUDA wheels; override it for GPU machines:
+# virtualenv first. torch is installed before anything else, so that no other package
+# pulls a torch of its own: TORCH_SPEC, whose default takes the CPU build where the index
+# has it (this project's machines: a wheel on disk). On plain PyPI, Linux's torch is the
+# multi-GB CUDA build: choose the CPU one, or a CUDA one for GPU machines:
+#   make test TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 #   make test TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 PYTHON ?= python3
 VENV ?= .venv
