@@ -22,6 +22,7 @@ __all__ = ["WAIT_S", "Waiters", "concurrency", "held"]
 assert __all__ == sorted(__all__)
 
 WAIT_S = 0.5  # the longest an answer is held: the rank then asks again
+PRUNE_MIN = 64  # asks held for one epoch before the timed-out ones are first swept out
 
 
 def concurrency(world_size: int) -> int:
@@ -35,12 +36,23 @@ class Waiters:
 
     def __init__(self):
         self._held: dict[tuple[str, int], list] = {}  # key -> heap of (want, n, future)
+        self._sweep_at: dict[tuple[str, int], int] = {}  # key -> heap size of its next sweep
+        self._scanned: dict[tuple[str, int], float] = {}  # key -> final rows of its last scan
         self._count = itertools.count()
 
     def hold(self, key: tuple[str, int], want: float) -> asyncio.Future:
-        """A future woken by `wake` once ``want`` is settled (or by `wake_all`)."""
+        """A future woken by `wake` once ``want`` is settled (or by `wake_all`).
+
+        An ask whose answer timed out (`held` cancels it) stays in the heap until its rows
+        settle; ranks stalled on a straggler ask again every `WAIT_S`, so each time the heap
+        doubles its timed-out asks are swept out: it stays within twice the live ones."""
+        heap = self._held.setdefault(key, [])
+        if len(heap) >= self._sweep_at.get(key, PRUNE_MIN):
+            heap[:] = [x for x in heap if not x[2].done()]
+            heapq.heapify(heap)
+            self._sweep_at[key] = max(PRUNE_MIN, 2 * len(heap))
         future = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._held.setdefault(key, []), (want, next(self._count), future))
+        heapq.heappush(heap, (want, next(self._count), future))
         return future
 
     def wake(self, key: tuple[str, int], sure: float, final: float) -> None:
@@ -52,7 +64,10 @@ class Waiters:
         woken = []
         while held and held[0][0] <= sure:
             woken.append(heapq.heappop(held)[2])
-        if held and final < float("inf"):  # a rank finished: asks above its rows end here
+        # a rank finished below the rows some asks want: they end here. An ask is held only
+        # at or below the final rows its report saw, so only a fall of them finds new ones
+        if held and final < self._scanned.get(key, float("inf")):
+            self._scanned[key] = final
             woken += [f for w, _, f in held if w > final]
             held[:] = [x for x in held if x[0] <= final]
             heapq.heapify(held)
@@ -66,6 +81,8 @@ class Waiters:
 
     def forget(self, key: tuple[str, int]) -> None:
         """Wake the asks of ``key`` (the ledger forgets that epoch)."""
+        self._sweep_at.pop(key, None)
+        self._scanned.pop(key, None)
         for _, _, future in self._held.pop(key, ()):
             _resolve(future)
 

@@ -41,6 +41,43 @@ def test_a_held_answer_ends_with_a_finished_rank_a_failure_or_the_wait():
     asyncio.run(run())
 
 
+def test_asks_that_timed_out_leave_the_ledger():
+    """1,023 ranks wait on a straggler at an epoch's tail, rank 0 done: each asks again
+    every `WAIT_S`, its last ask timed out (`held` cancels it). The asks held stay about
+    one per waiting rank: the timed-out ones were kept until their rows settled (40,920
+    after 40 rounds), and every report scanned them all once a rank had finished."""
+
+    async def run():
+        world, b = 1024, 256
+        ledger = EpochLedger(world)
+        for r in range(world):
+            ledger.report("g", 0, r, 100 * b if r < world - 1 else 10 * b, r == 0)
+        for _ in range(40):
+            for r in range(world - 1):
+                ledger.report("g", 0, r, 100 * b, r == 0)  # settle: report, then hold
+                ledger._waiters.hold(("g", 0), 11 * b).cancel()  # the answer timed out
+        assert len(ledger._waiters._held[("g", 0)]) <= 4 * world
+
+    asyncio.run(run())
+
+
+def test_asks_above_a_later_rank_s_final_rows_end_there_too():
+    """Each finished rank with fewer rows lowers where the epoch ends: asks held between
+    the two ends are answered when the second rank finishes."""
+
+    async def run():
+        ledger = EpochLedger(3)
+        ask = asyncio.create_task(ledger.settle("a", 0, 0, 64, False, 48))
+        await asyncio.sleep(0.01)
+        assert ledger.report("a", 0, 1, 56, True)[:2] == (0, 56)  # ends at 56: 48 waits on
+        await asyncio.sleep(0.01)
+        assert not ask.done()
+        assert ledger.report("a", 0, 2, 40, True)[:2] == (40, 40)  # ends at 40 now
+        assert await ask == (40, 40, None)
+
+    asyncio.run(run())
+
+
 def test_ranks_in_step_report_about_once_per_lead(ray_session):
     """16 ranks in step (a barrier per 20 ms step, as DDP's gradient exchange makes them),
     each 20 batches ahead: each round of reports settles about the whole lead, so a rank
