@@ -13,6 +13,11 @@ are good ones only and the ledger (`raypipe.loader.ledger`) keeps the ranks' bat
 equal. The side channel is one small actor per driver (named, no CPUs), holding for each
 dataset ("run") exact counts per reason, the skipped keys (a bitmap in pieces: a retried task
 cannot count a key twice) and at most ``max_records`` records.
+
+What the store holds is bounded by records, not by runs: one store serves every log of a
+Ray job (hundreds of ranks with a log each, or two logs an epoch over hundreds of epochs),
+so it keeps the counts of up to `MAX_RUNS` runs, and past `RECORDS_KEPT` records over all
+of them, the runs touched longest ago give up their records and keys seen first.
 """
 
 from __future__ import annotations
@@ -29,15 +34,17 @@ __all__ = ["REPORT_FILE", "SkipLog", "SkipStore", "write_reports"]
 assert __all__ == sorted(__all__)
 
 ACTOR_NAME = "raypipe-skip-store"
-MAX_RUNS = 256  # datasets whose skips the store keeps per driver (oldest dropped first)
+MAX_RUNS = 1 << 16  # runs whose counts the store keeps (the one touched longest ago goes)
+RECORDS_KEPT = 200_000  # records over all runs: then the runs touched longest ago drop theirs
 
 
 class SkipStore:
     """The store behind `SkipLog` (run as a Ray actor; plain Python, testable alone)."""
 
-    def __init__(self, max_runs: int = MAX_RUNS):
+    def __init__(self, max_runs: int = MAX_RUNS, records_kept: int = RECORDS_KEPT):
         self._runs: collections.OrderedDict[str, _Run] = collections.OrderedDict()
-        self._max_runs = max_runs
+        self._max_runs, self._records_kept = max_runs, records_kept
+        self._records = 0  # held over all runs
 
     def add(self, run: str, max_records: int, records: list[tuple[int, str, str, str]]) -> int:
         """Record ``(key, where, reason, detail)`` tuples; returns the run's total so far."""
@@ -45,10 +52,24 @@ class SkipStore:
         if entry is None:
             entry = self._runs[run] = _Run(max_records)
             while len(self._runs) > self._max_runs:
-                self._runs.popitem(last=False)
+                self._records -= len(self._runs.popitem(last=False)[1].records)
+        self._runs.move_to_end(run)
+        held = len(entry.records)
         for record in records:
             entry.add(SkipRecord(*record))
+        self._records += len(entry.records) - held
+        self._trim(entry)
         return entry.total
+
+    def _trim(self, keep: _Run) -> None:
+        """Past `RECORDS_KEPT`, the runs touched longest ago drop their records and keys
+        seen (a retried task of theirs, long done, cannot come); ``keep`` keeps its."""
+        for entry in self._runs.values():
+            if self._records <= self._records_kept:
+                return
+            if entry is not keep and (entry.records or entry._seen):
+                self._records -= len(entry.records)
+                entry.records, entry._seen, entry.trimmed = [], {}, True
 
     def counts(self, run: str) -> dict[str, int]:
         entry = self._runs.get(run)
@@ -79,6 +100,7 @@ class _Run:
         self.total = 0
         self.records: list[SkipRecord] = []
         self._seen: dict[int, bytearray] = {}  # piece -> its bits
+        self.trimmed = False  # its records and keys seen given up (`SkipStore._trim`)
 
     def add(self, record: SkipRecord) -> None:
         piece, i = divmod(record.key, self.PIECE)
@@ -90,7 +112,7 @@ class _Run:
         bits[i >> 3] |= 1 << (i & 7)
         self.counts[record.reason] += 1
         self.total += 1
-        if len(self.records) < self.max_records:
+        if len(self.records) < self.max_records and not self.trimmed:
             self.records.append(record)
 
 

@@ -451,8 +451,45 @@ def test_skip_store_counts_exactly_dedupes_and_caps():
     assert report["records"][0] == {"key": 0, "where": "/d/0.jpg", "reason": REASONS[0],
                                     "detail": "why"}  # fmt: skip
     store.add("b", 5, recs[:1])
-    store.add("c", 5, recs[:1])  # only the last two runs are kept
-    assert store.counts("a") == {} and store.counts("c") == {REASONS[0]: 1}
+    store.add("a", 5, recs[:1])  # "a" touched again: "b" is now the one touched longest ago
+    store.add("c", 5, recs[:1])  # only the last two runs touched are kept
+    assert store.counts("b") == {} and store.counts("a") != {}
+    assert store.counts("c") == {REASONS[0]: 1}
+
+
+def test_skip_store_keeps_every_live_run_of_hundreds_of_ranks():
+    """One store per Ray job: 512 ranks of one job with a log each, 3 skips each in one
+    epoch, meeting them in turn. Every run's count is exact (each rank's running total is
+    what its skip budget checks): 256 runs were kept, oldest made first, so every rank's
+    run was dropped and made again from zero. And train_ddp's two logs (training and
+    held-out) of 200 epochs, read at the end, keep every epoch's count."""
+    store = SkipStore()
+    runs = [f"rank{r}/epoch0" for r in range(512)]
+    totals = {}
+    for i in range(3):
+        for r, run in enumerate(runs):
+            totals[r] = store.add(run, 1000, [(r * 10**5 + i, f"f{r}", REASONS[0], "x")])
+    assert set(totals.values()) == {3}
+    assert all(store.counts(run) == {REASONS[0]: 3} for run in runs)
+    store = SkipStore()
+    for e in range(200):
+        store.add(f"train/epoch{e}", 1000, [(5, "bad.jpg", REASONS[0], "x")])
+        store.add(f"eval/epoch{e}", 1000, [(9, "bad-val.jpg", REASONS[0], "x")])
+    assert all(store.report(f"train/epoch{e}")["skipped"] == 1 for e in range(200))
+
+
+def test_skip_store_keeps_counts_and_drops_the_oldest_runs_records_past_its_budget():
+    """What the store holds is bounded by records, not runs: past `RECORDS_KEPT` the runs
+    touched longest ago give up their records (and their keys seen) first; their counts
+    stay exact, and report() says how many records it left out."""
+    store = SkipStore(records_kept=100)
+    for run in ("old", "mid", "new"):
+        store.add(run, 60, [(k, f"/d/{k}", REASONS[1], "") for k in range(60)])
+    assert store.report("new")["records_left_out"] == 0  # the run just added to keeps all
+    old = store.report("old")
+    assert old["skipped"] == 60 and old["records"] == [] and old["records_left_out"] == 60
+    assert sum(len(store.report(r)["records"]) for r in ("old", "mid", "new")) <= 100
+    assert store.counts("mid") == {REASONS[1]: 60}
 
 
 def test_skip_store_holds_few_high_keys_in_little_memory_and_many_in_a_bitmap():
