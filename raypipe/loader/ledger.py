@@ -16,29 +16,23 @@ only once that is certain::
 Which rows a rank delivers is then a function of its planned keys and the bad samples
 only: the first ``n·B`` good rows of its slice, in the plan's order.
 
-When a rank reports (the messages): when its cached answer settles fewer than ``ahead``
-batches past the next one and it has rows it has not reported, unless an answer still to
-come settles the next batch; at once when it has all its rows (``done``); and when it must
-wait. The ledger holds each answer until the rows the rank asked for are settled
-(`raypipe.loader.waiters`): ranks in step (DDP) report the same batch in the same step, and
-the round's last report answers them all with the fresh minimum. A rank holding ``L``
-batches ahead of the batch it asks for reports every ``L - ahead`` batches or so
-(``PipelineConfig.lead_batches``, 20 by default within the rank's store share): about 0.6
-a second at ten steps a second at 1,024 ranks (`benchmarks/scale.py`). No rank waits
-forever on rows a peer holds but has not reported: a peer past a batch has reported its
-rows, a peer before it asks when it gets there, and a feeder held by its trainer for
-`FLUSH_S` reports what it holds (`Gate.flush`).
+A rank reports when its cached answer settles fewer than ``ahead`` batches past the next
+one and it has news (unless an answer to come settles the next batch), when it has all its
+rows, and when it must wait; the ledger holds each answer until its rows settle
+(`raypipe.loader.waiters`), as it holds joins and leaves until every rank came. A rank
+``L`` batches ahead reports every ``L - ahead`` batches or so (``lead_batches``): about 0.6
+a second at ten steps a second at 1,024 ranks (`benchmarks/scale.py`). A feeder held by
+its trainer for `FLUSH_S` reports what it holds (`Gate.flush`), so no rank waits forever.
 
 A rank whose data fails (``on_error="raise"``, a skip budget spent) tells the ledger
 (`Gate.fail`); a rank waiting on it then raises the same error instead of waiting forever,
 and a rank that closes while it waits (`Gate.close`: a peer that closed first sends
 nothing) raises `GateClosed`.
 
-Ranks that build their pipelines themselves (`raypipe.Loader`: torchrun, a user's own
-trainer) first `join` the ledger with their rank, world size and settings, and wait there
-until every rank did (`raypipe.train.ranks.wait_for_ranks`); a rank that disagrees stops
-them all before any work, with one line naming the difference. Such ranks may share the
-ledger by name (`raypipe.train.ranks.named_ledger`) instead of a handle passed around.
+Ranks that build their pipelines themselves (`raypipe.Loader`) `join` with their rank,
+world size and settings and wait for every rank (`raypipe.train.ranks.wait_for_ranks`): one
+that disagrees stops them all before any work, in one line. They may share the ledger by
+name (`raypipe.train.ranks.named_ledger`).
 """
 
 from __future__ import annotations
@@ -51,6 +45,7 @@ __all__ = ["EpochLedger", "Gate", "GateClosed", "RanksDisagree", "create_ledger"
 assert __all__ == sorted(__all__)
 
 _INF = float("inf")
+JOINED, LEFT = -1, -2  # the "epochs" whose held answers wait on joins and leaves
 NAMESPACE = "raypipe"  # named ledgers live here: drivers of ray.init(address=) get their own
 
 
@@ -98,21 +93,30 @@ class EpochLedger:
             self.fail(run, RanksDisagree(f"the ranks of one run disagree: {problem}"))
         else:
             ranks[rank] = settings
-        return self.joined(run)
+            self._waiters.wake((run, JOINED), len(ranks), _INF)
+        return len(ranks), self._failed.get(run)
 
     def size(self) -> int:
         """The world size the ledger was made for."""
         return self.world_size
 
-    def joined(self, run: str) -> tuple[int, BaseException | None]:
-        """Ranks of ``run`` joined so far, and the error that stopped it (or None)."""
+    async def joined(self, run: str) -> tuple[int, BaseException | None]:
+        """Ranks of ``run`` joined and its error (None), held until all came or `WAIT_S`."""
+        if run not in self._failed:
+            await self._waiters.until((run, JOINED), self.world_size, len(self._joined.get(run, ())))  # fmt: skip
         return len(self._joined.get(run, ())), self._failed.get(run)
 
     def leave(self, run: str, rank: int) -> int:
         """``rank`` is done with ``run``; returns how many of its ranks are not."""
         left = self._left.setdefault(run, set())
         left.add(rank)
+        self._waiters.wake((run, LEFT), len(left), _INF)
         return self.world_size - len(left)
+
+    async def left(self, run: str) -> int:
+        """Ranks of ``run`` not done with it, held until none or `WAIT_S` (a long poll)."""
+        await self._waiters.until((run, LEFT), self.world_size, len(self._left.get(run, ())))
+        return self.world_size - len(self._left.get(run, ()))
 
     def fail(self, run: str, error: BaseException) -> None:
         """A rank of ``run`` stopped with ``error`` (the first one is kept)."""
@@ -156,13 +160,10 @@ class Gate:
     Args:
         ledger: an `EpochLedger` actor handle (None when ``world_size`` is 1).
         run: names this group of ranks in the ledger (a restarted group gets a new one).
-        rank: this rank.
-        batch_size: rows per batch.
-        ahead: report when the cached answer settles fewer batches past the next one than
-            this; at least 1.
+        rank, batch_size: this rank, and rows per batch.
+        ahead: report when the cached answer settles fewer batches than this past the next.
     """
 
-    POLL_S = (0.001, 0.02)  # first and longest pause between two asks of `ranks` joining
     FLUSH_S = 1.0  # a feeder held this long by its trainer reports the rows it holds
     CLOSE_S = 0.1  # how often a wait on the peers looks whether its rank closed
 

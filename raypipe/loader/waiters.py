@@ -55,6 +55,12 @@ class Waiters:
         heapq.heappush(heap, (want, next(self._count), future))
         return future
 
+    async def until(self, key: tuple[str, int], want: float, now: float) -> None:
+        """Hold until `wake` settles ``want`` for ``key`` (at most `WAIT_S`), unless ``now``
+        is there already."""
+        if now < want:
+            await held(self.hold(key, want))
+
     def wake(self, key: tuple[str, int], sure: float, final: float) -> None:
         """Wake the asks of ``key`` that ``sure`` rows settle, and every ask above ``final``
         (that epoch ends below them: the answer says so)."""

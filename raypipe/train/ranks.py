@@ -21,7 +21,7 @@ from typing import Any
 
 from raypipe import localnode
 from raypipe.config import PipelineConfig
-from raypipe.loader.ledger import NAMESPACE, EpochLedger, Gate
+from raypipe.loader.ledger import NAMESPACE, EpochLedger
 from raypipe.loader.waiters import concurrency
 from raypipe.plan.shards import Listing
 
@@ -127,9 +127,8 @@ def leave(ledger, run: str, rank: int, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     try:
         remaining = ray.get(ledger.leave.remote(run, rank))
-        while remaining > 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-            remaining = ray.get(ledger.leave.remote(run, rank))
+        while remaining > 0 and time.monotonic() < deadline:  # each answer held (`left`)
+            remaining = ray.get(ledger.left.remote(run))
     except ray.exceptions.RayActorError:  # its maker is gone: nobody waits on it
         return
 
@@ -165,16 +164,14 @@ def wait_for_ranks(ledger, run: str, *, rank: int, world_size: int, settings: di
     import ray
 
     count, failed = ray.get(ledger.join.remote(run, rank, world_size, settings))
-    deadline, pause = time.monotonic() + timeout_s, Gate.POLL_S[0]
-    while failed is None and count < world_size:
+    deadline = time.monotonic() + timeout_s
+    while failed is None and count < world_size:  # each answer held (`joined`)
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"{count} of world_size={world_size} ranks {doing} in {timeout_s:.0f} s: "
                 "is every rank running, with the same world size"
                 + ("?" if doing == "started" else ", and did each set_epoch or load_state_dict?")
             )
-        time.sleep(pause)
-        pause = min(pause * 2, 0.2)
         count, failed = ray.get(ledger.joined.remote(run))
     if failed is not None:
         raise failed

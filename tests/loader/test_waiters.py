@@ -78,6 +78,38 @@ def test_asks_above_a_later_rank_s_final_rows_end_there_too():
     asyncio.run(run())
 
 
+def test_joins_and_leaves_are_answered_when_the_last_rank_comes_not_polled():
+    """`joined` and `left` hold their answer until every rank joined (or left), the run
+    failed, or `WAIT_S`: a rank waiting on its peers sends one message a wait, where it
+    polled every 50-200 ms (20,000 calls a second to one actor at 1,024 ranks)."""
+
+    async def run():
+        ledger, same = EpochLedger(3), {"seed": "0"}
+        ledger.join("a", 0, 3, same)
+        waiting = asyncio.create_task(ledger.joined("a"))
+        await asyncio.sleep(0.05)
+        ledger.join("a", 1, 3, same)
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        assert ledger.join("a", 2, 3, same) == (3, None)
+        assert await asyncio.wait_for(waiting, 0.2) == (3, None)
+        assert ledger.leave("a", 0) == 2
+        leaving = asyncio.create_task(ledger.left("a"))
+        await asyncio.sleep(0.05)
+        assert ledger.leave("a", 1) == 1 and not leaving.done()
+        assert ledger.leave("a", 2) == 0 and await asyncio.wait_for(leaving, 0.2) == 0
+        stopped = asyncio.create_task(ledger.joined("b"))
+        await asyncio.sleep(0.05)
+        ledger.fail("b", ValueError("bad shard"))
+        assert isinstance((await asyncio.wait_for(stopped, 0.2))[1], ValueError)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        assert await ledger.joined("c") == (0, None)
+        assert loop.time() - t0 == pytest.approx(waiters.WAIT_S, abs=0.2)  # then asks again
+
+    asyncio.run(run())
+
+
 def test_ranks_in_step_report_about_once_per_lead(ray_session):
     """16 ranks in step (a barrier per 20 ms step, as DDP's gradient exchange makes them),
     each 20 batches ahead: each round of reports settles about the whole lead, so a rank
