@@ -117,6 +117,9 @@ def lm_loop(ctx: TrainContext) -> None:
     field, m = ctx.config.pack, ctx.loop_config["model"]
     model = ctx.prepare_model(tiny_lm(seq_len=ctx.config.seq_len, **m))
     opt = torch.optim.AdamW(model.parameters(), lr=ctx.loop_config["lr"])
+    if (saved := ctx.restored()) is not None:  # a restart (max_failures), a rerun, resume_from
+        getattr(model, "module", model).load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
     first = None
     for epoch, batches in ctx.epochs():
         model.train()
@@ -136,12 +139,12 @@ def lm_loop(ctx: TrainContext) -> None:
         )
         loss = loss_total / max(steps_total, 1)
         first = loss if first is None else first
-        last = epoch == ctx.num_epochs - 1  # its checkpoint holds the model, and the metrics
-        state = {"model": getattr(model, "module", model).state_dict(), "epoch": epoch}
+        # a checkpoint each epoch: a worker group restarted after a failure goes on from it
+        state = {"model": getattr(model, "module", model).state_dict(),
+                 "optimizer": opt.state_dict(), "epoch": epoch}  # fmt: skip
         ctx.report({"epoch": epoch, "loss": loss, "first_loss": first, "steps_per_rank": steps,
                     "tokens_per_s": tokens_total / seconds if seconds > 0 else 0.0,
-                    "dropped_tokens": it.get("dropped_tokens", 0)},
-                   state=state if last else None)  # fmt: skip
+                    "dropped_tokens": it.get("dropped_tokens", 0)}, state=state)  # fmt: skip
 
 
 def make_tokens(root: str | Path, *, documents: int = 2000, vocab_size: int = 64,

@@ -117,7 +117,8 @@ def classify_loop(ctx: TrainContext) -> None:
         _unwrap(model).load_state_dict(saved["model"])
         if "optimizer" in saved:
             opt.load_state_dict(saved["optimizer"])
-    for epoch, batches in ctx.epochs():
+    state = lambda: {"model": _unwrap(model).state_dict(), "optimizer": opt.state_dict()}  # noqa: E731
+    for epoch, batches in ctx.epochs(state=state):  # with checkpoint_every: mid-epoch ones
         model.train()
         loss_sum, steps, t0 = 0.0, 0, time.perf_counter()
         for batch in batches:
@@ -153,9 +154,7 @@ def classify_loop(ctx: TrainContext) -> None:
         if ctx.eval_config is not None:
             metrics["val_accuracy"] = evaluate(ctx, model)
         # a checkpoint each epoch: a worker group restarted after a failure goes on from it
-        state = {"model": _unwrap(model).state_dict(), "optimizer": opt.state_dict(),
-                 "epoch": epoch}  # fmt: skip
-        ctx.report(metrics, state=state)
+        ctx.report(metrics, state={**state(), "epoch": epoch})
 
 
 def evaluate(ctx: TrainContext, model) -> float:

@@ -129,6 +129,7 @@ class RunPosition:
         self.seed, self.num_samples, self.fingerprint = seed, num_samples, fingerprint
         self.start, self.start_from = start, start_from
         self._where: _Where | None = None
+        self.saved_end = False  # the loop saved its state at the last epoch's end itself
 
     def _resumed(self) -> PipelineState | None:
         """This run's latest checkpoint (after a restart, or a rerun into the same run
@@ -153,7 +154,7 @@ class RunPosition:
         self._where = _Where(epoch, batches, base)
 
     def end(self, epoch: int) -> None:
-        self._where = _Where(epoch + 1)
+        self._where, self.saved_end = _Where(epoch + 1), False
 
     def state(self) -> PipelineState:
         """The run's position over all ranks (a collective: every rank calls it together)."""
@@ -174,6 +175,7 @@ class RunPosition:
         # saves (one bit asked of every rank first), not for each report of metrics alone
         saving = any_rank(np.array([user_state is not None])).any()
         state = self.state() if saving else None
+        self.saved_end = self.saved_end or (saving and self._where.batches is None)
         if state is None or user_state is None or ray.train.get_context().get_world_rank() != 0:
             ray.train.report(metrics)
             return
@@ -224,7 +226,9 @@ class EpochBatches:
     A checkpoint is taken when the consumer asks for the next batch, so the steps on the
     batches before it are done; at the epoch's planned last step (``most``: the batches it
     has if no sample is skipped) the epoch's end is saved instead, once, not a second
-    checkpoint of the same step. ``stats()`` and ``state_dict()`` are the batches' own.
+    checkpoint of the same step. The epoch's end is saved by `end` when the loop asks for
+    the next epoch, so what it does after the batches (a scheduler's step) is in it.
+    ``stats()`` and ``state_dict()`` are the batches' own.
     """
 
     def __init__(self, batches, epoch: int, progress: RunPosition, every: int,
@@ -232,6 +236,7 @@ class EpochBatches:
                  most: int | None = None):  # fmt: skip
         self._batches, self._epoch, self._progress = batches, epoch, progress
         self._every, self._user_state, self._most = every, user_state, most
+        self._steps, self._ended = 0, False
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         steps = 0
@@ -242,8 +247,13 @@ class EpochBatches:
             if self._every and steps % self._every == 0 and steps != self._most:
                 self._checkpoint(steps)
         self._progress.end(self._epoch)
-        if self._every:
-            self._checkpoint(steps)
+        self._steps, self._ended = steps, True
+
+    def end(self) -> None:
+        """The epoch's end checkpoint (all ranks together), once the loop is done with the
+        epoch; none where it saved its state there itself (``ctx.report(state=...)``)."""
+        if self._every and self._ended and not self._progress.saved_end:
+            self._checkpoint(self._steps)
 
     def _checkpoint(self, steps: int) -> None:
         user = self._user_state() if self._user_state else {}

@@ -107,6 +107,12 @@ class TrainContext:
         With ``checkpoint_every``, a checkpoint is saved every that many steps and at each
         epoch's end, holding rank 0's ``state()`` (model, optimizer; see `restored`).
         """
+        if self.checkpoint_every and state is None:
+            raise ValueError(
+                f"checkpoint_every={self.checkpoint_every} saves ctx.epochs(state=...)'s state "
+                "(model, optimizer) with the data's position: without state= a resume would go "
+                "on with a fresh model"
+            )
         pipeline = self._train or self._training_pipeline()
         if pipeline is None:
             return
@@ -116,8 +122,10 @@ class TrainContext:
                 # the epoch's planned last step, whose checkpoint is the epoch's end
                 most = rank_batches(pipeline.config, pipeline.listing, pipeline.plan, epoch,
                                     pipeline.drop_last)  # fmt: skip
-                yield epoch, EpochBatches(batches, epoch, self.progress, self.checkpoint_every,
-                                          state, most)  # fmt: skip
+                batches = EpochBatches(batches, epoch, self.progress, self.checkpoint_every,
+                                       state, most)  # fmt: skip
+                yield epoch, batches
+                batches.end()  # the loop's own end-of-epoch work is done: in the checkpoint
 
     def start(self) -> None:
         """Start this rank's training pipeline before the loop runs (`train_ddp` does so),

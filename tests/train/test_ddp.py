@@ -92,6 +92,43 @@ def test_a_rerun_into_its_run_folder_on_changed_data_is_refused(ray_session, tmp
         train_ddp(config, loop, epochs=2, **kw)
 
 
+@pytest.mark.slow
+def test_the_epoch_end_checkpoint_holds_the_loops_end_of_epoch_work(ray_session, tmp_path):
+    """The checkpoint at an epoch's end is saved once the loop asks for the next epoch, so
+    what the loop does after its batches (a scheduler's step, a counter) is in it; it was
+    saved as the batches ran out, a resumed run's schedule an epoch behind. And
+    ``checkpoint_every`` with no ``state=`` is refused: its checkpoints held the data's
+    position and no model, and a resume went on with a fresh one."""
+    import torch
+
+    from tests.conftest import make_imagefolder
+
+    source = make_imagefolder(tmp_path / "data", {"a": 8, "b": 8}, seed=2)
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=4)
+    kw = dict(num_workers=1, cpus_per_worker=0.5, storage_path=str(tmp_path / "runs"))
+
+    def loop(ctx) -> None:
+        done = {"epochs_done": 0}
+        for _, batches in ctx.epochs(state=lambda: dict(done)):
+            for _ in batches:
+                pass
+            done["epochs_done"] += 1  # the loop's own end-of-epoch work
+
+    result = train_ddp(config, loop, epochs=2, checkpoint_every=100, name="ends", **kw)
+    assert result.error is None, result.error
+    saved = torch.load(f"{result.checkpoint.path}/state.pt", weights_only=False)
+    assert saved == {"epochs_done": 2}
+    assert PipelineState.load(result.checkpoint.path).epoch == 2
+
+    def stateless(ctx) -> None:
+        for _, batches in ctx.epochs():
+            for _ in batches:
+                pass
+
+    with pytest.raises(Exception, match="without state= a resume would go on with a fresh"):
+        train_ddp(config, stateless, epochs=1, checkpoint_every=2, name="bare", **kw)
+
+
 # Equal, exactly-once batches inside real Train workers over two epochs, a worker dying on
 # the way: tests/pool/test_elastic.py::test_a_dead_train_worker_restarts_the_group_and_...
 

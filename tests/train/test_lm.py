@@ -48,3 +48,10 @@ def test_a_causal_lm_on_packed_tokens_learns(ray_session, tmp_path):
     assert m["epoch"] == 2 and m["steps_per_rank"] > 0
     assert m["loss"] < 0.7 * m["first_loss"] < 0.7 * np.log(64), m
     assert m["dropped_tokens"] < 2 * 16 * 64, "only a tail is dropped"
+    # a checkpoint each epoch (the last one only, before: a restart began again from scratch)
+    import torch
+
+    saved = torch.load(f"{result.checkpoint.path}/state.pt", weights_only=False)
+    assert saved["epoch"] == 2 and {"model", "optimizer"} <= set(saved)
+    kept = [p for p in Path(result.checkpoint.path).parent.glob("checkpoint_*") if p.is_dir()]
+    assert len(kept) == 2  # three saved, the latest keep_checkpoints=2 kept
