@@ -81,10 +81,21 @@ def _check_resources(config, eval_config, num_workers: int, cpus_per_worker: flo
     log.warning("raypipe: %s now: it waits for more nodes; %s", why, fix)
 
 
-def _check_run(*, num_workers, epochs, cpus_per_worker, checkpoint_every,
-               keep_checkpoints) -> None:  # fmt: skip
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _check_run(*, num_workers, epochs, cpus_per_worker, checkpoint_every, keep_checkpoints,
+               use_gpu, max_failures, loop_config, callbacks, ray_log_level) -> None:  # fmt: skip
+    if not isinstance(use_gpu, bool):  # "no" is truthy: it asked for GPUs
+        raise ValueError(f"{use_gpu=} must be True or False")
+    if loop_config is not None and not isinstance(loop_config, dict):
+        raise ValueError(f"{loop_config=} must be a dict (or None)")
+    if callbacks is not None and not isinstance(callbacks, (list, tuple)):
+        raise ValueError(f"{callbacks=} must be a list of ray.train.UserCallback (or None)")
+    if ray_log_level not in LOG_LEVELS:
+        raise ValueError(f"{ray_log_level=} must be one of {', '.join(LOG_LEVELS)}")
     checks = [("num_workers", num_workers, 1), ("epochs", epochs, 1),
-              ("checkpoint_every", checkpoint_every, 0)]  # fmt: skip
+              ("checkpoint_every", checkpoint_every, 0), ("max_failures", max_failures, -1)]  # fmt: skip
     if keep_checkpoints is not None:  # None: every checkpoint kept
         checks.append(("keep_checkpoints", keep_checkpoints, 1))
     for name, value, low in checks:
@@ -178,7 +189,9 @@ def train_ddp(
     from raypipe.train import rendezvous
 
     _check_run(num_workers=num_workers, epochs=epochs, cpus_per_worker=cpus_per_worker,
-               checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints)  # fmt: skip
+               checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+               use_gpu=use_gpu, max_failures=max_failures, loop_config=loop_config,
+               callbacks=callbacks, ray_log_level=ray_log_level)  # fmt: skip
     for c in (config, eval_config):  # what each rank's Pipeline takes, before any work
         if c is not None:
             rank_loader(c)
@@ -187,6 +200,9 @@ def train_ddp(
     storage = storage_uri(storage_path or DEFAULT_STORAGE_PATH)
     if name is not None and (again := latest_state(f"{storage}/{name}")) is not None:
         again.check(listing, config.seed)  # a rerun resumes from it: the same data and seed
+        if again.epoch >= epochs:  # it would train nothing and report the run before's end
+            raise ValueError(f"{name=} under {storage} is at epoch {again.epoch}: {epochs=} "
+                             "leaves nothing (another name starts afresh)")  # fmt: skip
     if (problem := rendezvous.check_ray()) is not None:
         raise RuntimeError(f"raypipe cannot bind DDP's store to the node's address: {problem}")
     localnode.ensure()  # the skip logs live in an actor

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pydoc
+import re
 
 import pytest
 import yaml
@@ -171,6 +172,50 @@ def test_keep_checkpoints_is_checked_before_work(datasets, bad):
     config = PipelineConfig(source=str(datasets["parquet"]), batch_size=4)
     with pytest.raises(ValueError, match=f"keep_checkpoints={bad!r} must be an integer >= 1"):
         train_ddp(config, lambda ctx: None, keep_checkpoints=bad)
+
+
+@pytest.mark.parametrize(("kw", "says"), [
+    ({"use_gpu": "no"}, "use_gpu='no' must be True or False"),
+    ({"max_failures": "2"}, "max_failures='2' must be an integer >= -1"),
+    ({"loop_config": [1]}, "loop_config=[1] must be a dict"),
+    ({"callbacks": print}, "callbacks=<built-in function print> must be a list"),
+    ({"ray_log_level": "LOUD"}, "ray_log_level='LOUD' must be one of"),
+])  # fmt: skip
+def test_train_ddp_arguments_of_the_wrong_kind_are_refused_before_ray(datasets, monkeypatch,
+                                                                      kw, says):  # fmt: skip
+    """Each reached Ray's start and failed there or later: ``use_gpu="no"`` (truthy) asked
+    for GPUs, ``max_failures="2"`` failed at the first worker failure."""
+    from raypipe.train import ddp
+
+    def started() -> None:
+        raise AssertionError("Ray work started before the arguments were checked")
+
+    monkeypatch.setattr(ddp.localnode, "ensure", started)
+    config = PipelineConfig(source=str(datasets["parquet"]), batch_size=4)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        train_ddp(config, lambda ctx: None, **kw)
+
+
+@pytest.mark.slow
+def test_a_rerun_of_a_finished_run_is_refused(ray_session, tmp_path):
+    """A rerun with a finished run's ``name`` and ``storage_path`` resumed from its last
+    checkpoint (at epoch ``epochs``) and trained nothing, reporting the earlier run's
+    metrics; ``resume_from`` such a checkpoint was refused already."""
+    from tests.conftest import make_imagefolder
+
+    source = make_imagefolder(tmp_path / "data", {"a": 8, "b": 8}, seed=3)
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=4)
+    kw = dict(num_workers=1, cpus_per_worker=0.5, storage_path=str(tmp_path / "runs"),
+              name="done", epochs=1)  # fmt: skip
+
+    def loop(ctx) -> None:
+        for _, batches in ctx.epochs(state=dict):
+            for _ in batches:
+                pass
+
+    assert train_ddp(config, loop, checkpoint_every=2, **kw).error is None
+    with pytest.raises(ValueError, match="is at epoch 1: epochs=1 leaves nothing"):
+        train_ddp(config, loop, **kw)
 
 
 def test_a_run_bigger_than_the_local_ray_this_process_started_is_refused(ray_session, datasets):
