@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from raypipe.config import LoaderConfig, PipelineConfig, rank_loader
-from raypipe.config.checks import check_share
+from raypipe.config.checks import check_share, is_int
 from raypipe.loader.pipeline import Pipeline, rank_batches, rank_plan
 from raypipe.plan.rankplan import RankPlan
 from raypipe.plan.shards import Listing, list_shards
@@ -146,7 +146,7 @@ class Loader:
     def set_epoch(self, epoch: int) -> None:
         """The next epoch read is ``epoch`` (an iterator not started yet reads it too); the
         next epoch anyway: nothing changes."""
-        if not isinstance(epoch, int) or not 0 <= epoch < self.num_epochs:
+        if not is_int(epoch) or not 0 <= epoch < self.num_epochs:
             raise ValueError(f"{epoch=} must be an integer in 0..{self.num_epochs - 1}")
         if epoch != self._next:
             latest = self._latest

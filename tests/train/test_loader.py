@@ -93,6 +93,10 @@ def test_a_loaders_options_are_checked_when_it_is_made(datasets):
     with pytest.raises(ValueError, match="drop_last='no': must be true or false"):
         Loader(config, epochs=1, drop_last="no")
     Loader(config, epochs=1, prefetch_batches=4, drop_last=False, device="cpu")  # no work yet
+    loader = Loader(config, epochs=3, device="cpu")
+    for bad in (True, -1, 3, 1.0):  # True was taken as epoch 1 (and named True)
+        with pytest.raises(ValueError, match=r"must be an integer in 0\.\.2"):
+            loader.set_epoch(bad)
 
 
 def test_after_len_batches_the_state_is_the_next_epochs_without_drop_last(ray_session, datasets):
