@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     from raypipe.cli.classify import small_cnn
 
     spec = yaml.safe_load(Path(args.config).read_text())
-    config, trainer = PipelineConfig.from_dict(spec["data"]), _trainer(spec, args.config)
+    config = PipelineConfig.from_dict(spec["data"])
+    trainer = _trainer(spec, args.config, checkpoint=args.checkpoint)
     localnode.start(args.address, log_to_driver=False)  # this rank joins as a driver
     _loopback_only()
     cuda = torch.cuda.is_available()
@@ -89,9 +90,10 @@ def main(argv: list[str] | None = None) -> None:
 TRAINER_KEYS = ("num_classes", "lr", "epochs")  # and checkpoint_every (0: none)
 
 
-def _trainer(spec: dict, path: str) -> dict:
+def _trainer(spec: dict, path: str, *, checkpoint: str | None = None) -> dict:
     """The config's ``trainer`` section, checked before this rank joins anything."""
     from raypipe.config import check_keys
+    from raypipe.config.checks import is_int, is_num
 
     trainer = spec.get("trainer")
     if not isinstance(trainer, dict):
@@ -102,6 +104,18 @@ def _trainer(spec: dict, path: str) -> dict:
         raise SystemExit(str(e)) from None
     if missing := [k for k in TRAINER_KEYS if k not in trainer]:
         raise SystemExit(f"{path}: trainer needs {', '.join(missing)}")
+    every = trainer.get("checkpoint_every", 0)
+    for key, value, ok, want in (  # each failed after every rank joined, or did not at all
+        ("num_classes", trainer["num_classes"], lambda v: is_int(v) and v >= 2, "an integer >= 2"),
+        ("epochs", trainer["epochs"], lambda v: is_int(v) and v >= 1, "an integer >= 1"),
+        ("lr", trainer["lr"], lambda v: is_num(v) and v > 0, "a number > 0"),
+        ("checkpoint_every", every, lambda v: is_int(v) and v >= 0, "an integer >= 0"),
+    ):  # fmt: skip
+        if not ok(value):
+            raise SystemExit(f"{path}: trainer.{key}={value!r} must be {want}")
+    if checkpoint and not every:  # it saved nothing, and a rerun started over
+        raise SystemExit(f"{path}: --checkpoint needs trainer.checkpoint_every >= 1 (steps "
+                         "between checkpoints)")  # fmt: skip
     return trainer
 
 

@@ -85,10 +85,19 @@ def _lines(folder: Path, epoch: int, rank: int) -> list[dict]:
 
 def test_the_trainer_section_is_checked_before_a_rank_joins_anything(tmp_path):
     """A misspelt ``checkpoint_every`` was ignored (no checkpoint written, nothing said); a
-    missing ``lr`` a KeyError after every rank had joined Ray and the process group."""
+    missing ``lr`` a KeyError after every rank had joined Ray and the process group; values
+    of the wrong kind failed there too (``checkpoint_every: "20"``), or did not at all
+    (``-1`` saved every step; none with ``--checkpoint`` saved nothing)."""
     spec = yaml.safe_load((ROOT / "jobs/configs/torchrun.yaml").read_text())
     for change, said in ((("checkpoint_evry", 20), "'checkpoint_evry' (did you mean "
-                          "'checkpoint_every'?)"), (("lr", None), "trainer needs lr")):  # fmt: skip
+                          "'checkpoint_every'?)"), (("lr", None), "trainer needs lr"),
+                         (("checkpoint_every", "20"), "trainer.checkpoint_every='20' must be"),
+                         (("checkpoint_every", -1), "trainer.checkpoint_every=-1 must be"),
+                         (("epochs", "3"), "trainer.epochs='3' must be an integer"),
+                         (("lr", -1), "trainer.lr=-1 must be a number > 0"),
+                         (("num_classes", 0), "trainer.num_classes=0 must be"),
+                         (("checkpoint_every", 0), "--checkpoint needs trainer.checkpoint_every"),
+                         ):  # fmt: skip
         trainer = dict(spec["trainer"])
         key, value = change
         if value is None:
@@ -98,7 +107,7 @@ def test_the_trainer_section_is_checked_before_a_rank_joins_anything(tmp_path):
         path = tmp_path / f"{key}.yaml"
         path.write_text(yaml.safe_dump({**spec, "trainer": trainer}))
         done = subprocess.run([sys.executable, str(ROOT / "jobs/torchrun_train.py"), str(path),
-                               "--address", "127.0.0.1:9"],
+                               "--address", "127.0.0.1:9", "--checkpoint", str(tmp_path / "c")],
                               capture_output=True, text=True, timeout=120)  # fmt: skip
         assert done.returncode == 1 and said in done.stderr, done.stderr[-2000:]
         assert "Traceback" not in done.stderr
