@@ -176,7 +176,7 @@ def rank_pool(actors: tuple[int, int], world_size: int, rank: int = 0) -> tuple[
     return max(1, lo), max(1, lo, hi)
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=32)  # ranks sharing a pooled worker, two epochs each
 def _rank_keys(plan: RankPlan, epoch: int) -> np.ndarray:
     """``np.array_split(plan.all_keys(epoch), world_size)[rank]``, built from the shards
     the rank's slice touches only: O(shards + the rank's keys), not O(the epoch's keys).

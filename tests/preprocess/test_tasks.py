@@ -158,7 +158,42 @@ def test_a_worker_keeps_one_preprocessor_per_run_and_only_the_last_few(ray_sessi
     assert task_module._preprocess("a", kwargs, 1) and cache["a"] is first
     assert [len(b["key"]) for b in blocks] == [4, 4] and all(b["epoch"][0] == 0 for b in blocks)
     assert np.array_equal(np.concatenate([b["key"] for b in blocks]), plan.keys(0)[:8])
-    for run in "bcde":
+    later = [f"r{i}" for i in range(task_module.RUNS_PER_WORKER)]
+    for run in later:
         task_module._preprocess(run, kwargs, 0)
-    assert list(cache) == ["b", "c", "d", "e"]  # RUNS_PER_WORKER, the oldest gone
+    assert list(cache) == later  # RUNS_PER_WORKER, the oldest gone
     cache.clear()
+
+
+def test_a_nodes_ranks_taking_turns_on_a_worker_keep_their_preprocessors_and_one_listing(
+        ray_session, datasets):  # fmt: skip
+    """8 ranks (a node's GPUs) whose tasks take turns on one pooled worker: each rank's
+    `Preprocessor` is built once, where a worker kept 4 and rebuilt one on every task
+    (fetching the rank's whole listing again), and the ranks' listings are one in memory."""
+    import ray
+
+    from raypipe.plan.rankplan import RankPlan
+    from raypipe.plan.ranktasks import RankTasks
+    from raypipe.plan.shards import list_shards
+
+    config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=8, batch_size=2,
+                            files_per_task=2, rows_per_block=2)  # fmt: skip
+    listing = list_shards(config)
+    kwargs = {}
+    for r in range(8):
+        plan = RankPlan.of(listing, seed=0, shuffle=True, rank=r, world_size=8, per_task=2)
+        tasks = RankTasks.of(listing, plan, range(1))
+        kwargs[r] = [ray.put({"config": config, "reader": listing.reader, "tasks": tasks})]
+    cache = task_module._PREPROCESSORS
+    cache.clear()
+    try:
+        built = {}
+        for t in range(2):
+            for r in range(8):
+                task_module._preprocess(f"rank{r}", kwargs[r], t)
+                built.setdefault(r, cache[f"rank{r}"])
+                assert cache[f"rank{r}"] is built[r], f"rank {r} rebuilt at task {t}"
+        paths = {id(cache[f"rank{r}"].tasks.paths) for r in range(8)}
+        assert len(paths) == 1
+    finally:
+        cache.clear()
