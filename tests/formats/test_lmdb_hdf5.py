@@ -182,19 +182,25 @@ def test_lmdb_labels_as_arrays_and_an_environment_rebuilt_in_place(tmp_path):
     assert [r[1] for r in read(root)] == [1] * 5
 
 
+def _h5_rows(path, *, images: int, labels: int, chunks=None) -> list:
+    """Every sample read from a new HDF5 file of ``images`` encoded images (labels i % 5)
+    and a labels dataset of ``labels`` rows."""
+    import h5py
+
+    with h5py.File(path, "w") as f:
+        data = f.create_dataset("images", (images,), h5py.vlen_dtype(np.uint8), chunks=chunks)
+        for i in range(images):
+            data[i] = np.frombuffer(png(i % 5), np.uint8)
+        f.create_dataset("labels", data=np.arange(labels, dtype=np.int64) % 5)
+    listing = list_shards(PipelineConfig(source=str(path)))
+    return [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
+
+
 def test_hdf5_rows_past_a_shorter_label_dataset_are_missing_labels_only(tmp_path):
     """192 images and 90 labels: rows 90..191 are ``missing_label`` skips; the rows before
     them keep their labels (a read run that crossed the end lost all its rows, labelled
     ones too, under a NumPy reshape message; so did a run wholly past it)."""
-    import h5py
-
-    with h5py.File(tmp_path / "short.h5", "w") as f:
-        images = f.create_dataset("images", (192,), h5py.vlen_dtype(np.uint8), chunks=(4,))
-        for i in range(192):
-            images[i] = np.frombuffer(png(i % 5), np.uint8)
-        f.create_dataset("labels", data=np.arange(90, dtype=np.int64) % 5)
-    listing = list_shards(PipelineConfig(source=str(tmp_path / "short.h5")))
-    raws = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
+    raws = _h5_rows(tmp_path / "short.h5", images=192, labels=90, chunks=(4,))
     assert [r.key for r in raws] == list(range(192))
     assert [r.label for r in raws[:90]] == [i % 5 for i in range(90)]
     assert {r.reason for r in raws[90:]} == {"missing_label"} and "90 rows" in raws[95].error
@@ -204,15 +210,7 @@ def test_hdf5_labels_longer_than_the_images_are_no_ones_labels(tmp_path):
     """12 images and 15 labels: which label is whose cannot be told (labels appended
     without their images, or images cut), so every row is a ``bad_label`` skip naming both
     lengths, not a sample trained on a label that may be another's (they were all read)."""
-    import h5py
-
-    with h5py.File(tmp_path / "long.h5", "w") as f:
-        images = f.create_dataset("images", (12,), h5py.vlen_dtype(np.uint8))
-        for i in range(12):
-            images[i] = np.frombuffer(png(i % 5), np.uint8)
-        f.create_dataset("labels", data=np.arange(15, dtype=np.int64) % 5)
-    listing = list_shards(PipelineConfig(source=str(tmp_path / "long.h5")))
-    raws = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
+    raws = _h5_rows(tmp_path / "long.h5", images=12, labels=15)
     assert [r.key for r in raws] == list(range(12))
     assert {r.reason for r in raws} == {"bad_label"} and {r.data for r in raws} == {None}
     assert "15 rows" in raws[3].error and "12 images" in raws[3].error
