@@ -122,10 +122,10 @@ class TrainContext:
                 # the epoch's planned last step, whose checkpoint is the epoch's end
                 most = rank_batches(pipeline.config, pipeline.listing, pipeline.plan, epoch,
                                     pipeline.drop_last)  # fmt: skip
-                batches = EpochBatches(batches, epoch, self.progress, self.checkpoint_every,
+                counted = EpochBatches(batches, epoch, self.progress, self.checkpoint_every,
                                        state, most)  # fmt: skip
-                yield epoch, batches
-                batches.end()  # the loop's own end-of-epoch work is done: in the checkpoint
+                yield epoch, counted
+                counted.end()  # the loop's own end-of-epoch work is done: in the checkpoint
 
     def start(self) -> None:
         """Start this rank's training pipeline before the loop runs (`train_ddp` does so),
