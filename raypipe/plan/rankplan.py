@@ -89,6 +89,20 @@ class RankPlan:
         return cls(first, counts, seed, shuffle, rank, world_size, per_task, resume_epoch,
                    consumed, weights)  # fmt: skip
 
+    def __getstate__(self) -> dict:
+        """Pickled (every rank's tasks carry their plan to the workers) with ``consumed`` as
+        bits: a byte per sample of the whole dataset was 1 GB at 10⁹ samples a rank."""
+        state = dict(self.__dict__)
+        if self.consumed is not None:
+            state["consumed"] = (np.packbits(self.consumed), len(self.consumed))
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        if isinstance(state.get("consumed"), tuple):
+            bits, n = state["consumed"]
+            state = {**state, "consumed": np.unpackbits(bits, count=n).astype(bool)}
+        self.__dict__.update(state)
+
     @property
     def num_samples(self) -> int:
         return int(self.counts.sum())

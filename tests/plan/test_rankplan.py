@@ -257,3 +257,22 @@ def test_the_ranks_pools_add_up_to_the_runs_and_a_fixed_pool_stays_fixed(actors,
     if lo == hi:  # min = max: no rank's pool follows (Ray Data keeps it there)
         assert all(a == b for a, b in shares), shares
     assert max(b for _, b in shares) - min(b for _, b in shares) <= 1  # even, in whole actors
+
+
+def test_a_resumed_plan_crosses_the_store_with_its_consumed_keys_as_bits():
+    """Every rank's tasks carry its plan to the workers (a pickle each): a resumed plan's
+    consumed keys went as one byte per sample of the whole dataset (1 GB at 10⁹), and now
+    go as one bit; the plan that arrives reads the same keys."""
+    import pickle
+
+    from raypipe.plan.rankplan import RankPlan
+
+    counts = np.full(100, 800, dtype=np.int64)
+    first = np.r_[0, np.cumsum(counts)[:-1]]
+    consumed = np.random.default_rng(4).random(80_000) < 0.4
+    plan = RankPlan(first, counts, 0, True, 3, 8, 256, resume_epoch=1, consumed=consumed)
+    data = pickle.dumps(plan)
+    assert len(data) < 80_000 // 8 + 4096
+    back = pickle.loads(data)
+    assert np.array_equal(back.consumed, consumed) and back.consumed.dtype == bool
+    assert np.array_equal(back.keys(1), plan.keys(1))
