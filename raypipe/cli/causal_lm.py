@@ -119,9 +119,12 @@ def lm_loop(ctx: TrainContext) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=ctx.loop_config["lr"])
     if (saved := ctx.restored()) is not None:  # a restart (max_failures), a rerun, resume_from
         getattr(model, "module", model).load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
+        if "optimizer" in saved:  # a checkpoint of an older version holds none
+            opt.load_state_dict(saved["optimizer"])
+    state = lambda: {"model": getattr(model, "module", model).state_dict(),  # noqa: E731
+                     "optimizer": opt.state_dict()}  # fmt: skip
     first = None
-    for epoch, batches in ctx.epochs():
+    for epoch, batches in ctx.epochs(state=state):  # with checkpoint_every: mid-epoch ones
         model.train()
         loss_sum, steps, t0 = 0.0, 0, time.perf_counter()
         for batch in batches:
@@ -140,11 +143,10 @@ def lm_loop(ctx: TrainContext) -> None:
         loss = loss_total / max(steps_total, 1)
         first = loss if first is None else first
         # a checkpoint each epoch: a worker group restarted after a failure goes on from it
-        state = {"model": getattr(model, "module", model).state_dict(),
-                 "optimizer": opt.state_dict(), "epoch": epoch}  # fmt: skip
         ctx.report({"epoch": epoch, "loss": loss, "first_loss": first, "steps_per_rank": steps,
                     "tokens_per_s": tokens_total / seconds if seconds > 0 else 0.0,
-                    "dropped_tokens": it.get("dropped_tokens", 0)}, state=state)  # fmt: skip
+                    "dropped_tokens": it.get("dropped_tokens", 0)},
+                   state={**state(), "epoch": epoch})  # fmt: skip
 
 
 def make_tokens(root: str | Path, *, documents: int = 2000, vocab_size: int = 64,

@@ -45,7 +45,7 @@ __all__ = ["EpochLedger", "Gate", "GateClosed", "RanksDisagree", "create_ledger"
 assert __all__ == sorted(__all__)
 
 _INF = float("inf")
-JOINED, LEFT = -1, -2  # the "epochs" whose held answers wait on joins and leaves
+JOINED, LEFT = "joined", "left"  # held answers' keys beside the epochs': (run, JOINED)
 NAMESPACE = "raypipe"  # named ledgers live here: drivers of ray.init(address=) get their own
 
 
@@ -103,7 +103,7 @@ class EpochLedger:
     async def joined(self, run: str) -> tuple[int, BaseException | None]:
         """Ranks of ``run`` joined and its error (None), held until all came or `WAIT_S`."""
         if run not in self._failed:
-            await self._waiters.until((run, JOINED), self.world_size, len(self._joined.get(run, ())))  # fmt: skip
+            await self._waiters.until((run, JOINED), self.world_size, lambda: len(self._joined.get(run, ())))  # fmt: skip
         return len(self._joined.get(run, ())), self._failed.get(run)
 
     def leave(self, run: str, rank: int) -> int:
@@ -115,7 +115,7 @@ class EpochLedger:
 
     async def left(self, run: str) -> int:
         """Ranks of ``run`` not done with it, held until none or `WAIT_S` (a long poll)."""
-        await self._waiters.until((run, LEFT), self.world_size, len(self._left.get(run, ())))
+        await self._waiters.until((run, LEFT), self.world_size, lambda: len(self._left.get(run, ())))  # fmt: skip
         return self.world_size - len(self._left.get(run, ()))
 
     def fail(self, run: str, error: BaseException) -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["WAIT_S", "Waiters", "concurrency", "held"]
 assert __all__ == sorted(__all__)
@@ -55,11 +57,17 @@ class Waiters:
         heapq.heappush(heap, (want, next(self._count), future))
         return future
 
-    async def until(self, key: tuple[str, int], want: float, now: float) -> None:
-        """Hold until `wake` settles ``want`` for ``key`` (at most `WAIT_S`), unless ``now``
-        is there already."""
-        if now < want:
-            await held(self.hold(key, want))
+    async def until(self, key: tuple[str, Any], want: float, now: Callable[[], float]) -> None:
+        """Hold until `wake` settles ``want`` for ``key`` (at most `WAIT_S`), unless ``now()``
+        is there already: looked at again once held, as the `wake` of a count made on
+        another thread meanwhile found nothing to wake."""
+        if now() >= want:
+            return
+        future = self.hold(key, want)
+        if now() >= want:
+            future.cancel()  # swept out of the heap later
+            return
+        await held(future)
 
     def wake(self, key: tuple[str, int], sure: float, final: float) -> None:
         """Wake the asks of ``key`` that ``sure`` rows settle, and every ask above ``final``

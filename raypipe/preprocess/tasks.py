@@ -71,9 +71,10 @@ def _preprocess(run: str, kwargs: list, task: int) -> list[Columns]:
 
 
 def _sharing(kw: dict) -> dict:
-    """``kw`` with its listing (paths, labels, shard sizes) that of a run this worker keeps
-    already where the two are the same (a node's ranks read one listing): each run kept
-    adds its plan, not another copy of the listing (97 MiB for an ImageNet folder)."""
+    """``kw`` with its listing (paths, labels, shard sizes, and a resume's consumed keys)
+    that of a run this worker keeps already where the two are the same (a node's ranks
+    read one listing): each run kept adds its plan, not another copy of the listing (97 MiB
+    for an ImageNet folder)."""
     new = kw["tasks"]
     for pre in _PREPROCESSORS.values():
         old = pre.tasks
@@ -81,10 +82,22 @@ def _sharing(kw: dict) -> dict:
                 and np.array_equal(old.labels, new.labels)
                 and np.array_equal(old.plan.first, new.plan.first)
                 and np.array_equal(old.plan.counts, new.plan.counts)):  # fmt: skip
-            plan = dataclasses.replace(new.plan, first=old.plan.first, counts=old.plan.counts)
+            plan = dataclasses.replace(new.plan, first=old.plan.first, counts=old.plan.counts,
+                                       **_same(old.plan, new.plan, "consumed", "weights"))  # fmt: skip
             tasks = dataclasses.replace(new, plan=plan, paths=old.paths, labels=old.labels)
             return {**kw, "tasks": tasks}
     return kw
+
+
+def _same(old, new, *names: str) -> dict:
+    """``old``'s arrays among ``names`` that ``new`` holds the same of (a resume's consumed
+    keys, packing's weights: one per sample of the whole dataset, alike on every rank)."""
+    same = {}
+    for name in names:
+        a, b = getattr(old, name), getattr(new, name)
+        if a is not None and b is not None and np.array_equal(a, b):
+            same[name] = a
+    return same
 
 
 def _numpy(block: dict) -> Columns:

@@ -17,7 +17,7 @@ cannot count a key twice) and at most ``max_records`` records.
 What the store holds is bounded by records, not by runs: one store serves every log of a
 Ray job (hundreds of ranks with a log each, or two logs an epoch over hundreds of epochs),
 so it keeps the counts of up to `MAX_RUNS` runs, and past `RECORDS_KEPT` records over all
-of them, the runs touched longest ago give up their records and keys seen first.
+of them, the runs touched longest ago give up their last records first.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ assert __all__ == sorted(__all__)
 
 ACTOR_NAME = "raypipe-skip-store"
 MAX_RUNS = 1 << 16  # runs whose counts the store keeps (the one touched longest ago goes)
-RECORDS_KEPT = 200_000  # records over all runs: then the runs touched longest ago drop theirs
+RECORDS_KEPT = 200_000  # records over all runs: past it the runs touched longest ago drop some
 
 
 class SkipStore:
@@ -62,14 +62,17 @@ class SkipStore:
         return entry.total
 
     def _trim(self, keep: _Run) -> None:
-        """Past `RECORDS_KEPT`, the runs touched longest ago drop their records and keys
-        seen (a retried task of theirs, long done, cannot come); ``keep`` keeps its."""
+        """Past `RECORDS_KEPT`, the runs touched longest ago drop their last records, as
+        many as it is past; ``keep`` keeps its. Counts and keys seen stay: a live run may
+        still get a retried task's keys."""
         for entry in self._runs.values():
-            if self._records <= self._records_kept:
+            excess = self._records - self._records_kept
+            if excess <= 0:
                 return
-            if entry is not keep and (entry.records or entry._seen):
-                self._records -= len(entry.records)
-                entry.records, entry._seen, entry.trimmed = [], {}, True
+            if entry is not keep and entry.records:
+                cut = min(excess, len(entry.records))
+                del entry.records[len(entry.records) - cut :]
+                self._records -= cut
 
     def counts(self, run: str) -> dict[str, int]:
         entry = self._runs.get(run)
@@ -100,7 +103,6 @@ class _Run:
         self.total = 0
         self.records: list[SkipRecord] = []
         self._seen: dict[int, bytearray] = {}  # piece -> its bits
-        self.trimmed = False  # its records and keys seen given up (`SkipStore._trim`)
 
     def add(self, record: SkipRecord) -> None:
         piece, i = divmod(record.key, self.PIECE)
@@ -112,7 +114,7 @@ class _Run:
         bits[i >> 3] |= 1 << (i & 7)
         self.counts[record.reason] += 1
         self.total += 1
-        if len(self.records) < self.max_records and not self.trimmed:
+        if len(self.records) < self.max_records:
             self.records.append(record)
 
 

@@ -180,8 +180,11 @@ def test_a_nodes_ranks_taking_turns_on_a_worker_keep_their_preprocessors_and_one
                             files_per_task=2, rows_per_block=2)  # fmt: skip
     listing = list_shards(config)
     kwargs = {}
+    consumed = np.zeros(listing.num_samples, dtype=bool)
+    consumed[:5] = True  # a resumed epoch 0
     for r in range(8):
-        plan = RankPlan.of(listing, seed=0, shuffle=True, rank=r, world_size=8, per_task=2)
+        plan = RankPlan.of(listing, seed=0, shuffle=True, rank=r, world_size=8, per_task=2,
+                           resume_epoch=0, consumed=consumed)  # fmt: skip
         tasks = RankTasks.of(listing, plan, range(1))
         kwargs[r] = [ray.put({"config": config, "reader": listing.reader, "tasks": tasks})]
     cache = task_module._PREPROCESSORS
@@ -195,5 +198,7 @@ def test_a_nodes_ranks_taking_turns_on_a_worker_keep_their_preprocessors_and_one
                 assert cache[f"rank{r}"] is built[r], f"rank {r} rebuilt at task {t}"
         paths = {id(cache[f"rank{r}"].tasks.paths) for r in range(8)}
         assert len(paths) == 1
+        masks = {id(cache[f"rank{r}"].tasks.plan.consumed) for r in range(8)}
+        assert len(masks) == 1  # a resume's consumed keys: one mask for the node's ranks
     finally:
         cache.clear()
