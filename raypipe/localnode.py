@@ -36,7 +36,7 @@ CLUSTER_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a new node's address i
 LOOPBACK = "127.0.0.1"
 TLS_FILES = ("RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")
 
-# A new local Ray raypipe starts (`raypipe.cli.localray.start`, and `ensure`):
+# A new local Ray raypipe starts (`start`, and so `ensure` and `raypipe.cli.localray`):
 # - drops the per-handler timing every Ray process (raylet, GCS, workers, the driver) keeps
 #   of its event loops, which only Ray's own debug dumps read; on a 2-core node that CPU is
 #   the actors'. Task events and metrics, which the dashboard shows, stay on.
@@ -60,15 +60,19 @@ def started_here() -> bool:
     return bool(_STARTED) and ray.is_initialized()
 
 
-def start(address: str | None = None, **kwargs) -> None:
+def start(address: str | None = None, *, system_config: dict | None = None, **kwargs) -> None:
     """``ray.init(address, **kwargs)``, on loopback when it starts a new local Ray or joins
-    one on a loopback address; Ray's TLS settings are checked first (`check_tls`)."""
+    one on a loopback address; Ray's TLS settings are checked first (`check_tls`). A new
+    local Ray gets `LOCAL_SYSTEM_CONFIG` and ``system_config`` over it; a cluster joined
+    gets neither (Ray refuses a system config when joining)."""
     import ray
 
     check_tls()
     _STARTED.clear()
     if address == "local" or (address is None and _nothing_to_join()):
-        _STARTED.append(True)
+        _STARTED.append(True)  # a copy: ray.init adds its spilling settings to the dict
+        config = {**LOCAL_SYSTEM_CONFIG, **(system_config or {})}
+        kwargs = {**rayapi.system_config(config), **kwargs}
     if not _on_loopback(address):
         ray.init(address=address, **kwargs)
         return
@@ -89,13 +93,11 @@ def start(address: str | None = None, **kwargs) -> None:
 
 def ensure() -> None:
     """A Ray for this process: `start` a local one on loopback unless one is running here,
-    as Ray Data and Ray Train would start one on first use (with the machine's address);
-    a new one gets `LOCAL_SYSTEM_CONFIG`, a cluster to join is joined as it is."""
+    as Ray Data and Ray Train would start one on first use (with the machine's address)."""
     import ray
 
     if not ray.is_initialized():
-        new = _nothing_to_join()  # Ray refuses a system config when joining
-        start(**(rayapi.system_config(dict(LOCAL_SYSTEM_CONFIG)) if new else {}))
+        start()
 
 
 def check_tls(environ: dict[str, str] | None = None) -> None:

@@ -7,8 +7,8 @@ test_rayapi.py`` runs it, and checks by reading the package that no other module
 a private name of Ray's).
 
 ```
- localnode        ray_constants.ENABLE_RAY_CLUSTER, services.get_ray_address_from_environment
- cli.localray     ray.init(_system_config=...)
+ localnode        ray_constants.ENABLE_RAY_CLUSTER, services.get_ray_address_from_environment,
+                  ray.init(_system_config=...)
  cli.quiet        ray_logging.global_worker_stdstream_dispatcher (and its _lock), the
                   token-setup logger
  cli.submit       ray._raylet.AuthenticationTokenLoader

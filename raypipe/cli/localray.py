@@ -1,9 +1,8 @@
 """Start a local Ray for raypipe, and stop it leaving none of its processes behind.
 
 `start` is `raypipe.localnode.start` (``ray.init``; a new local Ray listens on loopback
-only) with raypipe's settings when the address asks for a new local Ray
-(`LOCAL_SYSTEM_CONFIG`, `raypipe.localnode`'s, which a `Pipeline` that starts its own Ray
-gets too); an existing cluster is joined as it is configured.
+only, with raypipe's settings, `LOCAL_SYSTEM_CONFIG`, as a `Pipeline` that starts its own
+Ray gets them); an existing cluster is joined as it is configured.
 
 ``ray.shutdown()`` stops the raylet and GCS that ``ray.init()`` started as this process's
 children; their workers are meant to exit with the raylet. With Ray 2.60 a pool actor's
@@ -23,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from raypipe import localnode, rayapi
+from raypipe import localnode
 from raypipe.localnode import LOCAL_SYSTEM_CONFIG
 
 __all__ = ["LOCAL_SYSTEM_CONFIG", "plain_prefixes", "process_tree", "ray_descendants",
@@ -31,14 +30,10 @@ __all__ = ["LOCAL_SYSTEM_CONFIG", "plain_prefixes", "process_tree", "ray_descend
 assert __all__ == sorted(__all__)
 
 
-def start(address: str = "local", *, system_config: dict | None = None, **kwargs) -> None:
-    """`raypipe.localnode.start` (a new local Ray listens on loopback only); a new local
-    Ray (``address="local"``) gets `LOCAL_SYSTEM_CONFIG` and ``system_config`` over it,
-    which Ray refuses when joining (so both are left out then)."""
+def start(address: str = "local", **kwargs) -> None:
+    """`raypipe.localnode.start` (a new local Ray listens on loopback only, with
+    `LOCAL_SYSTEM_CONFIG` and any ``system_config=`` over it), its workers' lines plain."""
     plain_prefixes(sys.stdout)
-    if address == "local":  # a copy: ray.init adds its spilling settings to the dict
-        config = {**LOCAL_SYSTEM_CONFIG, **(system_config or {})}
-        kwargs = {**rayapi.system_config(config), **kwargs}
     localnode.start(address, **kwargs)
 
 
