@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from raypipe.cli.classify import TrainerSettings, _section
+from raypipe.cli.classify import TrainerSettings, _section, resumed
 from raypipe.config import PipelineConfig, check_keys, load_yaml
 from raypipe.train.ddp import TrainContext, train_ddp
 
@@ -117,12 +117,7 @@ def lm_loop(ctx: TrainContext) -> None:
     field, m = ctx.config.pack, ctx.loop_config["model"]
     model = ctx.prepare_model(tiny_lm(seq_len=ctx.config.seq_len, **m))
     opt = torch.optim.AdamW(model.parameters(), lr=ctx.loop_config["lr"])
-    if (saved := ctx.restored()) is not None:  # a restart (max_failures), a rerun, resume_from
-        getattr(model, "module", model).load_state_dict(saved["model"])
-        if "optimizer" in saved:  # a checkpoint of an older version holds none
-            opt.load_state_dict(saved["optimizer"])
-    state = lambda: {"model": getattr(model, "module", model).state_dict(),  # noqa: E731
-                     "optimizer": opt.state_dict()}  # fmt: skip
+    state = resumed(ctx, model, opt)
     first = None
     for epoch, batches in ctx.epochs(state=state):  # with checkpoint_every: mid-epoch ones
         model.train()

@@ -113,11 +113,7 @@ def classify_loop(ctx: TrainContext) -> None:
     torch.manual_seed(ctx.config.seed)
     model = ctx.prepare_model(small_cnn(ctx.loop_config["num_classes"]))
     opt = torch.optim.Adam(model.parameters(), lr=ctx.loop_config["lr"])
-    if (saved := ctx.restored()) is not None:  # a restart (max_failures), a rerun, resume_from
-        _unwrap(model).load_state_dict(saved["model"])
-        if "optimizer" in saved:
-            opt.load_state_dict(saved["optimizer"])
-    state = lambda: {"model": _unwrap(model).state_dict(), "optimizer": opt.state_dict()}  # noqa: E731
+    state = resumed(ctx, model, opt)
     for epoch, batches in ctx.epochs(state=state):  # with checkpoint_every: mid-epoch ones
         model.train()
         loss_sum, steps, t0 = 0.0, 0, time.perf_counter()
@@ -174,6 +170,17 @@ def evaluate(ctx: TrainContext, model) -> float:
 
 def _unwrap(model):
     return getattr(model, "module", model)
+
+
+def resumed(ctx: TrainContext, model, opt):
+    """Load the checkpoint this run resumes from (a restart under ``max_failures``, a rerun,
+    ``resume_from``) into ``model`` and ``opt``, where there is one; returns the ``state``
+    that saves them, for ``ctx.epochs(state=...)`` and ``ctx.report``."""
+    if (saved := ctx.restored()) is not None:
+        _unwrap(model).load_state_dict(saved["model"])
+        if "optimizer" in saved:  # a checkpoint of an older version may hold none
+            opt.load_state_dict(saved["optimizer"])
+    return lambda: {"model": _unwrap(model).state_dict(), "optimizer": opt.state_dict()}
 
 
 def format_epoch(m: dict[str, Any]) -> str:

@@ -78,20 +78,19 @@ def _sharing(kw: dict) -> dict:
     new = kw["tasks"]
     for pre in _PREPROCESSORS.values():
         old = pre.tasks
-        if (old is not None and len(old.paths) == len(new.paths) and old.paths == new.paths
-                and np.array_equal(old.labels, new.labels)
-                and np.array_equal(old.plan.first, new.plan.first)
-                and np.array_equal(old.plan.counts, new.plan.counts)):  # fmt: skip
-            plan = dataclasses.replace(new.plan, first=old.plan.first, counts=old.plan.counts,
-                                       **_same(old.plan, new.plan, "consumed", "weights"))  # fmt: skip
-            tasks = dataclasses.replace(new, plan=plan, paths=old.paths, labels=old.labels)
+        if old is not None and old.paths == new.paths:
+            plan = dataclasses.replace(
+                new.plan, **_same(old.plan, new.plan, "first", "counts", "consumed", "weights")
+            )
+            tasks = dataclasses.replace(new, plan=plan, paths=old.paths,
+                                        **_same(old, new, "labels"))  # fmt: skip
             return {**kw, "tasks": tasks}
     return kw
 
 
 def _same(old, new, *names: str) -> dict:
-    """``old``'s arrays among ``names`` that ``new`` holds the same of (a resume's consumed
-    keys, packing's weights: one per sample of the whole dataset, alike on every rank)."""
+    """``old``'s arrays among ``names`` that ``new`` holds the same of (the shards' sizes
+    and labels, a resume's consumed keys, packing's weights: alike on every rank)."""
     same = {}
     for name in names:
         a, b = getattr(old, name), getattr(new, name)
