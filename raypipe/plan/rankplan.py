@@ -76,8 +76,7 @@ class RankPlan:
            weights=None) -> RankPlan:  # fmt: skip
         if not 0 <= rank < world_size:
             raise ValueError(f"{rank=} must be in 0..{world_size - 1} ({world_size=})")
-        first = np.fromiter((s.first_key for s in listing.shards), np.int64, len(listing.shards))
-        counts = np.fromiter((s.num_samples for s in listing.shards), np.int64, len(first))
+        first, counts = listing.shards.first_key, listing.shards.num_samples
         if consumed is not None:
             consumed = np.asarray(consumed, dtype=bool)
             if consumed.shape != (int(counts.sum()),):

@@ -11,6 +11,7 @@ import dataclasses
 
 import numpy as np
 
+from raypipe.plan.columns import Paths
 from raypipe.plan.rankplan import RankPlan
 from raypipe.plan.shards import Listing, pack_done
 
@@ -37,14 +38,13 @@ class RankTasks:
 
     plan: RankPlan
     table: np.ndarray
-    paths: list[str]
+    paths: Paths
     labels: np.ndarray
     shared_skips: bool = False
 
     @classmethod
     def of(cls, listing: Listing, plan: RankPlan, epochs: range, *, shared_skips: bool = False):
-        labels = np.fromiter((s.label for s in listing.shards), np.int64, len(listing.shards))
-        return cls(plan, task_table(plan, epochs), [s.path for s in listing.shards], labels,
+        return cls(plan, task_table(plan, epochs), listing.shards.paths, listing.shards.label,
                    shared_skips)  # fmt: skip
 
     def __len__(self) -> int:

@@ -18,7 +18,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -28,6 +28,7 @@ from raypipe.formats import Reader, get_format, imagefolder, infer_format
 from raypipe.formats.lengths import sequence_lengths
 from raypipe.formats.storage import Storage
 from raypipe.formats.writer import INDEX
+from raypipe.plan.columns import Paths, Shard, Shards
 
 FIELD_FORMATS = ("parquet", "webdataset")  # where samples with no image can be read
 SIZED_SHARDS = 8  # shard files `Listing.stored_per_sample` sizes
@@ -37,17 +38,12 @@ COUNT_THREADS = 32  # shards counted at once on the driver (`_counted`)
 
 
 @dataclasses.dataclass(frozen=True)
-class Shard:
-    path: str
-    first_key: int
-    num_samples: int
-    label: int = -1  # image folders only: the class index from the parent directory
-
-
-@dataclasses.dataclass(frozen=True)
 class Listing:
+    """The shards of a source, in key order (`Shards`: columns; a sequence of `Shard` made
+    from any sequence of them), with what reads them."""
+
     format: str
-    shards: tuple[Shard, ...]
+    shards: Shards
     classes: tuple[str, ...] = ()
     reader: Reader | None = None  # None: the format's defaults on local files
     labels: str = ""  # where the labels come from, in words (for ``raypipe inspect``)
@@ -55,26 +51,23 @@ class Listing:
     lengths: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "shards", Shards.of(self.shards))
         if self.reader is None:
             object.__setattr__(self, "reader", Reader(self.format))
 
     @functools.cached_property
     def num_samples(self) -> int:
-        return sum(s.num_samples for s in self.shards)
+        return int(self.shards.num_samples.sum())
 
     @functools.cached_property
     def fingerprint(self) -> str:
         """A hash of the shards (paths relative to their common folder, sample counts):
         computed once (0.6 s per 100k shards), as every checkpoint names it."""
-        paths = [s.path for s in self.shards]
+        paths = list(self.shards.paths)
         root = os.path.commonpath(paths) if len(paths) > 1 else os.path.dirname(paths[0])
         h = hashlib.sha256(self.format.encode())
-        for s in self.shards:
-            h.update(
-                f"\0{os.path.relpath(s.path, root)}\0{s.num_samples}".encode(
-                    errors="surrogateescape"
-                )
-            )
+        for path, n in zip(paths, self.shards.num_samples.tolist(), strict=True):
+            h.update(f"\0{os.path.relpath(path, root)}\0{n}".encode(errors="surrogateescape"))
         return h.hexdigest()[:32]
 
     @functools.cached_property
@@ -177,7 +170,7 @@ def shard_permutation(count: int, *, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch, 0x5EED]).permutation(count)
 
 
-def epoch_order(shards: tuple[Shard, ...], *, seed: int, epoch: int, shuffle: bool) -> list[Shard]:
+def epoch_order(shards: Sequence[Shard], *, seed: int, epoch: int, shuffle: bool) -> list[Shard]:
     """The shards in the order this epoch reads them: `shard_permutation`."""
     if not shuffle:
         return list(shards)
@@ -195,7 +188,9 @@ def _files_under(paths: list[str], storage: Storage) -> Iterator[str]:
 def _list_imagefolder(paths: list[str], reader: Reader) -> Listing:
     """Class sub-folders become labels, by sorted class name; one shard per image."""
     files, classes = imagefolder.list_images(paths, reader.storage)
-    shards = tuple(Shard(p, key, 1, label) for key, (p, label) in enumerate(files))
+    n = len(files)
+    shards = Shards(Paths.of(p for p, _ in files), np.arange(n, dtype=np.int64),
+                    np.ones(n, dtype=np.int64), np.fromiter((lb for _, lb in files), np.int64, n))  # fmt: skip
     return Listing("imagefolder", shards, tuple(classes), reader, "class sub-folders")
 
 

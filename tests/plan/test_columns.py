@@ -1,0 +1,78 @@
+"""A listing's shards as columns: the same sequence of `Shard` to read, compact to hold and
+to pickle (every rank gets the listing; its tasks carry the paths to the workers)."""
+
+from __future__ import annotations
+
+import pickle
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from raypipe.plan.columns import Paths, Shards
+from raypipe.plan.rankplan import RankPlan
+from raypipe.plan.ranktasks import RankTasks
+from raypipe.plan.shards import Listing, Shard
+
+
+def folder(n: int, prefix: str = "/data/train") -> tuple[Shard, ...]:
+    return tuple(Shard(f"{prefix}/c{i % 7}/img_{i:07d}.jpg", i, 1, i % 7) for i in range(n))
+
+
+def test_a_listing_reads_as_the_shards_it_was_made_from():
+    shards = (*folder(5), Shard("/data/s/ünïcode.tar", 5, 40), Shard("/data/s/\udcff.tar", 45, 3))
+    listing = Listing("imagefolder", shards)
+    assert isinstance(listing.shards, Shards)
+    assert list(listing.shards) == list(shards) and len(listing.shards) == 7
+    assert listing.shards[-1] == shards[-1] and listing.shards[5].path == "/data/s/ünïcode.tar"
+    assert list(listing.shards[2:6]) == list(shards[2:6])
+    assert listing.shards == shards and listing == Listing("imagefolder", list(shards))
+    assert listing != Listing("imagefolder", shards[:-1] + (Shard("/data/s/x.tar", 45, 3),))
+    assert listing.num_samples == 48 and isinstance(listing.num_samples, int)
+    with pytest.raises(IndexError):
+        listing.shards[7]
+    again = pickle.loads(pickle.dumps(listing))
+    assert again == listing and list(again.shards) == list(shards)
+    assert again.fingerprint == listing.fingerprint
+
+
+def test_paths_round_trip_any_file_name():
+    names = ["", "/a", "/b/ü", "/c/\udce9x", "/d/" + "z" * 300]
+    paths = Paths.of(names)
+    assert list(paths) == names and [paths[i] for i in range(-5, 5)] == names * 2
+    assert paths == names and paths == Paths.of(names) and paths != Paths.of(names[:-1])
+    assert list(paths[1:4]) == names[1:4]
+
+
+def test_a_large_listing_unpickles_to_its_bytes_not_an_object_per_shard():
+    """100,000 image files: the rank's copy takes about the paths' bytes (a tuple of
+    `Shard` objects took four times that, and seconds to unpickle at ImageNet's size)."""
+    shards = folder(100_000)
+    listing = Listing("imagefolder", shards)
+    path_bytes = sum(len(s.path) for s in shards)
+    blob = pickle.dumps(listing, protocol=5)
+    del listing
+    tracemalloc.start()
+    try:
+        again = pickle.loads(blob)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < 1.2 * (path_bytes + 3 * 8 * len(shards)), held
+    assert again.shards[99_999] == shards[99_999]
+
+
+def test_a_ranks_tasks_read_the_listings_columns():
+    """`RankTasks` carries the listing's own path and label columns to the workers (no
+    list of a string per shard), and turns a task into the same shard rows."""
+    listing = Listing("imagefolder", folder(64))
+    plan = RankPlan.of(listing, seed=3, shuffle=True, rank=1, world_size=2, per_task=8)
+    tasks = RankTasks.of(listing, plan, range(2))
+    assert tasks.paths is listing.shards.paths and tasks.labels is listing.shards.label
+    epoch, rows = tasks.rows(len(tasks) - 1)
+    by_path = {s.path: s for s in listing.shards}
+    assert epoch == 1 and rows["path"]
+    for path, first, label in zip(rows["path"], rows["first_key"], rows["label"], strict=True):
+        assert (by_path[path].first_key, by_path[path].label) == (first, label)
+    got = pickle.loads(pickle.dumps(tasks))
+    assert got.paths == tasks.paths and np.array_equal(got.labels, tasks.labels)
