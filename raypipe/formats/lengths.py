@@ -22,8 +22,8 @@ assert __all__ == sorted(__all__)
 def sequence_lengths(storage: Storage, shards: Sequence[tuple[str, int, int]], column: str, *,
                      field: str = "pack") -> np.ndarray:  # fmt: skip
     """The length of ``column``'s list in every row of ``shards`` (``(path, first_key,
-    num_samples)``, dense keys): int64 per key. A file that cannot be read gets zeros (its
-    samples are skipped as unreadable when read); a null list is 0 long."""
+    num_samples)``, dense keys): int64 per key. A file or row group that cannot be read gets
+    zeros (its samples are skipped as unreadable when read); a null list is 0 long."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -36,9 +36,19 @@ def sequence_lengths(storage: Storage, shards: Sequence[tuple[str, int, int]], c
         except Exception:  # pyarrow raises several types for a bad footer
             continue
         _check(schema, column, path, field)
-        values = file.read(columns=[column]).column(column)
-        lengths = pc.fill_null(pc.list_value_length(values), 0).to_numpy(zero_copy_only=False)
-        out[first : first + min(n, len(lengths))] = lengths[:n]
+        at = 0  # a row group at a time: one that cannot be read is left at zeros, as the
+        for g in range(file.num_row_groups):  # reader skips its rows as unreadable
+            rows = file.metadata.row_group(g).num_rows
+            try:
+                values = file.read_row_group(g, columns=[column]).column(column)
+            except Exception:  # a damaged page: pyarrow raises OSError, ArrowInvalid...
+                values = None
+            if values is not None and at < n:
+                lengths = pc.fill_null(pc.list_value_length(values), 0).to_numpy(
+                    zero_copy_only=False
+                )
+                out[first + at : first + min(n, at + len(lengths))] = lengths[: n - at]
+            at += rows
     return out
 
 

@@ -130,6 +130,32 @@ def test_pack_refuses_a_column_that_is_not_integer_sequences(tmp_path):
         list_shards(packed(tmp_path).replace(pack="ids"))
 
 
+def test_a_damaged_row_group_is_planned_as_nothing_not_a_failed_listing(ray_session, tmp_path):
+    """Its rows are the reader's to skip as unreadable; the listing reads the others'
+    lengths (a damaged page header once stopped it with pyarrow's thrift error), and the
+    run packs every token of the rest once."""
+    docs = [list(range(1, 2 + i % 7)) for i in range(40)]
+    path = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"tokens": pa.array(docs, pa.list_(pa.int32()))}), path,
+                   row_group_size=20, compression="none", use_dictionary=False)  # fmt: skip
+    start = pq.ParquetFile(path).metadata.row_group(0).column(0).data_page_offset
+    raw = bytearray(path.read_bytes())
+    raw[start : start + 12] = b"\xff" * 12  # row group 0's first page header
+    path.write_bytes(bytes(raw))
+    listing = list_shards(packed(tmp_path))
+    assert listing.num_samples == 40
+    np.testing.assert_array_equal(listing.lengths, [0] * 20 + [len(d) for d in docs[20:]])
+    config = packed(tmp_path, max_skipped=None)
+    (ranks, stats) = run_ranks(config, 2, 1, drop_last=False)
+    keys = sorted(k for r in ranks for b in r[0] for k in b["key"])
+    assert keys == list(range(20, 40)), "every readable document ends once"
+    tokens_seen = sum(int((b["segment_ids"] > 0).sum()) for r in ranks for b in r[0])
+    assert tokens_seen == sum(len(d) for d in docs[20:])
+    skipped = [s[0]["skipped"] for s in stats]  # each rank's own
+    assert sum(n for c in skipped for n in c.values()) == 20
+    assert {reason for c in skipped for reason in c} == {"unreadable"}
+
+
 def test_iter_torch_batches_refuses_packing():
     from raypipe import iter_torch_batches
 
