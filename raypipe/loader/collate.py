@@ -88,7 +88,7 @@ def _pad(field: str, arrays: list[np.ndarray], pad_value: int):
         raise ValueError(f"field {field!r} has rows of {ndims} dimensions in one batch (mono "
                          "and stereo clips?): make every row's dimensions the same")  # fmt: skip
     top = tuple(np.array([a.shape for a in arrays]).max(axis=0))
-    dtype = np.result_type(*{a.dtype for a in arrays})
+    dtype = _holding(field, arrays)
     padded = np.full((len(arrays), *top), pad_value, dtype=dtype)
     mask = np.zeros(padded.shape, bool)
     for i, a in enumerate(arrays):
@@ -96,3 +96,19 @@ def _pad(field: str, arrays: list[np.ndarray], pad_value: int):
         padded[index] = a
         mask[index] = True
     return torch.from_numpy(padded), torch.from_numpy(mask)
+
+
+def _holding(field: str, arrays: list[np.ndarray]) -> np.dtype:
+    """The rows' common type, empty rows left out (an empty list has no type of its own:
+    numpy makes it float64); int64 for signed and unsigned integers where the unsigned
+    values fit it (numpy's common type of int64 and uint64 is float64, exact to 2**53)."""
+    full = [a for a in arrays if a.size] or arrays
+    dtypes = {a.dtype for a in full}
+    dtype = np.result_type(*dtypes)
+    if dtype.kind == "f" and all(d.kind in "biu" for d in dtypes):
+        top = max(int(a.max()) for a in full if a.dtype.kind == "u")
+        if top > np.iinfo(np.int64).max:
+            raise ValueError(f"field {field!r} has unsigned values up to {top} and signed ones "
+                             "in one batch: no integer type holds both; give them one type")  # fmt: skip
+        dtype = np.dtype(np.int64)
+    return dtype

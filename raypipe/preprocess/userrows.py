@@ -45,13 +45,13 @@ class Schema:
                 f"at key {key} ({where})"
             )
         for k, s in spec.items():
-            if s != self.fields[k] and not (k in self.ragged and _numbers(s, self.fields[k])):
+            if k in self.shapes and np.shape(row[k]) != self.shapes[k]:
+                self.ragged.add(k)  # before the types: a ragged field's may differ
+            if s != self.fields[k] and not _numbers(s, self.fields[k], k in self.ragged, row[k]):
                 raise TransformOutputError(
                     f"field {k!r} is {_says(s)} at key {key} ({where}), but {_says(self.fields[k])} "
                     "in the earlier samples"
                 )
-            if k in self.shapes and np.shape(row[k]) != self.shapes[k]:
-                self.ragged.add(k)
 
 
 def _spec(v: Any) -> tuple[str, int | None]:
@@ -60,11 +60,15 @@ def _spec(v: Any) -> tuple[str, int | None]:
     return (type(v).__name__, None)
 
 
-def _numbers(a: tuple[str, int | None], b: tuple[str, int | None]) -> bool:
-    """Two numeric arrays of as many dimensions: one ragged field, padded into the type
-    that holds both (uint16 and int32 token ids of two files)."""
+def _numbers(a: tuple[str, int | None], b: tuple[str, int | None], ragged: bool, value) -> bool:
+    """Two numeric arrays of as many dimensions that may share a field: a ragged field's,
+    padded into the type that holds both (uint16 and int32 token ids of two files), or an
+    empty one (an empty list has no type of its own: numpy makes it float64)."""
     return (
-        a[1] is not None and a[1] == b[1] and all(np.dtype(d).kind in "biuf" for d in (a[0], b[0]))
+        a[1] is not None
+        and a[1] == b[1]
+        and all(np.dtype(d).kind in "biuf" for d in (a[0], b[0]))
+        and (ragged or value.size == 0)
     )
 
 

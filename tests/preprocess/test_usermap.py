@@ -196,6 +196,44 @@ def test_a_failing_transform_skips_exactly_and_raise_names_the_file(ray_session,
     assert "transform_error" in str(e.value) and str(datasets["imagefolder"]) in str(e.value)
 
 
+def test_signed_and_unsigned_token_ids_pad_as_integers():
+    """numpy's common type of uint64 and int64 is float64: ids past 2**53 came back
+    rounded, and nn.Embedding refused the batch."""
+    column = np.empty(2, dtype=object)
+    column[:] = [np.array([2**53 + 1, 2], np.uint64), np.array([4], np.int64)]
+    out = pad_collate({"ids": column})
+    assert out["ids"].dtype == torch.int64 and out["ids"].tolist() == [[2**53 + 1, 2], [4, 0]]
+    column[:] = [np.array([2**63], np.uint64), np.array([-1], np.int64)]
+    with pytest.raises(
+        ValueError, match=r"field 'ids' has unsigned values up to 9223372036854775808"
+    ):
+        pad_collate({"ids": column})
+
+
+def test_an_empty_list_of_ids_is_an_empty_row_of_the_fields_type():
+    """A transform that returns a Python list: an empty one is float64 to numpy. It stopped
+    an image run blaming a good row, and turned a batch of token ids into floats."""
+    from raypipe.formats.sample import RawSample
+    from raypipe.preprocess.usermap import _as_row
+    from raypipe.preprocess.userrows import Schema, rows_block
+
+    raws = [RawSample(k, -1, None, f"f.parquet:row{k}") for k in range(4)]
+    outs = [{"ids": []}, {"ids": [5, 6, 7]}, {"ids": []}, {"ids": [8]}]
+    rows = [_as_row(o, r) for o, r in zip(outs, raws, strict=True)]
+    for ragged in (True, False):  # samples without an image; an image run's transform
+        schema = Schema(arrays_ragged=ragged)
+        for row, raw in zip(rows, raws, strict=True):
+            schema.check(row, raw.key, raw.where)
+        batch = pad_collate(rows_block(rows, schema.ragged), masks=True)
+        assert batch["ids"].dtype == torch.int64
+        assert batch["ids"].tolist() == [[0, 0, 0], [5, 6, 7], [0, 0, 0], [8, 0, 0]]
+        assert batch["ids_mask"].sum(1).tolist() == [0, 3, 0, 1]
+    stacked = Schema()
+    stacked.check({"ids": np.array([1.5])}, 0, "a")
+    with pytest.raises(TransformOutputError, match=r"field 'ids' is int64 with 1 dims at key 1"):
+        stacked.check({"ids": np.array([2])}, 1, "b")  # a real change of type still stops
+
+
 def test_outputs_that_change_dtype_fail_naming_field_key_and_file(ray_session, datasets):
     config = PipelineConfig(source=str(datasets["parquet"]), batch_size=4, actors=(1, 1),
                             transform=f"{T}:dtype_changes_at_7", shuffle_files=False)  # fmt: skip
