@@ -92,6 +92,10 @@ def bucketed(blocks: Iterable[Columns], field: str, batch_size: int, *, window: 
 
 
 def _window(rows: Columns, field: str, B: int, buckets, rng, drop_last: bool):
+    if field not in rows:  # a name mistyped, or a field the transform no longer makes
+        have = sorted(k for k in rows if k != "key")
+        raise ValueError(f"PipelineConfig.bucket_by={field!r}: the samples have no such field "
+                         f"(they have {have})")  # fmt: skip
     n = len(rows["key"])
     ids = bucket_ids(lengths_of(rows[field]), buckets)
     order = np.lexsort((rng.random(n), ids))  # by bucket, then a seeded random order

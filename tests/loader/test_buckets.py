@@ -66,6 +66,10 @@ def test_bucketed_keeps_every_row_and_cuts_exact_batches():
         assert all(np.array_equal(a["key"], b["key"]) for a, b in zip(out, again, strict=True))
     plain = list(_plain(blocks))
     assert padding(out) < padding(plain) / 2
+    with pytest.raises(ValueError, match=r"^PipelineConfig.bucket_by='tokns': the samples have "
+                       r"no such field \(they have \['tokens'\]\)$"):  # fmt: skip
+        list(bucketed(iter(blocks), "tokns", BATCH, window=8, buckets=6,
+                      rng=np.random.default_rng(1), drop_last=True))  # fmt: skip
 
 
 def _plain(blocks):
