@@ -17,7 +17,8 @@ other features as 1-D float32 / int64 arrays or lists of bytes, however many val
 Bad data never raises here: a record whose data CRC fails is one ``bad_checksum`` sample
 (file and byte offset) and the next record is read; a length CRC that fails or a file that
 ends inside a record loses the rest of the file as one sample (``bad_checksum``,
-``truncated_shard``), as counted on the driver; a file that is not TFRecord at all is one
+``truncated_shard``), as counted on the driver (with an index, `raypipe.formats.tfindex`,
+a bad length is one ``bad_checksum`` sample and the records after it are read); a file that is not TFRecord at all is one
 ``unreadable_shard`` sample naming it.
 """
 
@@ -32,6 +33,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from raypipe.formats import tfindex
 from raypipe.formats.pieces import counted, cut, piece_path, split_piece
 from raypipe.formats.records import pick, unknown_fields
 from raypipe.formats.sample import RawSample, os_error
@@ -47,9 +49,13 @@ CONVENTIONS = (
     ("image", "label", "TFDS"),
 )
 SUFFIXES = (".tfrecord", ".tfrecords", ".tfrecord.gz", ".tfrecords.gz")
-INDEX_SUFFIXES = (".index", ".tfindex", ".idx")  # beside the shard, with or without its suffix
 _SHARDED = re.compile(r"-\d+-of-\d+$")
 READ_ERRORS = (OSError, EOFError, zlib.error)  # zlib.error: a damaged GZIP stream
+
+
+def _stem(path: str) -> str:
+    """``path`` without its shard suffix (an index may be named either way)."""
+    return path[: -len(next((s for s in SUFFIXES if path.lower().endswith(s)), ""))] or path
 
 
 def is_shard(path: str) -> bool:
@@ -80,7 +86,9 @@ class _Gzip(gzip.GzipFile):
 def scan(storage: Storage, path: str, listed: frozenset[str] = frozenset()):
     """``(offsets, sizes, tail)`` of a shard's records; ``tail`` (None, or a ``(reason,
     detail)`` at the end) is a lost rest counted as one more sample. Raises `READ_ERRORS`."""
-    index = _index(storage, path, listed)
+    index = (
+        None if path.lower().endswith(".gz") else tfindex.read(storage, path, _stem(path), listed)
+    )
     if index is not None:
         return index[0], index[1], None
     offsets, sizes = [], []
@@ -120,28 +128,6 @@ def _length(head: bytes, offset: int) -> tuple[int | None, tuple[str, str] | Non
             return None, ("unreadable_shard", "not a TFRecord file (the first length CRC fails)")
         return None, ("bad_checksum", f"length CRC fails at byte {offset}; the rest is lost")
     return length, None
-
-
-def _index(storage: Storage, path: str, listed: frozenset[str]):
-    """Offsets and sizes from an index beside ``path`` that covers it record after record."""
-    if path.lower().endswith(".gz"):
-        return None
-    stem = path[: -len(next((s for s in SUFFIXES if path.lower().endswith(s)), ""))] or path
-    for base in dict.fromkeys((path, stem)):
-        for suffix in INDEX_SUFFIXES:
-            candidate = base + suffix
-            if candidate in listed or (not storage.remote and os.path.isfile(candidate)):
-                try:
-                    lines = storage.read_bytes(candidate).decode().splitlines()
-                    rows = [line.split() for line in lines if line.split()]
-                    offsets, sizes = [int(r[0]) for r in rows], [int(r[1]) for r in rows]
-                    ends = [o + n for o, n in zip(offsets, sizes, strict=True)]
-                    whole = ends[-1:] == [storage.size(path)]
-                except (OSError, ValueError, IndexError, UnicodeDecodeError):
-                    continue  # not an index after all: the records' headers are read
-                if offsets[:1] == [0] and offsets[1:] == ends[:-1] and whole:
-                    return offsets, sizes
-    return None
 
 
 def pieces(reader, path: str, listed: frozenset[str] = frozenset()) -> list[tuple[str, int]]:
@@ -194,9 +180,16 @@ def read(reader, path: str, first_key: int, label: int,
             if not head and n is None:
                 return
             length, why = _length(head, offset)
-            if why is not None:
-                yield RawSample(key, -1, None, where, why[1], why[0])
-                return
+            bad = why is not None and why[0] == "bad_checksum" and not file.lower().endswith(".gz")
+            after = tfindex.after(reader.storage, file, _stem(file), offset) if bad else None
+            if why is not None:  # the rest is lost, but where an index says where it goes on
+                detail = why[1] if after is None else f"length CRC fails at byte {offset}"
+                yield RawSample(key, -1, None, where, detail, why[0])
+                if after is None:
+                    return
+                f.seek(after)
+                offset, i = after, i + 1
+                continue
             skip = done is not None and done[i]
             sample = _record(f, key, offset, file, length, skip, reader)
             if sample is not None:

@@ -157,6 +157,36 @@ def test_a_flipped_byte_skips_exactly_that_record_with_its_offset(ray_session, t
         run_epoch(config.replace(max_skipped=0.01))
 
 
+def test_with_an_index_a_bad_length_loses_that_record_alone(tmp_path, monkeypatch):
+    """A record whose length CRC fails: without an index the rest of the file is lost (one
+    sample, as listed); with one, which the listing counted every record by, the reader
+    goes on at the next record's offset. The records after it were reported as
+    unreadable_shard ("fewer samples than when it was listed") before."""
+    from tfrecord.tools.tfrecord2idx import create_index
+
+    labels = labels_of(10, seed=16)
+    root = tf_shards(tmp_path / "tf", labels)
+    (shard,) = root.iterdir()
+    offsets, _, _ = scan(Storage(), str(shard))
+    data = bytearray(shard.read_bytes())
+    data[offsets[3] + 9] ^= 0xFF  # record 3's length CRC
+    shard.write_bytes(bytes(data))
+    got = records(PipelineConfig(source=str(root)))
+    assert [r.reason for r in got] == [None] * 3 + ["bad_checksum"]  # no index: the rest lost
+    create_index(str(shard), str(shard) + ".index")
+    for piece_bytes in (None, 3 * (offsets[1] - offsets[0])):  # one piece, then pieces
+        if piece_bytes:
+            monkeypatch.setattr(pieces, "PIECE_BYTES", piece_bytes)
+        listing = list_shards(PipelineConfig(source=str(root)))
+        assert listing.num_samples == 10 and len(listing.shards) == (4 if piece_bytes else 1)
+        got = records(PipelineConfig(source=str(root)))
+        assert [r.key for r in got] == list(range(10))
+        assert [r.label for r in got if r.reason is None] == labels[:3] + labels[4:]
+        assert [(r.reason, r.where) for r in got if r.reason] == [
+            ("bad_checksum", f"{shard}@{offsets[3]}")
+        ]
+
+
 def test_a_truncated_gzip_shard_is_listed_as_its_records_and_a_reported_rest(tmp_path):
     """A ``.tfrecord.gz`` cut short: the records before the cut are listed and read, and
     the rest is one ``truncated_shard`` skip, not a shard of one sample whose reader's
