@@ -22,6 +22,10 @@ it), the steps a preprocessing worker runs per sample, each timed over all the p
                   disk cache on that file system (--disk: the one under --out by default)
     crop          `crop_chw` from the capped pixels
   a later epoch, cached:
+    own_first_touch  the writer's own entry met again: its pixels stay mapped since the
+                  write (no read, no check), but the write went through the file, so each
+                  page is mapped into the process on its first use (every page touched);
+                  own_touch_again: the same once mapped
     first read    another process's entry met for the first time: open, map, check
     hit           an entry already mapped in this process
     crop          as above
@@ -91,6 +95,11 @@ def written(store: DiskStore, ids: list[str], entries: list[Entry]) -> float:
     return (time.process_time() - t) / len(ids) * 1e3
 
 
+def touch(pixels) -> int:
+    """One byte of every page of ``pixels`` read (a crop reads most of them)."""
+    return int(pixels.reshape(-1)[::4096].sum())
+
+
 def around(files: list[Path], tasks: RankTasks) -> dict[str, float]:
     """ms of CPU per sample for what a worker does around each sample's decode or crop."""
     r: dict[str, float] = {}
@@ -144,7 +153,11 @@ def one_round(files: list[Path], shm: Path, disk: Path, cap: int, tasks: RankTas
     root = Path(tempfile.mkdtemp(dir=shm))
     try:
         ids = [f"{f}\0{0}" for f in files]
-        r["write"] = written(DiskStore(str(root), 1 << 40, mapped=True), ids, entries)
+        writer = DiskStore(str(root), 1 << 40, mapped=True)
+        r["write"] = written(writer, ids, entries)
+        kept = [mapped.PROCESS.get(writer._root_id, i).pixels for i in ids]
+        r["own_first_touch"], _ = timed(touch, kept)  # the kernel maps each page on first use
+        r["own_touch_again"], _ = timed(touch, kept)
         floor = root / "floor"
         floor.mkdir()
         r["write_floor"] = written_floor(floor, entries)
