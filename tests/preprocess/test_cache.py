@@ -430,6 +430,50 @@ def test_disk_store_round_trips_and_refuses_damaged_files(tmp_path):
     assert small.tally.refused == 1 and small.held() == (0, 0) and small.full
 
 
+@pytest.mark.parametrize("mapped", [False, True])
+def test_a_changed_header_or_no_entry_file_is_a_counted_miss_and_the_store_goes_on(
+    tmp_path, mapped
+):
+    """A byte changed anywhere in the header (a bad sample's detail, where an image came
+    from, what it saved) is a corrupt entry: it was served, the header checked only for
+    the pixels' shape. A header that is JSON but no object, a directory or a zero-byte file
+    in an entry's place: each a miss counted as corrupt, and the store keeps writing (they
+    once gave the store up for the rest of the task, every epoch, the file never replaced)."""
+    import json
+    import struct
+
+    from raypipe.preprocess.cache import mapped as mapped_entries
+    from raypipe.preprocess.cache.entryfile import MAGIC
+
+    store = DiskStore(str(tmp_path / "c"), budget=1 << 20, mapped=mapped)
+    bad = Entry(IDENT, "b.jpg", 0.02, None, "not_an_image", "ValueError: x")
+    put_all(store, [("a", Entry.image(IDENT, "a.jpg", 0.01, pixels())), ("b", bad)])
+    for i, old, new in (("b", b"ValueError: x", b"ValueError: y"), ("a", b"a.jpg", b"q.jpg")):
+        path = Path(store.path(i))
+        path.write_bytes(path.read_bytes().replace(old, new))
+    mapped_entries.PROCESS = mapped_entries.Mappings()  # another worker: nothing mapped yet
+    reader = DiskStore(str(tmp_path / "c"), budget=1 << 20, mapped=mapped)
+    assert reader.get_many(["a", "b"], [IDENT, IDENT]) == [None, None]
+    assert reader.tally.corrupt == 2
+    blockers = {"list": "json", "dir": "dir", "empty": "empty"}
+    for i, kind in blockers.items():
+        path = Path(store.path(i))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if kind == "dir":
+            path.mkdir()
+        elif kind == "empty":
+            path.write_bytes(b"")
+        else:
+            path.write_bytes(MAGIC + struct.pack("<I", 2) + json.dumps([]).encode())
+    assert reader.get_many(list(blockers), [IDENT] * 3) == [None] * 3
+    assert reader.tally.corrupt == 5
+    put_all(reader, [(i, Entry.image(IDENT, f"{i}.jpg", 0.01, pixels(1))) for i in blockers])
+    put_all(reader, [("z", Entry.image(IDENT, "z.jpg", 0.01, pixels(2)))])  # a store still
+    got = reader.get_many([*blockers, "z"], [IDENT] * 4)
+    assert [g is not None for g in got] == [True, False, True, True]  # the directory stays
+    assert np.array_equal(got[-1].pixels, pixels(2))
+
+
 def test_entries_name_their_checksum_and_an_older_crc32_entry_is_still_checked(tmp_path):
     """New entries carry CRC32C where the CPU has it (the `crc32c` package's hardware path);
     a disk cache written before, whose headers name no checksum, is checked with zlib's

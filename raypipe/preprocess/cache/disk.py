@@ -91,7 +91,11 @@ class DiskStore:
                 continue
             try:
                 data = self._read(self.path(i))
-            except (OSError, ValueError):
+            except FileNotFoundError:
+                out.append(None)
+                continue
+            except (OSError, ValueError):  # no entry file there (a directory, zero bytes
+                self.tally.corrupt += 1  # that cannot be mapped): a miss, counted
                 out.append(None)
                 continue
             entry = entryfile.parse(data)
@@ -162,6 +166,9 @@ class DiskStore:
         damaged, a record an older version kept) is replaced, its bytes given back; and
         an entry the budget has no room for is refused (``full``)."""
         with self._usage.counting() as usage:
+            if os.path.isdir(path):  # not ours to remove: this sample is not kept, the rest are
+                os.unlink(tmp)
+                return False
             old = _size(path)
             if old is not None and self._same(path, entry):
                 os.unlink(tmp)

@@ -3,11 +3,14 @@
 ```
  MAGIC, header length (4 bytes, little-endian), JSON header: ident, where, seconds,
  shape or reason + detail, crc, check (its kind), of (what it covers: "pixels" or
- "encoded"), encoding ("raw" or "jpeg"); then the body: the raw pixels, or their JPEG
+ "encoded"), encoding ("raw" or "jpeg"), head_crc (CRC32C of the header before it, as
+ JSON: a changed byte anywhere in the header is a corrupt entry, a bad sample's reason and
+ detail too); then the body: the raw pixels, or their JPEG
 ```
 
-Files written before a header named ``check`` or ``of`` are read as they were written: a
-zlib CRC32, of the pixels (a jpeg entry's then decoded to check them).
+Files written before a header named ``check``, ``of`` or ``head_crc`` are read as they were
+written: a zlib CRC32, of the pixels (a jpeg entry's then decoded to check them), and the
+header unchecked.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import struct
 
+import crc32c
 import numpy as np
 
 from raypipe.preprocess.cache.capped import decode_stored
@@ -34,6 +38,7 @@ def parts(entry: Entry) -> tuple[bytes, memoryview]:
             "shape": None if entry.shape is None else list(entry.shape),
             "encoding": "raw" if entry.encoded is None else "jpeg",
             "of": "pixels" if entry.encoded is None else "encoded"}  # fmt: skip
+    head["head_crc"] = crc32c.crc32c(json.dumps(head).encode())  # the rest of the header's
     text = json.dumps(head).encode()
     if entry.encoded is not None:
         body = memoryview(entry.encoded)
@@ -51,7 +56,8 @@ def head_of(data: bytes) -> dict | None:
         if data[:8] != MAGIC:
             return None
         (n,) = struct.unpack("<I", data[8:12])
-        return json.loads(data[12 : 12 + n]) if len(data) >= 12 + n else None
+        head = json.loads(data[12 : 12 + n]) if len(data) >= 12 + n else None
+        return head if isinstance(head, dict) else None  # a list, a number: no header
     except MemoryError:
         raise
     except Exception:
@@ -66,6 +72,9 @@ def parse(data: bytes) -> Entry | None:
             return None
         (n,) = struct.unpack("<I", data[8:12])
         head = json.loads(data[12 : 12 + n])
+        sealed = head.pop("head_crc", None)  # None: written before the header had one
+        if sealed is not None and crc32c.crc32c(json.dumps(head).encode()) != sealed:
+            return None
         body = memoryview(data)[12 + n :]
         shape, pixels, encoded = None, None, None
         if head["shape"] is not None:
