@@ -106,7 +106,7 @@ def _holding(field: str, arrays: list[np.ndarray]) -> np.dtype:
     dtypes = {a.dtype for a in full}
     dtype = np.result_type(*dtypes)
     if dtype.kind == "f" and all(d.kind in "biu" for d in dtypes):
-        top = max(int(a.max()) for a in full if a.dtype.kind == "u")
+        top = max((int(a.max()) for a in full if a.dtype.kind == "u" and a.size), default=0)
         if top > np.iinfo(np.int64).max:
             raise ValueError(f"field {field!r} has unsigned values up to {top} and signed ones "
                              "in one batch: no integer type holds both; give them one type")  # fmt: skip

@@ -39,7 +39,7 @@ class Paths(Sequence):
     __slots__ = ("data", "ends")
 
     def __init__(self, data: np.ndarray, ends: np.ndarray):
-        self.data, self.ends = data, ends
+        self.data, self.ends = _fixed(data), _fixed(ends)
 
     @classmethod
     def of(cls, paths: Iterable[str]) -> Paths:
@@ -86,7 +86,7 @@ class Shards(Sequence):
     def __init__(self, paths: Paths, first_key: np.ndarray, num_samples: np.ndarray,
                  label: np.ndarray):  # fmt: skip
         self.paths, self.first_key, self.num_samples, self.label = (
-            paths, first_key, num_samples, label)  # fmt: skip
+            paths, _fixed(first_key), _fixed(num_samples), _fixed(label))  # fmt: skip
 
     @classmethod
     def of(cls, shards: Iterable[Shard]) -> Shards:
@@ -130,3 +130,10 @@ class Shards(Sequence):
 
     def __reduce__(self):
         return Shards, (self.paths, self.first_key, self.num_samples, self.label)
+
+
+def _fixed(column: np.ndarray) -> np.ndarray:
+    """``column``, read-only: a listing's columns are shared (a rank's plan holds the same
+    arrays), so none of them may change under another."""
+    column.flags.writeable = False
+    return column

@@ -31,6 +31,8 @@ def test_a_listing_reads_as_the_shards_it_was_made_from():
     assert listing.num_samples == 48 and isinstance(listing.num_samples, int)
     with pytest.raises(IndexError):
         listing.shards[7]
+    with pytest.raises(ValueError, match="read-only"):  # a rank's plan holds these arrays
+        listing.shards.first_key[0] = 1
     again = pickle.loads(pickle.dumps(listing))
     assert again == listing and list(again.shards) == list(shards)
     assert again.fingerprint == listing.fingerprint

@@ -203,6 +203,8 @@ def test_signed_and_unsigned_token_ids_pad_as_integers():
     column[:] = [np.array([2**53 + 1, 2], np.uint64), np.array([4], np.int64)]
     out = pad_collate({"ids": column})
     assert out["ids"].dtype == torch.int64 and out["ids"].tolist() == [[2**53 + 1, 2], [4, 0]]
+    column[:] = [np.array([], np.uint64), np.array([], np.int64)]
+    assert pad_collate({"ids": column})["ids"].shape == (2, 0)
     column[:] = [np.array([2**63], np.uint64), np.array([-1], np.int64)]
     with pytest.raises(
         ValueError, match=r"field 'ids' has unsigned values up to 9223372036854775808"
