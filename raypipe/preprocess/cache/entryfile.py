@@ -3,9 +3,9 @@
 ```
  MAGIC, header length (4 bytes, little-endian), JSON header: ident, where, seconds,
  shape or reason + detail, crc, check (its kind), of (what it covers: "pixels" or
- "encoded"), encoding ("raw" or "jpeg"), head_crc (CRC32C of the header before it, as
- JSON: a changed byte anywhere in the header is a corrupt entry, a bad sample's reason and
- detail too); then the body: the raw pixels, or their JPEG
+ "encoded"), encoding ("raw" or "jpeg"), head_crc last (CRC32C of the header's bytes
+ before it, closed: a changed byte anywhere in the header is a corrupt entry, a bad
+ sample's reason and detail too); then the body: the raw pixels, or their JPEG
 ```
 
 Files written before a header named ``check``, ``of`` or ``head_crc`` are read as they were
@@ -29,6 +29,7 @@ __all__ = ["MAGIC", "head_of", "parse", "parts"]
 assert __all__ == sorted(__all__)
 
 MAGIC = b"RPCACHE1"
+_SEAL = b', "head_crc": '  # the header's last field: the CRC32C of the JSON before it
 
 
 def parts(entry: Entry) -> tuple[bytes, memoryview]:
@@ -38,8 +39,8 @@ def parts(entry: Entry) -> tuple[bytes, memoryview]:
             "shape": None if entry.shape is None else list(entry.shape),
             "encoding": "raw" if entry.encoded is None else "jpeg",
             "of": "pixels" if entry.encoded is None else "encoded"}  # fmt: skip
-    head["head_crc"] = crc32c.crc32c(json.dumps(head).encode())  # the rest of the header's
-    text = json.dumps(head).encode()
+    text = json.dumps(head).encode()  # then the CRC of those bytes, as its last field
+    text = text[:-1] + _SEAL + b"%d}" % crc32c.crc32c(text)
     if entry.encoded is not None:
         body = memoryview(entry.encoded)
     elif entry.pixels is None:
@@ -71,10 +72,11 @@ def parse(data: bytes) -> Entry | None:
         if data[:8] != MAGIC:
             return None
         (n,) = struct.unpack("<I", data[8:12])
-        head = json.loads(data[12 : 12 + n])
-        sealed = head.pop("head_crc", None)  # None: written before the header had one
-        if sealed is not None and crc32c.crc32c(json.dumps(head).encode()) != sealed:
+        text = bytes(data[12 : 12 + n])
+        at = text.rfind(_SEAL)  # none: written before the header had its CRC
+        if at >= 0 and crc32c.crc32c(text[:at] + b"}") != int(text[at + len(_SEAL) : -1]):
             return None
+        head = json.loads(text)
         body = memoryview(data)[12 + n :]
         shape, pixels, encoded = None, None, None
         if head["shape"] is not None:
