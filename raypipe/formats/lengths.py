@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from raypipe.formats.parquet import ROWS_PER_READ
 from raypipe.formats.storage import Storage
 
 __all__ = ["sequence_lengths"]
@@ -36,19 +37,20 @@ def sequence_lengths(storage: Storage, shards: Sequence[tuple[str, int, int]], c
         except Exception:  # pyarrow raises several types for a bad footer
             continue
         _check(schema, column, path, field)
-        at = 0  # a row group at a time: one that cannot be read is left at zeros, as the
-        for g in range(file.num_row_groups):  # reader skips its rows as unreadable
-            rows = file.metadata.row_group(g).num_rows
+        at = 0  # read as the reader reads (`parquet.read_groups`): from a page that cannot
+        for g in range(file.num_row_groups):  # be read, the rest of its group is left at 0
+            end = at + file.metadata.row_group(g).num_rows
             try:
-                values = file.read_row_group(g, columns=[column]).column(column)
+                for batch in file.iter_batches(batch_size=ROWS_PER_READ, row_groups=[g],
+                                               columns=[column]):  # fmt: skip
+                    values = batch.column(column)
+                    lengths = pc.fill_null(pc.list_value_length(values), 0)
+                    lengths = lengths.to_numpy(zero_copy_only=False)[: max(0, n - at)]
+                    out[first + at : first + at + len(lengths)] = lengths
+                    at += batch.num_rows
             except Exception:  # a damaged page: pyarrow raises OSError, ArrowInvalid...
-                values = None
-            if values is not None and at < n:
-                lengths = pc.fill_null(pc.list_value_length(values), 0).to_numpy(
-                    zero_copy_only=False
-                )
-                out[first + at : first + min(n, at + len(lengths))] = lengths[: n - at]
-            at += rows
+                pass  # its rows are the reader's unreadable skips
+            at = end
     return out
 
 

@@ -156,6 +156,29 @@ def test_a_damaged_row_group_is_planned_as_nothing_not_a_failed_listing(ray_sess
     assert {reason for c in skipped for reason in c} == {"unreadable"}
 
 
+def test_a_row_group_damaged_past_its_first_pages_lists_the_rows_the_reader_gets(tmp_path):
+    """The reader delivers a damaged group's rows up to the page that fails: each of those
+    has its length listed (the whole group listed as 0 once stopped the run mid-epoch,
+    packing refusing a document 'not as long as listed')."""
+    docs = [list(range(1, 2 + i % 7)) for i in range(1024)]
+    path = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"tokens": pa.array(docs, pa.list_(pa.int32()))}), path,
+                   row_group_size=1024, compression="gzip", use_dictionary=False,
+                   data_page_size=256, write_batch_size=64)  # fmt: skip
+    chunk = pq.ParquetFile(path).metadata.row_group(0).column(0)
+    raw = bytearray(path.read_bytes())
+    at = chunk.data_page_offset + chunk.total_compressed_size - 60  # a late page
+    raw[at : at + 12] = b"\xff" * 12
+    path.write_bytes(bytes(raw))
+    listing = list_shards(packed(tmp_path))
+    shard = listing.shards[0]
+    got = list(listing.reader.read(shard.path, shard.first_key, shard.label))
+    read = [r.key for r in got if r.reason is None]
+    assert 0 < len(read) < 1024 and {r.reason for r in got if r.reason} == {"unreadable"}
+    np.testing.assert_array_equal(listing.lengths[read], [len(docs[k]) for k in read])
+    assert not listing.lengths[len(read) :].any()
+
+
 def test_iter_torch_batches_refuses_packing():
     from raypipe import iter_torch_batches
 
