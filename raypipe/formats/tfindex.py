@@ -13,7 +13,7 @@ import os
 
 from raypipe.formats.storage import Storage
 
-__all__ = ["INDEX_SUFFIXES", "after", "read"]
+__all__ = ["INDEX_SUFFIXES", "after", "past", "read"]
 assert __all__ == sorted(__all__)
 
 INDEX_SUFFIXES = (".index", ".tfindex", ".idx")  # beside the shard, with or without its suffix
@@ -50,3 +50,16 @@ def after(storage: Storage, path: str, stem: str, offset: int) -> int | None:
         return None
     j = index[0].index(offset)
     return offset + index[1][j] if j + 1 < len(index[0]) else None
+
+
+def past(storage: Storage, path: str, stem: str, offset: int, why: tuple[str, str]):
+    """``(why, after)`` for the record at ``offset`` whose header is bad (``why``: reason,
+    detail): where its length CRC failed in a file with an index, which the listing counted
+    by, that record alone as ``bad_checksum`` and the next record's offset; else ``why``
+    as it is and None (the rest of the file is lost)."""
+    if why[0] == "truncated_shard" or path.lower().endswith(".gz"):
+        return why, None
+    nxt = after(storage, path, stem, offset)
+    if nxt is None:
+        return why, None
+    return ("bad_checksum", f"length CRC fails at byte {offset}"), nxt

@@ -18,8 +18,8 @@ Bad data never raises here: a record whose data CRC fails is one ``bad_checksum`
 (file and byte offset) and the next record is read; a length CRC that fails or a file that
 ends inside a record loses the rest of the file as one sample (``bad_checksum``,
 ``truncated_shard``), as counted on the driver (with an index, `raypipe.formats.tfindex`,
-a bad length is one ``bad_checksum`` sample and the records after it are read); a file that is not TFRecord at all is one
-``unreadable_shard`` sample naming it.
+a bad length, the first record's too, is one ``bad_checksum`` sample and the records after
+it are read); a file that is not TFRecord at all is one ``unreadable_shard`` sample.
 """
 
 from __future__ import annotations
@@ -180,11 +180,9 @@ def read(reader, path: str, first_key: int, label: int,
             if not head and n is None:
                 return
             length, why = _length(head, offset)
-            bad = why is not None and why[0] == "bad_checksum" and not file.lower().endswith(".gz")
-            after = tfindex.after(reader.storage, file, _stem(file), offset) if bad else None
-            if why is not None:  # the rest is lost, but where an index says where it goes on
-                detail = why[1] if after is None else f"length CRC fails at byte {offset}"
-                yield RawSample(key, -1, None, where, detail, why[0])
+            if why is not None:
+                why, after = tfindex.past(reader.storage, file, _stem(file), offset, why)
+                yield RawSample(key, -1, None, where, why[1], why[0])
                 if after is None:
                     return
                 f.seek(after)

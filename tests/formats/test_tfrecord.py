@@ -185,6 +185,15 @@ def test_with_an_index_a_bad_length_loses_that_record_alone(tmp_path, monkeypatc
         assert [(r.reason, r.where) for r in got if r.reason] == [
             ("bad_checksum", f"{shard}@{offsets[3]}")
         ]
+    monkeypatch.setattr(pieces, "PIECE_BYTES", 32 << 20)
+    data[9] ^= 0xFF  # the first record's length CRC too: without an index, not TFRecord
+    shard.write_bytes(bytes(data))
+    got = records(PipelineConfig(source=str(root)))
+    assert [r.key for r in got] == list(range(10))
+    assert [(r.key, r.reason) for r in got if r.reason] == [
+        (0, "bad_checksum"),
+        (3, "bad_checksum"),
+    ]
 
 
 def test_a_truncated_gzip_shard_is_listed_as_its_records_and_a_reported_rest(tmp_path):
