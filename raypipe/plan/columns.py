@@ -14,6 +14,8 @@ that reads every shard takes the columns (`first_key`, `num_samples`, `label`, `
 from __future__ import annotations
 
 import dataclasses
+import operator
+import os
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -43,7 +45,7 @@ class Paths(Sequence):
 
     @classmethod
     def of(cls, paths: Iterable[str]) -> Paths:
-        encoded = [p.encode(*_ENCODING) for p in paths]
+        encoded = [os.fspath(p).encode(*_ENCODING) for p in paths]
         ends = np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded)))
         return cls(np.frombuffer(b"".join(encoded), dtype=np.uint8), ends)
 
@@ -53,7 +55,7 @@ class Paths(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return Paths.of(self[j] for j in range(*i.indices(len(self))))
-        n = len(self.ends)
+        n, i = len(self.ends), operator.index(i)
         if not -n <= i < n:
             raise IndexError(f"path {i} of {n}")
         i %= n
@@ -67,9 +69,9 @@ class Paths(Sequence):
             start = end
 
     def __eq__(self, other) -> bool:
-        if isinstance(other, Paths):
-            return np.array_equal(self.ends, other.ends) and np.array_equal(self.data, other.data)
-        return isinstance(other, Sequence) and list(self) == list(other)
+        if not isinstance(other, Paths):
+            return NotImplemented  # as a tuple and a list: equal to their own kind only
+        return np.array_equal(self.ends, other.ends) and np.array_equal(self.data, other.data)
 
     def __hash__(self) -> int:
         return hash((len(self), self.data[:64].tobytes(), self.data[-64:].tobytes()))
@@ -106,7 +108,7 @@ class Shards(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return Shards.of(self[j] for j in range(*i.indices(len(self))))
-        i = int(i)
+        i = operator.index(i)
         return Shard(self.paths[i], int(self.first_key[i]), int(self.num_samples[i]),
                      int(self.label[i]))  # fmt: skip
 
@@ -116,11 +118,12 @@ class Shards(Sequence):
             yield Shard(path, first, n, label)
 
     def __eq__(self, other) -> bool:
-        if isinstance(other, Shards):
-            return (self.paths == other.paths
-                    and all(np.array_equal(getattr(self, c), getattr(other, c))
-                            for c in ("first_key", "num_samples", "label")))  # fmt: skip
-        return isinstance(other, Sequence) and list(self) == list(other)
+        if not isinstance(other, Shards):
+            return NotImplemented  # compare list(shards) with a list of `Shard`
+        return self.paths == other.paths and all(
+            np.array_equal(getattr(self, c), getattr(other, c))
+            for c in ("first_key", "num_samples", "label")
+        )
 
     def __hash__(self) -> int:
         return hash((self.paths, int(self.num_samples.sum())))

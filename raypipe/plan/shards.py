@@ -55,6 +55,10 @@ class Listing:
         if self.reader is None:
             object.__setattr__(self, "reader", Reader(self.format))
 
+    def __setstate__(self, state: dict) -> None:
+        """One pickled before its shards were columns: a tuple of `Shard`, made columns."""
+        self.__dict__.update(state, shards=Shards.of(state["shards"]))
+
     @functools.cached_property
     def num_samples(self) -> int:
         return int(self.shards.num_samples.sum())

@@ -26,15 +26,22 @@ def test_a_listing_reads_as_the_shards_it_was_made_from():
     assert list(listing.shards) == list(shards) and len(listing.shards) == 7
     assert listing.shards[-1] == shards[-1] and listing.shards[5].path == "/data/s/ünïcode.tar"
     assert list(listing.shards[2:6]) == list(shards[2:6])
-    assert listing.shards == shards and listing == Listing("imagefolder", list(shards))
+    assert listing == Listing("imagefolder", list(shards)) and listing.shards == Shards.of(shards)
+    assert listing.shards != shards  # a tuple equals tuples: list(listing.shards) == ...
     assert listing != Listing("imagefolder", shards[:-1] + (Shard("/data/s/x.tar", 45, 3),))
     assert listing.num_samples == 48 and isinstance(listing.num_samples, int)
     with pytest.raises(IndexError):
         listing.shards[7]
     with pytest.raises(ValueError, match="read-only"):  # a rank's plan holds these arrays
         listing.shards.first_key[0] = 1
+    with pytest.raises(TypeError):
+        listing.shards[1.7]
     again = pickle.loads(pickle.dumps(listing))
     assert again == listing and list(again.shards) == list(shards)
+    older = dict(listing.__dict__, shards=tuple(shards))  # pickled as a tuple, before
+    made = Listing.__new__(Listing)
+    made.__setstate__(older)
+    assert isinstance(made.shards, Shards) and made == listing and made.num_samples == 48
     assert again.fingerprint == listing.fingerprint
 
 
@@ -42,7 +49,7 @@ def test_paths_round_trip_any_file_name():
     names = ["", "/a", "/b/ü", "/c/\udce9x", "/d/" + "z" * 300]
     paths = Paths.of(names)
     assert list(paths) == names and [paths[i] for i in range(-5, 5)] == names * 2
-    assert paths == names and paths == Paths.of(names) and paths != Paths.of(names[:-1])
+    assert paths == Paths.of(names) and paths != Paths.of(names[:-1]) and paths != "".join(names)
     assert list(paths[1:4]) == names[1:4]
 
 
