@@ -474,6 +474,24 @@ def test_a_changed_header_or_no_entry_file_is_a_counted_miss_and_the_store_goes_
     assert np.array_equal(got[-1].pixels, pixels(2))
 
 
+def test_a_run_start_counts_again_what_entries_cut_short_left_counted(tmp_path):
+    """An entry cut short (a crash before its pages reached the disk) was counted whole;
+    replacing it gave back only what was left, so the count kept the difference for good.
+    A disk cache's start counts the files again (`drop_leftovers`)."""
+    store = DiskStore(str(tmp_path / "c"), budget=1 << 20)
+    put_all(store, [(f"e{i}", Entry.image(IDENT, f"{i}.jpg", 0.01, pixels(i, (40, 60, 3))))
+                    for i in range(3)])  # fmt: skip
+    Path(store.path("e1")).write_bytes(b"")  # what a crash can leave
+    assert store.get_many(["e1"], [IDENT]) == [None]
+    put_all(store, [("e1", Entry.image(IDENT, "1.jpg", 0.01, pixels(1, (40, 60, 3))))])
+    files = [store.path(f"e{i}") for i in range(3)]
+    actual = sum(disk_cache.footprint(os.path.getsize(f)) for f in files)
+    assert store.held() == (actual + disk_cache.footprint(os.path.getsize(files[1])), 3)
+    os.mkdir(Path(files[0]).with_name("in-the-way"))  # not an entry file: not counted
+    assert store.drop_leftovers() == 0
+    assert store.held() == (actual, 3)
+
+
 def test_entries_name_their_checksum_and_an_older_crc32_entry_is_still_checked(tmp_path):
     """New entries carry CRC32C where the CPU has it (the `crc32c` package's hardware path);
     a disk cache written before, whose headers name no checksum, is checked with zlib's

@@ -219,14 +219,37 @@ class DiskStore:
 
     def drop_leftovers(self, older_than_s: float = LEFTOVER_S) -> int:
         """Remove the temporary files of writers that died mid-write (older than
-        ``older_than_s``; nothing counts them); how many there were."""
+        ``older_than_s``; nothing counts them), then `recount`; how many there were."""
         now, removed = time.time(), 0
         for f in _files(self.root, ".tmp"):
             with contextlib.suppress(OSError):
                 if now - f.stat(follow_symlinks=False).st_mtime > older_than_s:
                     os.unlink(f.path)
                     removed += 1
+        self.recount()
         return removed
+
+    def recount(self) -> bool:
+        """Set the usage file to what the entry files take: an entry cut short by a crash
+        (its pages not yet on disk) was counted whole, and replacing it gives back only
+        what is left of it. Counted without the lock, set under it only where no process
+        placed or gave back an entry meanwhile (else left to the next run); True if set."""
+        with self._usage.counting() as usage:
+            before = list(usage)
+        held, entries = 0, 0
+        for f in _files(self.root, ""):
+            with contextlib.suppress(OSError):
+                if not f.name.endswith(".tmp") and f.is_file(follow_symlinks=False):
+                    held, entries = (
+                        held + footprint(f.stat(follow_symlinks=False).st_size),
+                        entries + 1,
+                    )
+        with self._usage.counting() as usage:
+            if usage != before:
+                return False
+            usage[:] = [held, entries]
+        self._usage.close()
+        return True
 
     def held(self) -> tuple[int, int]:
         """Bytes and entries the directory holds (its usage file)."""
