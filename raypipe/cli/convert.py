@@ -1,14 +1,15 @@
 """Preprocess an image folder into WebDataset, Parquet or TFRecord shards with Ray tasks.
 
 ```
- driver: list the folder (sorted, dense keys) → plan S contiguous shards → index.json
+ driver: list the folder (sorted, dense keys) → spread them over S shards → index.json
    ▼ one Ray task per unfinished shard (read files → write temp → read back → rename)
  driver: as each task ends, record its counts in index.json and print progress
 ```
 
-Shards are named ``{prefix}-00003-of-00016.tar`` (or ``.parquet``, ``.tfrecord``) and hold samples in
-key order, so reading the shards back gives every sample the key and label it had in
-the folder. ``index.json`` holds per-shard sample counts and a fingerprint of the plan;
+Shards are named ``{prefix}-00003-of-00016.tar`` (or ``.parquet``, ``.tfrecord``) and hold
+the folder's samples in one seeded random order, every class in every shard (each sample
+keeps its label, and its folder key as a field); ``index.json`` holds per-shard sample
+counts and a fingerprint of the plan;
 a rerun with the same plan skips the shards already finished.
 """
 
@@ -24,12 +25,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+import numpy as np
+
 from raypipe.cli.jobspec import convert_section
 from raypipe.config import PipelineConfig, check_keys, load_yaml
 from raypipe.formats import Reader
 from raypipe.formats.storage import is_remote
 from raypipe.formats.writer import EXTENSIONS, INDEX, Sample, Written, write_shard
 from raypipe.plan.shards import list_shards
+
+SPREAD_SEED = 0  # the one order a folder's samples are spread over its shards in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,12 +133,16 @@ def _stored_name(path: str, root: str) -> str:
 
 
 def plan(config: ShardsConfig) -> tuple[list[list[Sample]], tuple[str, ...]]:
-    """The folder's samples in key order, cut into contiguous shards; and the classes."""
+    """The folder's samples in one seeded random order, cut into shards; and the classes.
+
+    Not in key order: that is class by class, and a shard is read in pieces, in order, so
+    shards of one class each gave batches of one class (a trained model at chance)."""
     listing = list_shards(PipelineConfig(source=config.source, format="imagefolder"))
     root = os.path.abspath(config.source)
+    order = np.random.default_rng(SPREAD_SEED).permutation(len(listing.shards)).tolist()
     samples = [
         Sample(s.first_key, s.label, os.path.abspath(s.path), _stored_name(s.path, root))
-        for s in listing.shards
+        for s in (listing.shards[i] for i in order)
     ]
     n = len(samples)
     total = config.shards or -(-n // config.samples_per_shard)
@@ -198,6 +207,9 @@ def convert(config: ShardsConfig, *, log: TextIO | None = None) -> Summary:
         done = total - len(pending)
         print(f"  [{done:>{len(str(total))}}/{total}] {w.name}: {w.samples} samples", file=log)
     index["num_samples"] = sum(e["samples"] for e in entries)
+    firsts = np.cumsum([0] + [e["samples"] for e in entries])[:-1].tolist()
+    for e, first in zip(entries, firsts, strict=True):
+        e["first_key"] = first  # the key its first sample has when the shards are read
     index["complete"] = True
     _save_index(out, index)
     for path, reason in skipped:
@@ -224,14 +236,8 @@ def _planned(name: str, part: list[Sample]) -> dict[str, Any]:
 
 
 def _entry(w: Written, *, done: bool) -> dict[str, Any]:
-    return {
-        "name": w.name,
-        "samples": w.samples,
-        "first_key": w.first_key,
-        "bytes": w.bytes,
-        "skipped": [list(s) for s in w.skipped],
-        "done": done,
-    }
+    return {"name": w.name, "samples": w.samples, "first_key": w.first_key, "bytes": w.bytes,
+            "skipped": [list(s) for s in w.skipped], "done": done}  # fmt: skip
 
 
 def _finished(out: str, entry: dict[str, Any], fmt: str) -> bool:
