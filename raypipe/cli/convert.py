@@ -134,11 +134,12 @@ def _stored_name(path: str, root: str) -> str:
 
 def plan(config: ShardsConfig) -> tuple[list[list[Sample]], tuple[str, ...]]:
     """The folder's samples in one seeded random order, cut into shards; and the classes.
-
-    Not in key order: that is class by class, and a shard is read in pieces, in order, so
-    shards of one class each gave batches of one class (a trained model at chance)."""
-    listing = list_shards(PipelineConfig(source=config.source, format="imagefolder"))
+    (In key order, class by class, a shard read in order gave batches of one class.)"""
     root = os.path.abspath(config.source)
+    if os.path.commonpath([root, os.path.abspath(config.out)]) == root:
+        raise ValueError(f"convert.out={config.out!r} is inside convert.source: its folder "
+                         "would read as one more class")  # fmt: skip
+    listing = list_shards(PipelineConfig(source=config.source, format="imagefolder"))
     order = np.random.default_rng(SPREAD_SEED).permutation(len(listing.shards)).tolist()
     samples = [
         Sample(s.first_key, s.label, os.path.abspath(s.path), _stored_name(s.path, root))

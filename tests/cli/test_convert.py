@@ -160,6 +160,9 @@ def test_the_plan_spreads_every_class_over_every_shard(folder):
     assert classes == tuple(sorted(COUNTS))
     assert all(len({s.label for s in part}) == len(COUNTS) for part in parts)
     assert plan(config)[0] == parts  # one order: a rerun finds its finished shards
+    inside = ShardsConfig(source=str(folder), out=str(folder / "shards"), shards=2)
+    with pytest.raises(ValueError, match=r"^convert.out='.*/shards' is inside convert.source"):
+        plan(inside)  # its folder, made before the shards, listed as one more class
     with pytest.raises(ValueError, match="more than the 27 samples"):
         plan(ShardsConfig(source=str(folder), out="unused", shards=28))
 
