@@ -35,13 +35,11 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    import yaml
 
-    from raypipe import Loader, PipelineConfig, localnode
+    from raypipe import Loader, localnode
     from raypipe.cli.classify import small_cnn
 
-    spec = yaml.safe_load(Path(args.config).read_text())
-    config = PipelineConfig.from_dict(spec["data"])
+    spec, config = _read(args.config)
     trainer = _trainer(spec, args.config, checkpoint=args.checkpoint)
     localnode.start(args.address, log_to_driver=False)  # this rank joins as a driver
     _loopback_only()
@@ -88,6 +86,21 @@ def main(argv: list[str] | None = None) -> None:
 
 
 TRAINER_KEYS = ("num_classes", "lr", "epochs")  # and checkpoint_every (0: none)
+
+
+def _read(path: str):
+    """The config file and its ``data`` section's `PipelineConfig`; one line (every rank
+    prints it) for a file that is missing or not YAML, or a data section that is wrong."""
+    from raypipe import PipelineConfig
+    from raypipe.config import load_yaml
+
+    try:
+        spec = load_yaml(path)
+        if not isinstance(spec.get("data"), dict):
+            raise ValueError(f"{path}: needs a data section (a PipelineConfig's fields)")
+        return spec, PipelineConfig.from_dict(spec["data"])
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def _trainer(spec: dict, path: str, *, checkpoint: str | None = None) -> dict:

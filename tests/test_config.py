@@ -114,6 +114,17 @@ def test_bad_yaml_files(tmp_path, text, match):
         PipelineConfig.from_yaml(path)
 
 
+def test_numbers_in_exponent_form_are_numbers(tmp_path):
+    """YAML 1.1 wants a dot in a float: ``lr: 2e-3`` came as the string '2e-3' and was
+    refused as "not a number"."""
+    from raypipe.config import load_yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text("a: 2e-3\nb: -1E5\nc: '2e-3'\nd: 12\ne: 1.5e3\nf: e5\n")
+    assert load_yaml(path) == {"a": 0.002, "b": -1e5, "c": "2e-3", "d": 12, "e": 1500.0,
+                               "f": "e5"}  # fmt: skip
+
+
 def test_missing_yaml_file(tmp_path):
     with pytest.raises(ValueError, match="config file not found"):
         PipelineConfig.from_yaml(tmp_path / "nope.yaml")

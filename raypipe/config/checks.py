@@ -6,6 +6,7 @@ import difflib
 import importlib
 import math
 import pickle
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -15,15 +16,30 @@ __all__ = ["check_keys", "check_share", "is_int", "is_num", "is_pair", "load_yam
 assert __all__ == sorted(__all__)
 
 
+# YAML 1.1's floats need a dot: PyYAML reads ``lr: 2e-3`` as the string '2e-3'. Numbers
+# in exponent form without one are floats here too (YAML 1.2's rule).
+_EXPONENT = re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$")
+
+
+def _loader():
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT, list("-+0123456789"))
+    return Loader
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping, with errors that name the file."""
+    """Read a YAML mapping (``2e-3`` a float), with errors that name the file."""
     import yaml
 
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_loader())  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)

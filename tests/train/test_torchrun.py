@@ -111,3 +111,18 @@ def test_the_trainer_section_is_checked_before_a_rank_joins_anything(tmp_path):
                               capture_output=True, text=True, timeout=120)  # fmt: skip
         assert done.returncode == 1 and said in done.stderr, done.stderr[-2000:]
         assert "Traceback" not in done.stderr
+    # the file and its data section: each a traceback on every rank before
+    (tmp_path / "empty.yaml").write_text("")
+    (tmp_path / "nodata.yaml").write_text(yaml.safe_dump({"trainer": spec["trainer"]}))
+    (tmp_path / "typo.yaml").write_text(yaml.safe_dump({**spec, "data": {"batchsize": 3}}))
+    sci = {**spec, "trainer": {**spec["trainer"], "lr": "LR", "checkpoint_every": 0}}
+    (tmp_path / "sci.yaml").write_text(yaml.safe_dump(sci).replace("LR", "2e-3"))  # a float
+    for name, said in (("missing", "config file not found"), ("empty", "expected a mapping"),
+                       ("nodata", "needs a data section"), ("typo", "did you mean 'batch_size'"),
+                       ("sci", "--checkpoint needs trainer.checkpoint_every")):  # fmt: skip
+        done = subprocess.run([sys.executable, str(ROOT / "jobs/torchrun_train.py"),
+                               str(tmp_path / f"{name}.yaml"), "--address", "127.0.0.1:9",
+                               "--checkpoint", str(tmp_path / "c")],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 1 and said in done.stderr, (name, done.stderr[-2000:])
+        assert "Traceback" not in done.stderr
