@@ -120,9 +120,9 @@ def test_numbers_in_exponent_form_are_numbers(tmp_path):
     from raypipe.config import load_yaml
 
     path = tmp_path / "c.yaml"
-    path.write_text("a: 2e-3\nb: -1E5\nc: '2e-3'\nd: 12\ne: 1.5e3\nf: e5\n")
+    path.write_text("a: 2e-3\nb: -1E5\nc: '2e-3'\nd: 12\ne: 1.5e3\nf: e5\ng: .5e1\n")
     assert load_yaml(path) == {"a": 0.002, "b": -1e5, "c": "2e-3", "d": 12, "e": 1500.0,
-                               "f": "e5"}  # fmt: skip
+                               "f": "e5", "g": 5.0}  # fmt: skip
 
 
 def test_missing_yaml_file(tmp_path):

@@ -16,9 +16,9 @@ __all__ = ["check_keys", "check_share", "is_int", "is_num", "is_pair", "load_yam
 assert __all__ == sorted(__all__)
 
 
-# YAML 1.1's floats need a dot: PyYAML reads ``lr: 2e-3`` as the string '2e-3'. Numbers
-# in exponent form without one are floats here too (YAML 1.2's rule).
-_EXPONENT = re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$")
+# YAML 1.1's floats need a dot, and a sign in an exponent: PyYAML reads ``lr: 2e-3`` and
+# ``1.5e3`` as strings. Numbers in exponent form are floats here (YAML 1.2's rule).
+_EXPONENT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
 
 
 def _loader():
