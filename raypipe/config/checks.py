@@ -27,7 +27,7 @@ def _loader():
     class Loader(yaml.SafeLoader):
         pass
 
-    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT, list("-+0123456789"))
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT, list("-+.0123456789"))
     return Loader
 
 
