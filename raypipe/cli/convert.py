@@ -85,9 +85,10 @@ class ShardsConfig:
         if not isinstance(data, Mapping):
             raise ValueError(f"convert config must be a mapping, got {type(data).__name__}")
         check_keys(data, [f.name for f in dataclasses.fields(cls)], where="convert")
-        missing = [k for k in ("source", "out") if k not in data]
-        if missing:
+        if missing := [k for k in ("source", "out") if k not in data]:
             raise ValueError(f"convert: missing required key(s) {', '.join(missing)}")
+        if data.get("shards") is not None and "samples_per_shard" in data:  # one was ignored
+            raise ValueError("convert: shards and samples_per_shard are both set: set one")
         return cls(**data)
 
     @classmethod

@@ -147,6 +147,8 @@ def test_config_names_the_bad_value(changes, field):
 def test_config_unknown_key_suggests(tmp_path):
     with pytest.raises(ValueError, match="did you mean 'samples_per_shard'"):
         ShardsConfig.from_dict({"source": "x", "out": "y", "sample_per_shard": 3})
+    with pytest.raises(ValueError, match="shards and samples_per_shard are both set"):
+        ShardsConfig.from_dict({"source": "x", "out": "y", "shards": 2, "samples_per_shard": 50})
 
 
 def test_the_plan_spreads_every_class_over_every_shard(folder):
