@@ -74,9 +74,10 @@ def job_address(address: str | None) -> str:
     return url.rstrip("/")
 
 
-def entrypoint(config: Path, working_dir: Path, data_root: Path,
-               verbose: bool = False) -> tuple[str, str]:  # fmt: skip
-    """The job's command and the config's kind; the config must be inside the working dir."""
+def entrypoint(config: Path, working_dir: Path, data_root: Path, verbose: bool = False,
+               python: str = "python") -> tuple[str, str]:  # fmt: skip
+    """The job's command and the config's kind; the config must be inside the working dir.
+    ``python``: the head's (this one's, where the head is on this machine: `submit`)."""
     kind = jobspec.check(config)
     try:
         rel = config.resolve().relative_to(working_dir.resolve())
@@ -85,7 +86,7 @@ def entrypoint(config: Path, working_dir: Path, data_root: Path,
             f"config {str(config)!r} is outside the working dir {str(working_dir)!r} that is "
             "shipped to the cluster: move it there or pass --working-dir"
         ) from None
-    args = ["python", "-m", "raypipe", ENTRY[kind], rel.as_posix()]
+    args = [python, "-m", "raypipe", ENTRY[kind], rel.as_posix()]
     args += ["--data-root", os.path.abspath(data_root)] + ["--verbose"] * verbose  # as given
     return shlex.join(args), kind
 
@@ -109,8 +110,9 @@ def submit(
     working_dir = Path(working_dir) if working_dir else _repo_root()
     if not working_dir.is_dir():
         raise ValueError(f"working dir {str(working_dir)!r} is not a directory")
-    command, kind = entrypoint(config, working_dir, Path(data_root), verbose)
-    url = job_address(address)
+    url = job_address(address)  # a head on this machine runs this Python, venv or not
+    python = sys.executable if _loopback(url) and sys.executable else "python"
+    command, kind = entrypoint(config, working_dir, Path(data_root), verbose, python)
     client = _client(url, token_file)
     runtime_env = {"working_dir": str(working_dir), "excludes": list(EXCLUDES)}
     if not verbose:
