@@ -14,7 +14,7 @@ import sys
 
 from raypipe import localnode
 from raypipe.cli import localray
-from raypipe.cli.causal_lm import make_tokens, run
+from raypipe.cli.causal_lm import LMConfig, make_tokens, run
 
 
 def main(argv=None) -> int:
@@ -48,6 +48,7 @@ def _train(config: str, epochs: int | None):
     process of it (`raypipe.cli.localray.shutdown`), as ``raypipe run`` does."""
     import ray
 
+    LMConfig.from_yaml(config)  # a bad config fails here, in one line, before Ray starts
     started = not ray.is_initialized()
     localnode.ensure()
     try:

@@ -21,6 +21,7 @@ import numpy as np
 
 from raypipe.cli.classify import TrainerSettings, _section, resumed
 from raypipe.config import PipelineConfig, check_keys, load_yaml
+from raypipe.config.checks import is_int
 from raypipe.train.ddp import TrainContext, train_ddp
 
 __all__ = ["LMConfig", "ModelSettings", "lm_loop", "make_tokens", "run"]
@@ -33,6 +34,13 @@ class ModelSettings:
     dim: int = 64
     layers: int = 2
     heads: int = 4
+
+    def __post_init__(self) -> None:  # each failed inside the training workers, after Ray
+        for f in dataclasses.fields(self):
+            if not is_int(value := getattr(self, f.name)) or value < 1:
+                raise ValueError(f"model.{f.name}={value!r} must be an integer >= 1")
+        if self.dim % self.heads:
+            raise ValueError(f"model.dim={self.dim} must be a multiple of model.heads={self.heads}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +61,8 @@ class LMConfig:
         parts = {}
         for name, kind in (("trainer", TrainerSettings), ("model", ModelSettings)):
             body = raw.get(name) or {}
+            if not isinstance(body, dict):
+                raise ValueError(f"{path}: {name} must be a mapping, not {body!r}")
             check_keys(body, [f.name for f in dataclasses.fields(kind)], where=f"{path}: {name}")
             parts[name] = kind(**body)
         return cls(data=data, **parts)

@@ -133,3 +133,32 @@ def test_train_lm_refuses_what_it_cannot_run_before_ray(monkeypatch, capsys, arg
     with pytest.raises(SystemExit) as exit_:
         _job("train_lm").main(argv)
     assert exit_.value.code == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [({"model": {"heads": 3}}, "model.dim=64 must be a multiple of model.heads=3"),
+     ({"model": {"layers": 0}}, "model.layers=0 must be an integer >= 1"),
+     ({"model": {"vocab_size": "64"}}, "model.vocab_size='64' must be an integer"),
+     ({"trainer": 5}, "trainer must be a mapping, not 5")],
+)  # fmt: skip
+def test_train_lm_refuses_a_bad_model_or_section_before_ray(monkeypatch, capsys, tmp_path,
+                                                           change, said):  # fmt: skip
+    """Each failed inside the training workers after Ray and training had started (a
+    reshape error, an index error), or as a traceback."""
+    import yaml
+
+    spec = yaml.safe_load((ROOT / "jobs/configs/tokens-lm.yaml").read_text())
+    for section, value in change.items():
+        spec[section] = {**spec.get(section, {}), **value} if isinstance(value, dict) else value
+    path = tmp_path / "lm.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    train_lm = _job("train_lm")
+
+    def no_ray():
+        raise AssertionError("Ray started")
+
+    monkeypatch.setattr(train_lm.localnode, "ensure", no_ray)
+    assert train_lm.main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1, err
