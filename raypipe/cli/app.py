@@ -173,6 +173,9 @@ def _check_head(address: str) -> None:
                          "address (host:6379); an http:// address is the dashboard's, "
                          "for raypipe submit")  # fmt: skip
     host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"address {address!r}: a Ray head's GCS address is host:port "
+                         "(its port, 6379 by default, is missing)")  # fmt: skip
     try:
         socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
     except (OSError, ValueError) as e:
@@ -233,6 +236,8 @@ COMMANDS = {"demo-data": _demo_data, "run": _run, "convert": _convert, "preproce
 def main(argv: Sequence[str] | None = None) -> int:
     from raypipe.cli.submit import SubmitError
 
+    if "" not in sys.path and os.getcwd() not in sys.path:  # a console script's: as
+        sys.path.insert(0, os.getcwd())  # `python -m raypipe`, a transform's module here
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "bench":

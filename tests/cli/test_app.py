@@ -404,3 +404,20 @@ def test_run_with_an_address_nothing_answers_on_is_one_line(capsys, run_config):
     assert "cannot reach Ray: nothing answers at 127.0.0.1:" in line and "GCS address" in line
     line = _error_line(capsys, ["run", str(run_config), "--address", "http://127.0.0.1:8265"])
     assert "an http:// address is the dashboard's, for raypipe submit" in line
+    line = _error_line(capsys, ["run", str(run_config), "--address", "127.0.0.1"])
+    assert "is host:port (its port, 6379 by default, is missing)" in line  # an int's error
+
+
+def test_the_console_script_imports_a_transform_from_the_current_folder(tmp_path, run_config):
+    """`python -m raypipe` finds ``myaug.py`` in the current folder (and Ray's workers do,
+    from the driver's); the ``raypipe`` script refused it: "cannot import it"."""
+    (tmp_path / "myaug.py").write_text("def augment(sample):\n    return sample\n")
+    cfg = tmp_path / "aug.yaml"
+    cfg.write_text(
+        run_config.read_text().replace("data:\n", "data:\n  transform: myaug:augment\n", 1)
+    )
+    bin_dir = Path(sys.executable).parent
+    done = subprocess.run([str(bin_dir / "raypipe"), "run", str(cfg), "--address", "127.0.0.1"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "cannot import" not in done.stderr, done.stderr
+    assert "its port, 6379 by default, is missing" in done.stderr  # checked after the config
