@@ -72,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=512,
         help="photo JPEGs to write (default: %(default)s)",
     )
-    p.add_argument("--seed", type=int, default=0, help="split and crop seed (default: %(default)s)")
+    p.add_argument(
+        "--seed", type=_at_least(0), default=0, help="split and crop seed (default: %(default)s)"
+    )
 
     p = sub.add_parser("run", help="train from a run config on Ray (local by default)",
                        description="Train the classifier job of a run config (data, eval, "

@@ -370,6 +370,7 @@ def test_bad_trainer_settings_are_one_line_before_ray(capsys, tmp_path, folder, 
     ("argv", "said"),
     [(["run", "c.yaml", "--epochs", "0"], "argument --epochs: 0 is below 1"),
      (["demo-data", "d", "--photos", "-3"], "argument --photos: -3 is below 0"),
+     (["demo-data", "d", "--seed", "-1"], "argument --seed: -1 is below 0"),
      (["inspect", "d", "--samples", "x"], "argument --samples: 'x' is not an integer")],
 )  # fmt: skip
 def test_counts_on_the_command_line_are_checked(capsys, monkeypatch, tmp_path, argv, said):
