@@ -266,10 +266,6 @@ def test_token_auth_refuses_without_token_and_runs_with_it(auth_head, project, t
     done = _submit(*args, "--token-file", str(auth_head.token), cwd=project, env=_env())
     assert done.returncode == 0, done.stdout + done.stderr
     assert "raypipe convert: done" in done.stdout
-    # a head on this machine runs the job with this Python: a bare `python` was whichever
-    # came first on the head's PATH (the system's, without raypipe, outside the venv)
-    python = done.stdout.split(f"{head.url}: ")[1].split(" -m raypipe convert")[0]
-    assert Path(python).parent == BIN and Path(python).name.startswith("python"), python
     # Ray's own client mechanism (RAY_AUTH_MODE=token and the token's path), and raypipe's
     # default with RAY_AUTH_MODE unset (the token Ray finds, as ray.init does): accepted.
     # Both jobs find every shard finished already, so they are short.
