@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import math
 import pickle
@@ -21,6 +22,7 @@ assert __all__ == sorted(__all__)
 _EXPONENT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
 
 
+@functools.cache
 def _loader():
     import yaml
 

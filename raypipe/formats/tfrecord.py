@@ -86,9 +86,7 @@ class _Gzip(gzip.GzipFile):
 def scan(storage: Storage, path: str, listed: frozenset[str] = frozenset()):
     """``(offsets, sizes, tail)`` of a shard's records; ``tail`` (None, or a ``(reason,
     detail)`` at the end) is a lost rest counted as one more sample. Raises `READ_ERRORS`."""
-    index = (
-        None if path.lower().endswith(".gz") else tfindex.read(storage, path, _stem(path), listed)
-    )
+    index = tfindex.read(storage, path, _stem(path), listed)
     if index is not None:
         return index[0], index[1], None
     offsets, sizes = [], []
