@@ -247,8 +247,30 @@ def train_ddp(
             logging_config=ray.train.LoggingConfig(log_level=ray_log_level),
         ),
     )
-    result = trainer.fit()
+    result = _fit(trainer)
     path, skipped = write_reports(skip_logs, result.path, result.filesystem)
     if skipped:
         log.warning("raypipe: skipped %d bad samples; the list is in %s", skipped, path)
     return result
+
+
+def _fit(trainer):
+    """``trainer.fit()``, where a Ctrl-C stops the run with `KeyboardInterrupt`.
+
+    Ray Train answers a SIGINT in the driver by aborting the run, and the driver's wait
+    then ends in ``SystemExit(1)`` with no message (``raypipe run`` exited 1, silently);
+    its handler also stayed installed after the run. Here the run is aborted as Ray Train
+    does it, then `KeyboardInterrupt` is raised, as a Ctrl-C anywhere else in Python, and
+    the SIGINT handler from before the run is put back."""
+    import signal
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()  # else Ray sets none
+    before = signal.getsignal(signal.SIGINT) if main else None
+    try:
+        return trainer.fit()
+    except SystemExit as e:  # from a signal handler during the wait: Ray Train's Ctrl-C
+        raise KeyboardInterrupt("the training run was stopped (Ctrl-C)") from e
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGINT, before)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import pydoc
 import re
+import signal
+import threading
+import time
 
 import pytest
 import yaml
@@ -216,6 +220,40 @@ def test_a_rerun_of_a_finished_run_is_refused(ray_session, tmp_path):
     assert train_ddp(config, loop, checkpoint_every=2, **kw).error is None
     with pytest.raises(ValueError, match="is at epoch 1: epochs=1 leaves nothing"):
         train_ddp(config, loop, **kw)
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_training_stops_the_run_with_keyboard_interrupt(ray_session, tmp_path):
+    """Ray Train aborts the run on a SIGINT, and its driver's wait ended in SystemExit(1)
+    with no message (`raypipe run` exited 1, silently; Ray's handler stayed installed):
+    now the run stops with KeyboardInterrupt (`raypipe run`: "interrupted", exit 130),
+    the SIGINT handler from before put back."""
+    from tests.conftest import make_imagefolder
+
+    source = make_imagefolder(tmp_path / "data", {"a": 8, "b": 8}, seed=4)
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=4)
+    started = tmp_path / "started"
+
+    def loop(ctx) -> None:
+        for _, batches in ctx.epochs():
+            for _ in batches:
+                started.touch()
+                time.sleep(0.05)
+
+    def interrupt() -> None:  # once the loop has its first batch: Ray Train's handler is on
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            if time.monotonic() > deadline:
+                return  # no batch came: the run's own failure says why
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    before = signal.getsignal(signal.SIGINT)
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt, match="stopped"):
+        train_ddp(config, loop, num_workers=1, cpus_per_worker=0.5, epochs=200,
+                  storage_path=str(tmp_path / "runs"))  # fmt: skip
+    assert started.exists() and signal.getsignal(signal.SIGINT) is before
 
 
 def test_a_run_bigger_than_the_local_ray_this_process_started_is_refused(ray_session, datasets):
