@@ -113,7 +113,7 @@ def _inspect(args: argparse.Namespace) -> int:
     else:
         _summary(f"inspect {args.source}", format_survey(report), done=False)
     if report["good"] == 0:
-        fix = (f"add {report['hint']} (the files' own columns)" if report["hint"]
+        fix = (f"add {report['hint']}" if report["hint"]
                else "check the format and the label settings above")  # fmt: skip
         print(f"raypipe inspect: every sample looked at would be skipped: {fix}", file=sys.stderr)
         return 1

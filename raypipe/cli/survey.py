@@ -140,7 +140,8 @@ def _spread(listing: Listing, n: int):
 
 def _column_hint(listing: Listing, config: PipelineConfig) -> str | None:
     """The ``--image-column``/``--label-column`` options that name a Parquet source's own
-    columns, where the configured ones are missing and one column of each kind is there."""
+    columns, where the configured ones are missing and one column of each kind is there,
+    with why; ``--image-column none`` where no column holds images (tokens, tables)."""
     if listing.format != "parquet":
         return None
     import pyarrow.parquet as pq
@@ -151,13 +152,19 @@ def _column_hint(listing: Listing, config: PipelineConfig) -> str | None:
     except Exception:  # a damaged file: its samples' skips say so already
         return None
     kinds = {"image": is_image_type, "label": label_kind}
-    options = []
+    options, why = [], []
     for kind, fits in kinds.items():
         name = getattr(config, f"{kind}_column")
+        if name is None or name in schema.names:
+            continue
         found = [f.name for f in schema if fits(f.type)]
-        if name is not None and name not in schema.names and len(found) == 1:
+        if len(found) == 1:
             options.append(f"--{kind}-column {found[0]}")
-    return " ".join(options) or None
+            why.append("the files' own columns")
+        elif not found and kind == "image":
+            options.append("--image-column none")
+            why.append("no column holds images: samples of the other columns")
+    return f"{' '.join(options)} ({'; '.join(dict.fromkeys(why))})" if options else None
 
 
 def _fields(item: dict) -> str:

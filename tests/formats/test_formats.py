@@ -340,6 +340,24 @@ def test_inspect_names_the_columns_a_parquet_source_has(tmp_path, capsys):
     assert "skip: missing_column" in capsys.readouterr().out
 
 
+def test_inspect_of_samples_with_no_image_suggests_image_column_none(tmp_path, capsys):
+    """Token rows and a label, no column an image could be in: every sample was skipped
+    as missing_column and the command said "check the format and the label settings";
+    it names ``--image-column none``, with which they are read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "tok").mkdir()
+    tokens = [list(range(i % 5 + 2)) for i in range(12)]
+    pq.write_table(pa.table({"tokens": pa.array(tokens, pa.list_(pa.int32())),
+                             "label": list(range(12))}), tmp_path / "tok" / "p.parquet")  # fmt: skip
+    assert main(["inspect", str(tmp_path / "tok")]) == 1
+    err = capsys.readouterr().err
+    assert "add --image-column none (no column holds images" in err
+    assert main(["inspect", str(tmp_path / "tok"), "--image-column", "none"]) == 0
+    assert "12 good, 0 would be skipped" in capsys.readouterr().out
+
+
 def test_a_label_outside_the_named_classes_is_a_bad_label_skip(tmp_path):
     """A ``ClassLabel`` column whose integers run past its names (or below -1): those rows
     were delivered as targets the loss failed on mid-run; now bad_label skips. -1 is "no
