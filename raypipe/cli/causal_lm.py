@@ -24,7 +24,8 @@ from raypipe.config import PipelineConfig, check_keys, load_yaml
 from raypipe.config.checks import is_int
 from raypipe.train.ddp import TrainContext, train_ddp
 
-__all__ = ["LMConfig", "ModelSettings", "lm_loop", "make_tokens", "run"]
+__all__ = ["LMConfig", "ModelSettings", "TokenIdError", "check_token_ids", "lm_loop", "make_tokens",
+           "run"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 
@@ -41,6 +42,24 @@ class ModelSettings:
                 raise ValueError(f"model.{f.name}={value!r} must be an integer >= 1")
         if self.dim % self.heads:
             raise ValueError(f"model.dim={self.dim} must be a multiple of model.heads={self.heads}")
+
+
+class TokenIdError(ValueError):
+    """A token id the model has no embedding for: outside ``0..model.vocab_size - 1``."""
+
+
+def check_token_ids(tokens, vocab_size: int, field: str) -> None:
+    """Raise `TokenIdError` where ``tokens`` hold an id the embedding has no row for (it
+    failed as "IndexError: index out of range in self" inside ``nn.Embedding``). The ids
+    are known only as batches come: the listing reads the documents' lengths, not ids."""
+    if tokens.numel() == 0:
+        return
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise TokenIdError(f"token id {bad} in the {field!r} field is outside "
+                           f"model.vocab_size={vocab_size} (ids 0..{vocab_size - 1}): set "
+                           "vocab_size above the data's largest id")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +153,7 @@ def lm_loop(ctx: TrainContext) -> None:
         loss_sum, steps, t0 = 0.0, 0, time.perf_counter()
         for batch in batches:
             tokens = batch[field].long()
+            check_token_ids(tokens, m["vocab_size"], field)
             segments = batch["segment_ids"]
             loss = lm_loss(model(tokens, segments, batch["position_ids"]), tokens, segments)
             opt.zero_grad(set_to_none=True)
@@ -179,13 +199,19 @@ def run(config_path: str | Path, *, epochs: int | None = None, storage_path: str
     """Train from a language-model config on the Ray this process is connected to."""
     cfg = LMConfig.from_yaml(config_path)
     t = cfg.trainer
-    result = train_ddp(
-        cfg.data, lm_loop, num_workers=t.num_workers, use_gpu=t.use_gpu,
-        epochs=epochs or t.epochs, storage_path=storage_path or t.storage_path,
-        loop_config={"lr": t.lr, "model": dataclasses.asdict(cfg.model)},
-        cpus_per_worker=t.cpus_per_worker, max_failures=t.max_failures,
-        ray_log_level=ray_log_level,
-    )  # fmt: skip
+    try:
+        result = train_ddp(
+            cfg.data, lm_loop, num_workers=t.num_workers, use_gpu=t.use_gpu,
+            epochs=epochs or t.epochs, storage_path=storage_path or t.storage_path,
+            loop_config={"lr": t.lr, "model": dataclasses.asdict(cfg.model)},
+            cpus_per_worker=t.cpus_per_worker, max_failures=t.max_failures,
+            ray_log_level=ray_log_level,
+        )  # fmt: skip
+    except Exception as e:  # a token id past vocab_size: one line, not each rank's traceback
+        ids = [f for f in getattr(e, "worker_failures", {}).values() if isinstance(f, TokenIdError)]
+        if ids:
+            raise TokenIdError(str(ids[0])) from e
+        raise
     if result.error:
         raise result.error
     return result

@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 import yaml
 
-from raypipe.cli.causal_lm import LMConfig, lm_loss, make_tokens, run, tiny_lm
+from raypipe.cli.causal_lm import (
+    LMConfig,
+    TokenIdError,
+    check_token_ids,
+    lm_loss,
+    make_tokens,
+    run,
+    tiny_lm,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,3 +63,32 @@ def test_a_causal_lm_on_packed_tokens_learns(ray_session, tmp_path):
     assert saved["epoch"] == 2 and {"model", "optimizer"} <= set(saved)
     kept = [p for p in Path(result.checkpoint.path).parent.glob("checkpoint_*") if p.is_dir()]
     assert len(kept) == 2  # three saved, the latest keep_checkpoints=2 kept
+
+
+def test_token_ids_outside_the_vocabulary_are_named():
+    """An id at or past vocab_size (or below 0) failed inside nn.Embedding: "IndexError:
+    index out of range in self", no word of vocab_size."""
+    import torch
+
+    check_token_ids(torch.tensor([[0, 5, 63]]), 64, "tokens")  # all in range
+    check_token_ids(torch.zeros((0, 4), dtype=torch.long), 1, "tokens")  # an empty batch
+    with pytest.raises(TokenIdError, match=r"token id 64 in the 'tokens' field .*vocab_size=64"):
+        check_token_ids(torch.tensor([[0, 64]]), 64, "tokens")
+    with pytest.raises(TokenIdError, match="token id -1 "):
+        check_token_ids(torch.tensor([[-1, 3]]), 64, "tokens")
+
+
+@pytest.mark.slow
+def test_a_vocabulary_smaller_than_the_data_stops_the_run_in_one_line(ray_session, tmp_path):
+    """The demo corpus holds ids up to 63: with ``vocab_size: 32`` every rank failed with
+    an IndexError traceback; the run now raises TokenIdError, which train_lm prints as its
+    one error line (exit 2)."""
+    make_tokens(tmp_path / "tokens", documents=100, files=1)
+    raw = yaml.safe_load((ROOT / "jobs/configs/tokens-lm.yaml").read_text())
+    raw["data"]["source"] = str(tmp_path / "tokens")
+    raw["trainer"]["storage_path"] = str(tmp_path / "runs")
+    raw["model"]["vocab_size"] = 32
+    path = tmp_path / "lm.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(TokenIdError, match=r"outside model.vocab_size=32 \(ids 0..31\)"):
+        run(path, epochs=1)
