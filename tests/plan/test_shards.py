@@ -118,3 +118,40 @@ def test_a_root_above_its_splits_is_refused_and_split_named_classes_are_not(tmp_
     (raw / "val2017" / "x.jpg").write_bytes(next((raw / "test2017" / "n01").iterdir()).read_bytes())
     with pytest.raises(ValueError, match=r"e\.g\. '.*raw/train2017'"):
         list_shards(PipelineConfig(source=str(raw)))
+
+
+def _fingerprint_before(listing) -> str:
+    """The formula of the fingerprint every checkpoint written so far names."""
+    import hashlib
+    import os
+
+    paths = list(listing.shards.paths)
+    root = os.path.commonpath(paths) if len(paths) > 1 else os.path.dirname(paths[0])
+    h = hashlib.sha256(listing.format.encode())
+    for path, n in zip(paths, listing.shards.num_samples.tolist(), strict=True):
+        h.update(f"\0{os.path.relpath(path, root)}\0{n}".encode(errors="surrogateescape"))
+    return h.hexdigest()[:32]
+
+
+def test_the_fingerprint_is_the_one_checkpoints_already_name():
+    """The fingerprint is cut from the path strings where they are absolute and normal
+    (``relpath`` and ``commonpath`` took 7 s for 1.28M files): the same hash as the
+    formula before, over random layouts (shared name prefixes, a lone file, the root
+    folder, a path that is its siblings' folder, non-UTF-8 names), and through ``os.path``
+    for the rest (URIs, relative and unnormalised paths)."""
+    import random
+
+    from raypipe.plan.shards import Listing, Shard
+
+    rng = random.Random(7)
+    names = ["a", "ab", "a-b", "a.b", "b", "n0001", "n00010", "é", "x y", "caf\udce9", "_", "0"]
+    tops = ["", "/data", "/data/set", "/a", "/a-b", "s3://bucket/p", "rel/dir", "/d//e", "/d/./e"]
+    for _ in range(400):
+        top = rng.choice(tops)
+        paths = sorted({"/".join([top, *rng.choices(names, k=rng.randint(1, 3))])
+                        for _ in range(rng.randint(1, 6))})  # fmt: skip
+        if rng.random() < 0.1:
+            paths.append(paths[0].rsplit("/", 1)[0] or "/")  # the others' folder, listed too
+        shards = tuple(Shard(p, i, rng.randint(1, 9), 0) for i, p in enumerate(paths))
+        listing = Listing(rng.choice(["imagefolder", "parquet"]), shards)
+        assert listing.fingerprint == _fingerprint_before(listing), paths
