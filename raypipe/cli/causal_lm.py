@@ -52,9 +52,11 @@ def check_token_ids(tokens, vocab_size: int, field: str) -> None:
     """Raise `TokenIdError` where ``tokens`` hold an id the embedding has no row for (it
     failed as "IndexError: index out of range in self" inside ``nn.Embedding``). The ids
     are known only as batches come: the listing reads the documents' lengths, not ids."""
+    import torch
+
     if tokens.numel() == 0:
         return
-    low, high = int(tokens.min()), int(tokens.max())
+    low, high = torch.stack(torch.aminmax(tokens)).tolist()  # one device sync a batch
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise TokenIdError(f"token id {bad} in the {field!r} field is outside "
