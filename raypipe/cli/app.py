@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,7 +31,7 @@ def _demo_data(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from raypipe.cli.classify import RunConfig, check_classes, run
+    from raypipe.cli.classify import RunConfig, check_classes, go_on, run, run_folder
 
     _expect_kind(args.config, "train")
     jobspec.check_sources(args.config, args.data_root)
@@ -40,11 +41,18 @@ def _run(args: argparse.Namespace) -> int:
         classes = check_classes(run_cfg, args.config)  # before Ray
         storage = args.storage_path and jobspec.resolve(args.data_root, args.storage_path)
         _writable(storage or run_cfg.trainer.storage_path)
+        resume = args.resume and _resumable(jobspec.resolve(".", args.resume))
         verbose = quiet.is_verbose(args.verbose)
+        name = f"raypipe_{uuid.uuid4().hex[:12]}"  # train_ddp's own pattern, known here
         with _ray_session(args.address, verbose=verbose):
             t0 = time.perf_counter()  # the run's time, not Ray's start-up
-            result = run(config, epochs=args.epochs, storage_path=storage, classes=classes,
-                         ray_log_level="INFO" if verbose else quiet.TRAIN_LOG_LEVEL)  # fmt: skip
+            try:
+                result = run(config, epochs=args.epochs, storage_path=storage, classes=classes,
+                             ray_log_level="INFO" if verbose else quiet.TRAIN_LOG_LEVEL,
+                             name=name, resume_from=resume)  # fmt: skip
+            except KeyboardInterrupt:
+                folder = run_folder(storage or run_cfg.trainer.storage_path, name)
+                raise KeyboardInterrupt(go_on(args.config, folder)) from None
     m = result.metrics or {}
     rows = [("time", f"{time.perf_counter() - t0:.1f} s")]
     if "samples" in m:
@@ -62,6 +70,14 @@ def _run(args: argparse.Namespace) -> int:
         rows.append(("checkpoint", result.checkpoint.path))
     _summary("run", rows)
     return 0
+
+
+def _resumable(path: str) -> str:
+    """``--resume``'s folder, checked before Ray starts (train_ddp checks what it holds)."""
+    if "://" not in path and not os.path.isdir(path):
+        raise FileNotFoundError(f"--resume {path}: no such folder (a run folder, or one of "
+                                "its checkpoint_* folders)")  # fmt: skip
+    return path
 
 
 def _writable(folder: str | None) -> None:
@@ -258,8 +274,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:  # a folder it cannot write, a path through a file
         print(f"raypipe {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("raypipe: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        said = f": {e}" if str(e) else ""
+        print(f"raypipe {args.command}: interrupted{said}", file=sys.stderr)
         return 130
 
 

@@ -220,10 +220,11 @@ def check_classes(run_cfg: RunConfig, config_path) -> tuple[str, ...]:
 
 
 def run(config_path: str | Path, *, epochs: int | None = None, storage_path: str | None = None,
-        ray_log_level: str = "INFO", classes: tuple[str, ...] | None = None):  # fmt: skip
+        ray_log_level: str = "INFO", classes: tuple[str, ...] | None = None,
+        name: str | None = None, resume_from: str | None = None):  # fmt: skip
     """Train from a run config on the Ray this process is connected to (or a local one);
-    ``ray_log_level`` is Ray Train's own (`raypipe.train_ddp`); ``classes``: what
-    `check_classes` gave for this config already (else it runs here)."""
+    ``ray_log_level``, ``name`` and ``resume_from`` are `raypipe.train_ddp`'s;
+    ``classes``: what `check_classes` gave for this config already (else it runs here)."""
     run_cfg = RunConfig.from_yaml(config_path)
     t = run_cfg.trainer
     classes = classes or check_classes(run_cfg, config_path)
@@ -240,7 +241,33 @@ def run(config_path: str | Path, *, epochs: int | None = None, storage_path: str
         max_failures=t.max_failures,
         callbacks=[_epoch_printer()],
         ray_log_level=ray_log_level,
+        name=name,
+        resume_from=resume_from,
     )
     if result.error:
         raise result.error
     return result
+
+
+def run_folder(storage: str | None, name: str) -> str:
+    """Where `train_ddp` keeps run ``name``'s checkpoints (Ray Train's default storage
+    when ``storage`` is None)."""
+    from ray.train.constants import DEFAULT_STORAGE_PATH
+
+    from raypipe.train.checkpoint import storage_uri
+
+    return f"{storage_uri(storage or DEFAULT_STORAGE_PATH)}/{name}"
+
+
+def go_on(config: str, folder: str) -> str:
+    """What a stopped run says: the command that goes on from the latest checkpoint in
+    ``folder``, where it saved one."""
+    from raypipe.train.checkpoint import latest_state
+
+    try:
+        saved = latest_state(folder) is not None
+    except Exception:  # an unreadable folder: nothing to offer
+        saved = False
+    if not saved:
+        return "the run stopped before its first checkpoint"
+    return f"go on with: raypipe run {config} --resume {folder}"

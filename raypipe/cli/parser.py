@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     _ray_address_flag(p)
     p.add_argument("--epochs", type=_at_least(1), default=None, help="override trainer.epochs")
     p.add_argument("--storage-path", default=None, help="override trainer.storage_path")
+    p.add_argument("--resume", metavar="RUN", default=None,
+                   help="go on from a run folder (its latest checkpoint) or a checkpoint "
+                   "folder that a run of this config saved: the rest of that epoch, then "
+                   "the epochs left; a stopped run prints the command")  # fmt: skip
     p.add_argument("--data-root", default=".",
                    help="resolve relative data paths in the config against this folder "
                    "(default: the current one; raypipe submit passes yours)")  # fmt: skip

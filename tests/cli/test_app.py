@@ -422,3 +422,32 @@ def test_the_console_script_imports_a_transform_from_the_current_folder(tmp_path
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 2 and "cannot import" not in done.stderr, done.stderr
     assert "its port, 6379 by default, is missing" in done.stderr  # checked after the config
+
+
+def test_resume_names_a_missing_folder_before_ray(capsys, run_config, tmp_path):
+    line = _error_line(capsys, ["run", str(run_config), "--resume", str(tmp_path / "nope")])
+    assert "--resume" in line and "no such folder" in line
+
+
+@pytest.mark.slow
+def test_a_run_goes_on_from_the_folder_its_checkpoints_are_in(ray_session, capsys, run_config,
+                                                             tmp_path):  # fmt: skip
+    """`raypipe run` could not resume: a stopped run (Ctrl-C, a lost head) started again
+    from epoch 0. ``--resume`` goes on from a run folder's latest checkpoint, and what a
+    stopped run says (`go_on`) is that command, where it saved a checkpoint."""
+    from raypipe.cli.classify import go_on
+    from raypipe.train.checkpoint import latest_state
+
+    runs = tmp_path / "runs"
+    assert cli.main(["run", str(run_config), "--storage-path", str(runs)]) == 0
+    [first] = [p for p in runs.iterdir() if p.is_dir()]
+    assert latest_state(str(first)).epoch == 1  # its one epoch, done
+    assert go_on("run.yaml", str(first)) == f"go on with: raypipe run run.yaml --resume {first}"
+    assert go_on("run.yaml", str(tmp_path)) == "the run stopped before its first checkpoint"
+    capsys.readouterr()
+    argv = ["run", str(run_config), "--storage-path", str(runs), "--resume", str(first)]
+    assert cli.main([*argv, "--epochs", "3"]) == 0
+    [second] = [p for p in runs.iterdir() if p.is_dir() and p != first]
+    assert latest_state(str(second)).epoch == 3 and "checkpoint" in capsys.readouterr().out
+    line = _error_line(capsys, [*argv, "--epochs", "1"])  # nothing left to train
+    assert "epoch 1" in line and "epochs=1" in line, line
