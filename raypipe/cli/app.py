@@ -52,7 +52,7 @@ def _run(args: argparse.Namespace) -> int:
                              name=name, resume_from=resume)  # fmt: skip
             except KeyboardInterrupt:
                 folder = run_folder(storage or run_cfg.trainer.storage_path, name)
-                raise KeyboardInterrupt(go_on(args.config, folder)) from None
+                raise KeyboardInterrupt(go_on(_run_words(args), folder)) from None
     m = result.metrics or {}
     rows = [("time", f"{time.perf_counter() - t0:.1f} s")]
     if "samples" in m:
@@ -70,6 +70,15 @@ def _run(args: argparse.Namespace) -> int:
         rows.append(("checkpoint", result.checkpoint.path))
     _summary("run", rows)
     return 0
+
+
+def _run_words(args: argparse.Namespace) -> list[str]:
+    """The ``raypipe run`` command as given, less ``--resume`` and ``--verbose``."""
+    words = ["raypipe", "run", args.config]
+    for flag, value in (("--epochs", args.epochs), ("--storage-path", args.storage_path),
+                        ("--address", args.address)):  # fmt: skip
+        words += [flag, str(value)] if value is not None else []
+    return words + (["--data-root", args.data_root] if args.data_root != "." else [])
 
 
 def _resumable(path: str) -> str:

@@ -259,9 +259,11 @@ def run_folder(storage: str | None, name: str) -> str:
     return f"{storage_uri(storage or DEFAULT_STORAGE_PATH)}/{name}"
 
 
-def go_on(config: str, folder: str) -> str:
-    """What a stopped run says: the command that goes on from the latest checkpoint in
-    ``folder``, where it saved one."""
+def go_on(command: list[str], folder: str) -> str:
+    """What a stopped run says: ``command`` (the ``raypipe run`` it was) going on from the
+    latest checkpoint in ``folder``, where it saved one."""
+    import shlex
+
     from raypipe.train.checkpoint import latest_state
 
     try:
@@ -270,4 +272,4 @@ def go_on(config: str, folder: str) -> str:
         saved = False
     if not saved:
         return "the run stopped before its first checkpoint"
-    return f"go on with: raypipe run {config} --resume {folder}"
+    return f"go on with: {shlex.join([*command, '--resume', folder])}"

@@ -442,8 +442,12 @@ def test_a_run_goes_on_from_the_folder_its_checkpoints_are_in(ray_session, capsy
     assert cli.main(["run", str(run_config), "--storage-path", str(runs)]) == 0
     [first] = [p for p in runs.iterdir() if p.is_dir()]
     assert latest_state(str(first)).epoch == 1  # its one epoch, done
-    assert go_on("run.yaml", str(first)) == f"go on with: raypipe run run.yaml --resume {first}"
-    assert go_on("run.yaml", str(tmp_path)) == "the run stopped before its first checkpoint"
+    words = ["raypipe", "run", "my run.yaml", "--epochs", "3"]
+    said = f"go on with: raypipe run 'my run.yaml' --epochs 3 --resume {first}"
+    assert go_on(words, str(first)) == said
+    assert go_on(words, str(tmp_path)) == "the run stopped before its first checkpoint"
+    args = cli.build_parser().parse_args(["run", "r.yaml", "--epochs", "3", "--data-root", "d"])
+    assert cli._run_words(args) == ["raypipe", "run", "r.yaml", "--epochs", "3", "--data-root", "d"]
     capsys.readouterr()
     argv = ["run", str(run_config), "--storage-path", str(runs), "--resume", str(first)]
     assert cli.main([*argv, "--epochs", "3"]) == 0
