@@ -9,7 +9,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,7 +30,8 @@ def _demo_data(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from raypipe.cli.classify import RunConfig, check_classes, go_on, run, run_folder
+    from raypipe.cli.classify import RunConfig, check_classes, go_on, run
+    from raypipe.train.checkpoint import new_run_name, run_folder
 
     _expect_kind(args.config, "train")
     jobspec.check_sources(args.config, args.data_root)
@@ -43,7 +43,7 @@ def _run(args: argparse.Namespace) -> int:
         _writable(storage or run_cfg.trainer.storage_path)
         resume = args.resume and _resumable(jobspec.resolve(".", args.resume))
         verbose = quiet.is_verbose(args.verbose)
-        name = f"raypipe_{uuid.uuid4().hex[:12]}"  # train_ddp's own pattern, known here
+        name = new_run_name()  # train_ddp would pick one; known here, for a stop's go-on line
         with _ray_session(args.address, verbose=verbose):
             t0 = time.perf_counter()  # the run's time, not Ray's start-up
             try:

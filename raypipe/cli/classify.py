@@ -249,16 +249,6 @@ def run(config_path: str | Path, *, epochs: int | None = None, storage_path: str
     return result
 
 
-def run_folder(storage: str | None, name: str) -> str:
-    """Where `train_ddp` keeps run ``name``'s checkpoints (Ray Train's default storage
-    when ``storage`` is None)."""
-    from ray.train.constants import DEFAULT_STORAGE_PATH
-
-    from raypipe.train.checkpoint import storage_uri
-
-    return f"{storage_uri(storage or DEFAULT_STORAGE_PATH)}/{name}"
-
-
 def go_on(command: list[str], folder: str) -> str:
     """What a stopped run says: ``command`` (the ``raypipe run`` it was) going on from the
     latest checkpoint in ``folder``, where it saved one."""

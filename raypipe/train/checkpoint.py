@@ -28,7 +28,7 @@ import numpy as np
 from raypipe.train.state import STATE_FILE, PipelineState, merge_states
 
 __all__ = ["EpochBatches", "RunPosition", "any_rank", "latest_state", "load_checkpoint",
-           "storage_uri"]  # fmt: skip
+           "new_run_name", "run_folder", "storage_uri"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 USER_STATE = "state.pt"
@@ -39,6 +39,21 @@ def storage_uri(path: str | os.PathLike) -> str:
     is no URI to Ray Train, and ``~/runs`` was a folder named ``~``)."""
     path = os.fspath(path)
     return path if "://" in path else os.path.abspath(os.path.expanduser(path))
+
+
+def new_run_name() -> str:
+    """The name of a run whose caller gives none (`raypipe.train_ddp`, `raypipe run`)."""
+    import uuid
+
+    return f"raypipe_{uuid.uuid4().hex[:12]}"
+
+
+def run_folder(storage_path: str | None, name: str) -> str:
+    """Where run ``name`` keeps its checkpoints: under ``storage_path`` (`storage_uri`),
+    Ray Train's ``~/ray_results`` when it is None."""
+    from ray.train.constants import DEFAULT_STORAGE_PATH
+
+    return f"{storage_uri(storage_path or DEFAULT_STORAGE_PATH)}/{name}"
 
 
 def load_checkpoint(path):

@@ -18,7 +18,6 @@ equal when bad samples are skipped. Checkpoints carry the pipeline's position
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +28,14 @@ from raypipe.loader.ledger import create_ledger
 from raypipe.plan.rankplan import rank_pool
 from raypipe.plan.shards import Listing, list_shards
 from raypipe.skips.log import SkipLog, write_reports
-from raypipe.train.checkpoint import RunPosition, latest_state, load_checkpoint, storage_uri
+from raypipe.train.checkpoint import (
+    RunPosition,
+    latest_state,
+    load_checkpoint,
+    new_run_name,
+    run_folder,
+    storage_uri,
+)
 from raypipe.train.context import TrainContext, _eval_name, _train_name
 
 log = logging.getLogger(__name__)
@@ -198,7 +204,7 @@ def train_ddp(
     listing, eval_listing = list_sources(config, num_workers, eval_config)
     start, start_from = _resume_point(resume_from, listing, config.seed, epochs)
     storage = storage_uri(storage_path or DEFAULT_STORAGE_PATH)
-    if name is not None and (again := latest_state(f"{storage}/{name}")) is not None:
+    if name is not None and (again := latest_state(run_folder(storage, name))) is not None:
         again.check(listing, config.seed)  # a rerun resumes from it: the same data and seed
         if again.epoch >= epochs:  # it would train nothing and report the run before's end
             raise ValueError(f"{name=} under {storage} is at epoch {again.epoch}: {epochs=} "
@@ -206,7 +212,7 @@ def train_ddp(
     if (problem := rendezvous.check_ray()) is not None:
         raise RuntimeError(f"raypipe cannot bind DDP's store to the node's address: {problem}")
     localnode.ensure()  # the skip logs live in an actor
-    name = name or f"raypipe_{uuid.uuid4().hex[:12]}"
+    name = name or new_run_name()
     skips = SkipLog.create()
     skip_logs = {_train_name(e): skips.epoch(e) for e in range(epochs)}
     eval_skips = None
