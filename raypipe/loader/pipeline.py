@@ -27,6 +27,7 @@ from typing import Any
 from raypipe import localnode
 from raypipe.config import PipelineConfig, rank_loader
 from raypipe.config.checks import check_share
+from raypipe.loader.args import check_args
 from raypipe.loader.blocks import execute
 from raypipe.loader.buckets import Bucketing
 from raypipe.loader.collate import collate_for
@@ -98,8 +99,8 @@ class Pipeline:
         loader = rank_loader(config, device=device, pin_memory=pin_memory,
                              prefetch_batches=prefetch_batches, normalize=normalize,
                              channels_last=channels_last)  # fmt: skip
-        _check_args(epochs=epochs, rank=rank, world_size=world_size, ledger=ledger,
-                    progress_s=progress_s, start=start, drop_last=drop_last)  # fmt: skip
+        check_args(epochs=epochs, rank=rank, world_size=world_size, ledger=ledger,
+                   progress_s=progress_s, skips=skips, start=start, drop_last=drop_last)  # fmt: skip
         self.config, self.num_epochs, self.rank, self.world_size = config, epochs, rank, world_size
         self.drop_last = drop_last
         self.listing = listing = listing or list_shards(config)
@@ -271,29 +272,3 @@ def batch_form(config: PipelineConfig, listing: Listing, drop_last: bool):
 def _starter(ds, follower):
     """Start ``ds``'s execution on the feeder thread; None when the rank has no task."""
     return None if ds is None else functools.partial(execute, ds, follower)
-
-
-def _check_args(*, epochs, rank, world_size, ledger, progress_s, start, drop_last):
-    """`Pipeline`'s own arguments (the config checked itself); ValueError naming one."""
-    for name, value, low in (("epochs", epochs, 1), ("world_size", world_size, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name}={value!r} must be an integer >= {low}")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"{rank=} must be an integer in 0..{world_size - 1}")
-    if not isinstance(drop_last, bool):
-        raise ValueError(f"{drop_last=} must be True or False")
-    if world_size > 1 and ledger is None and drop_last:
-        raise ValueError(f"{world_size=} needs ledger=Pipeline.ledger({world_size}) for equal "
-                         "batches (or drop_last=False)")  # fmt: skip
-    if world_size > 1 and drop_last and (made := _world_of(ledger)) != world_size:
-        raise ValueError(f"ledger= was made for {made} ranks, this run has {world_size=}")
-    if progress_s is not None and not (isinstance(progress_s, (int, float)) and progress_s >= 0):
-        raise ValueError(f"{progress_s=} must be seconds >= 0 (0: no progress lines)")
-    if start is not None and not 0 <= start.epoch < epochs:
-        raise ValueError(f"the resume state is at epoch {start.epoch}: {epochs=} leaves nothing")
-
-
-def _world_of(ledger) -> int:
-    import ray
-
-    return ray.get(ledger.size.remote())

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["EpochRead", "EpochSampler", "MISUSE", "start_point"]
+__all__ = ["EpochRead", "EpochSampler", "MISUSE", "start_point", "state_bytes", "state_tensor"]
 assert __all__ == sorted(__all__)
 
 MISUSE = (
@@ -30,6 +30,7 @@ class EpochRead:
     most: int | None  # batches the epoch has at most (drop_last); reached: it is over
     count: int = 0
     over: bool = False
+    reading: bool = False  # an iterator of it between its first next() and its end
 
 
 class EpochSampler:
@@ -54,3 +55,26 @@ def start_point(epoch: int, consumed: np.ndarray | None) -> str:
         return f"epoch {epoch}"
     digest = hashlib.sha1(np.packbits(consumed).tobytes()).hexdigest()[:12]
     return f"epoch {epoch}, {int(consumed.sum())} keys consumed before ({digest})"
+
+
+def state_bytes(state: Any) -> bytes:
+    """The bytes of a `Loader.state_dict()`'s ``state`` (a uint8 tensor, on any device, or
+    its bytes or NumPy array); ValueError in one line for anything else."""
+    data = state.get("state") if isinstance(state, dict) else None
+    if data is None:
+        raise ValueError(f"not a Loader.state_dict(): {type(state).__name__} without 'state'")
+    if isinstance(data, (bytes, bytearray)):
+        return bytes(data)
+    given = data
+    data = data.cpu().numpy() if hasattr(data, "cpu") else np.asarray(data)  # a tensor: any device
+    if data.ndim != 1 or data.dtype.kind not in "iu" or (data.size and not 0 <= data.min() <= data.max() <= 255):  # fmt: skip
+        raise ValueError(f"not a Loader.state_dict(): its 'state' is {type(given).__name__} of "
+                         f"{data.dtype}, not the bytes state_dict() gives")  # fmt: skip
+    return data.astype(np.uint8).tobytes()
+
+
+def state_tensor(data: bytes):
+    """``data`` as the uint8 tensor a `Loader.state_dict()` holds (what Lightning saves)."""
+    import torch
+
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -26,10 +26,11 @@ import numpy as np
 
 from raypipe.config import LoaderConfig, PipelineConfig, rank_loader
 from raypipe.config.checks import check_share, is_int
+from raypipe.loader.args import check_options
 from raypipe.loader.pipeline import Pipeline, rank_batches, rank_plan
 from raypipe.plan.rankplan import RankPlan
 from raypipe.plan.shards import Listing, list_shards
-from raypipe.train import ranks
+from raypipe.train import epochread, ranks
 from raypipe.train.checkpoint import any_rank
 from raypipe.train.epochread import MISUSE, EpochRead, EpochSampler, start_point
 from raypipe.train.state import PipelineState, merge_states
@@ -70,6 +71,7 @@ class Loader:
                 raise TypeError(f"Loader() sets {name}= itself")
         if unknown := sorted(set(options) - set(inspect.signature(Pipeline).parameters)):
             raise TypeError(f"Loader() got {unknown}, which raypipe.Pipeline does not take")
+        check_options(**{k: v for k, v in options.items() if k in ("progress_s", "skips")})
         fields = {f.name for f in dataclasses.fields(LoaderConfig)}  # checked now, as by a Pipeline
         rank_loader(config, **{k: v for k, v in options.items() if k in fields})
         self.config, self.num_epochs = config, epochs
@@ -116,12 +118,14 @@ class Loader:
         return run
 
     def _read(self, token: object) -> Iterator[dict[str, Any]]:
+        self._check_open()  # made before close(): a new pool that no close() would stop
         if self._latest is not token:
             raise RuntimeError(MISUSE)
         run = self._claim()
-        it = iter(run.batches)
+        it, run.reading = iter(run.batches), True
         try:
             while True:
+                self._check_open()  # closed mid-epoch: its end is not the epoch's
                 if self._latest is not token or self._running is not run:
                     raise RuntimeError(MISUSE)
                 try:
@@ -132,12 +136,14 @@ class Loader:
                 run.over = run.most is not None and run.count >= run.most
                 yield batch
         finally:  # read to the end, or left (break, an error): the next iter() is the next epoch
-            run.over = True
+            run.over, run.reading = True, False
 
     def __len__(self) -> int:
         """This rank's batches in a whole epoch, a resumed one too (Lightning counts a
         resumed epoch's steps on from its checkpoint's): the same on every rank (with
         ``drop_last``; fewer when samples are skipped); with packing, its packed rows'."""
+        if self._drop_last:  # a batch no rank can fill: refused, as by iter(), not 0
+            check_share(self.config, self.listing.num_samples, self._rank_world()[1])
         if self._len_plan is None:
             self._len_plan = rank_plan(self.config, self.listing, *self._rank_world())
         epoch = min(self.epoch, self.num_epochs - 1)
@@ -145,10 +151,12 @@ class Loader:
 
     def set_epoch(self, epoch: int) -> None:
         """The next epoch read is ``epoch`` (an iterator not started yet reads it too); the
-        next epoch anyway: nothing changes."""
+        next epoch anyway, or the one being read (a loop that sets it at every batch reads
+        on): nothing changes."""
         if not is_int(epoch) or not 0 <= epoch < self.num_epochs:
             raise ValueError(f"{epoch=} must be an integer in 0..{self.num_epochs - 1}")
-        if epoch != self._next:
+        run = self._running
+        if epoch != self._next and not (run is not None and run.reading and epoch == run.epoch):
             latest = self._latest
             self._restart(epoch, None)
             self._latest = latest  # a started one is stale: its epoch is no longer running
@@ -177,8 +185,6 @@ class Loader:
         With torch.distributed initialized over this Loader's ranks it is a collective:
         every rank calls it together (Lightning does, when it checkpoints). Else a rank of
         several holds only its own keys: OR the ranks' ``consumed`` before resuming."""
-        import torch
-
         run = self._running
         if run is not None and not run.over:
             epoch, keys, base = run.epoch, run.batches.state_dict()["keys"], run.base
@@ -188,18 +194,12 @@ class Loader:
         mine = merge_states([{"keys": keys}], n, base)
         consumed = any_rank(mine, ranks.collective_device(), self._rank_world()[1])
         state = PipelineState(epoch, self.config.seed, n, self.listing.fingerprint, consumed)
-        return {"epoch": epoch, "state": torch.frombuffer(bytearray(state.to_bytes()),
-                                                          dtype=torch.uint8)}  # fmt: skip
+        return {"epoch": epoch, "state": epochread.state_tensor(state.to_bytes())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at ``state`` (a `state_dict`, of any world size): the next ``iter()``
         gives the rest of its epoch, exactly once over the ranks, then whole epochs."""
-        data = state.get("state") if isinstance(state, dict) else None
-        if data is None:
-            raise ValueError(f"not a Loader.state_dict(): {type(state).__name__} without 'state'")
-        data = data.cpu().numpy() if hasattr(data, "cpu") else data  # a tensor: any device
-        raw = bytes(data) if isinstance(data, (bytes, bytearray)) else np.asarray(data, np.uint8).tobytes()  # fmt: skip
-        resumed = PipelineState.from_bytes(raw, source="the Loader state")
+        resumed = PipelineState.from_bytes(epochread.state_bytes(state), source="the Loader state")
         resumed.check(self.listing, self.config.seed)
         if not 0 <= resumed.epoch <= self.num_epochs:
             raise ValueError(f"the state is at epoch {resumed.epoch}: epochs={self.num_epochs}")
@@ -257,8 +257,7 @@ class Loader:
 
     def _rank_world(self) -> tuple[int, int]:
         if self._world is None:
-            rank, world, _ = self._asked
-            self._world = ranks.resolve_world(rank, world)
+            self._world = ranks.resolve_world(*self._asked[:2])
         return self._world
 
     def _join(self):
@@ -289,6 +288,7 @@ class Loader:
             return
         self._closed = True
         self._stop_pipeline()
+        self._running = None  # its batches hold the host-to-device ring (pinned, on CUDA)
         if self._named and self._ledger is not None:
             ranks.leave(self._ledger, self._run, self._rank_world()[0])
 

@@ -4,7 +4,9 @@ Ray: two ranks (threads sharing a ledger handle), exactly once and equal batches
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -92,6 +94,12 @@ def test_a_loaders_options_are_checked_when_it_is_made(datasets):
         Loader(config, epochs=1, prefetch=4)
     with pytest.raises(ValueError, match="drop_last='no': must be true or false"):
         Loader(config, epochs=1, drop_last="no")
+    # found at the first next(), after the listing and the pool's start (skips: an
+    # AttributeError in the feeder)
+    with pytest.raises(ValueError, match=r"progress_s=-1 must be seconds >= 0"):
+        Loader(config, epochs=1, progress_s=-1)
+    with pytest.raises(TypeError, match=r"skips= must be a raypipe.skips.log.SkipLog .* got str"):
+        Loader(config, epochs=1, skips="x")
     Loader(config, epochs=1, prefetch_batches=4, drop_last=False, device="cpu")  # no work yet
     loader = Loader(config, epochs=3, device="cpu")
     for bad in (True, -1, 3, 1.0):  # True was taken as epoch 1 (and named True)
@@ -269,9 +277,10 @@ def test_a_batch_no_rank_could_fill_is_refused_before_the_ranks_join(datasets):
     (train_ddp refused it); refused at the first iter(), before any rank joins."""
     config = PipelineConfig(source=str(datasets["imagefolder"]), image_size=8, batch_size=16)
     loader = Loader(config, epochs=1, rank=0, world_size=4, device="cpu")
-    with pytest.raises(ValueError, match=r"batch_size=16 is larger than one rank's share "
-                       r"\(61 samples / 4 ranks = 15\)"):  # fmt: skip
-        next(iter(loader))
+    for use in (lambda: next(iter(loader)), lambda: len(loader)):  # len() was 0
+        with pytest.raises(ValueError, match=r"batch_size=16 is larger than one rank's share "
+                           r"\(61 samples / 4 ranks = 15\)"):  # fmt: skip
+            use()
     loader.close()
 
 
@@ -316,6 +325,41 @@ def test_a_closed_loader_starts_no_pool_and_says_so(ray_session, datasets):
     assert loader._pipeline is None
 
 
+def test_iterators_made_before_close_end_with_it(ray_session, datasets):
+    """An iterator made before ``close()`` built a new pool at its first ``next()`` that no
+    later ``close()`` stopped; one half read ended as if its epoch were over; and the closed
+    Loader kept its host-to-device ring (pinned memory on CUDA) while it lived."""
+    config = _config(datasets)
+    loader = Loader(config, epochs=2, rank=0, world_size=1, device="cpu")
+    unstarted = iter(loader)
+    loader.close()
+    with pytest.raises(RuntimeError, match="the Loader is closed"):
+        next(unstarted)
+    assert loader._pipeline is None
+    loader = Loader(config, epochs=2, rank=0, world_size=1, device="cpu")
+    half = iter(loader)
+    next(half)
+    batches = weakref.ref(loader._running.batches)  # holds the ring
+    loader.close()
+    with pytest.raises(RuntimeError, match="the Loader is closed"):
+        next(half)
+    del half
+    gc.collect()
+    assert batches() is None
+
+
+def test_set_epoch_of_the_epoch_being_read_reads_on(ray_session, datasets):
+    """``set_epoch(epoch)`` at every step (a training loop's hook) restarted the pool at
+    that epoch, and the loop then failed as "nested or zipped loops"."""
+    with Loader(_config(datasets), epochs=2, rank=0, world_size=1, device="cpu") as loader:
+        for epoch in range(2):
+            seen = []
+            for batch in loader:
+                loader.set_epoch(epoch)
+                seen.extend(keys_of(batch).tolist())
+            assert len(set(seen)) == len(seen) == 60 and loader.epoch == epoch + 1  # one is bad
+
+
 def test_world_size_without_rank_is_refused_and_a_damaged_state_is_one_line(datasets, monkeypatch):
     from raypipe.train.ranks import resolve_world
 
@@ -330,4 +374,7 @@ def test_world_size_without_rank_is_refused_and_a_damaged_state_is_one_line(data
     good = PipelineState(0, 0, 60, "f" * 32, np.zeros(60, bool)).to_bytes()
     for data in (good[:20], torch.frombuffer(bytearray(good[:30]), dtype=torch.uint8)):
         with pytest.raises(ValueError, match=r"^the Loader state is a damaged raypipe pipeline"):
+            loader.load_state_dict({"state": data})
+    for data in ("abc", torch.zeros(3), [1, 300]):  # "invalid literal for int()", or bytes made
+        with pytest.raises(ValueError, match=r"^not a Loader.state_dict\(\): its 'state' is \w+"):
             loader.load_state_dict({"state": data})
