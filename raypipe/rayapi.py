@@ -11,7 +11,7 @@ a private name of Ray's).
                   ray.init(_system_config=...)
  cli.quiet        ray_logging.global_worker_stdstream_dispatcher (and its _lock), the
                   token-setup logger
- cli.submit       ray._raylet.AuthenticationTokenLoader
+ cli.jobapi       ray._raylet.AuthenticationTokenLoader
  pool.watch       ray._private.state: actors(), nodes()
  pool.autoscale   the streaming executor's _actor_autoscaler (its _topology) and
                   _cluster_autoscaler (its _send_resource_request); on an actor pool

@@ -259,7 +259,7 @@ COMMANDS = {"demo-data": _demo_data, "run": _run, "convert": _convert, "preproce
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from raypipe.cli.submit import SubmitError
+    from raypipe.cli.jobapi import SubmitError
 
     if "" not in sys.path and os.getcwd() not in sys.path:  # a console script's: as
         sys.path.insert(0, os.getcwd())  # `python -m raypipe`, a transform's module here

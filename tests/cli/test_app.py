@@ -13,7 +13,8 @@ import pytest
 
 from raypipe.cli import app as cli
 from raypipe.cli import jobspec
-from raypipe.cli.submit import entrypoint, job_address
+from raypipe.cli.jobapi import job_address
+from raypipe.cli.submit import entrypoint
 from tests.conftest import make_imagefolder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +35,7 @@ def _free_port() -> int:
 
 
 def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(textwrap.dedent(text))
     return path
 
@@ -303,6 +305,34 @@ def test_entrypoint_runs_the_config_from_the_working_dir(tmp_path, run_config):
     command, kind = entrypoint(run_config, tmp_path, Path("/data/here"))
     assert kind == "train"
     assert command == "python -m raypipe run run.yaml --data-root /data/here"
+
+
+def test_a_config_a_gitignore_leaves_out_is_refused_before_it_is_sent(tmp_path, run_config,
+                                                                      monkeypatch):  # fmt: skip
+    """Ray's upload honours the working dir's .gitignore files: such a config passed the
+    check here, and the job then failed on the head (no such file)."""
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    _write(tmp_path / "local" / ".gitignore", "*.yaml\n")
+    hidden = tmp_path / "local" / "run.yaml"
+    hidden.write_text(run_config.read_text())
+    with pytest.raises(ValueError, match=r"would not be shipped: local/\.gitignore:1:\*\.yaml "):
+        entrypoint(hidden, tmp_path, Path("/data"))
+    entrypoint(run_config, tmp_path, Path("/data"))  # the one beside it ships
+    monkeypatch.setenv("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "1")  # Ray then ships it too
+    entrypoint(hidden, tmp_path, Path("/data"))
+
+
+def test_a_loopback_heads_job_runs_this_python_where_the_head_has_it(tmp_path, run_config):
+    """A loopback URL can be a tunnel to a head elsewhere (`ray dashboard`, ssh -L): this
+    machine's interpreter path, sent as the command, was not found there."""
+    stubs = tmp_path / "bin"
+    for name in ("python", "here-python"):
+        _write(stubs / name, f'#!/bin/sh\necho {name} "$@"\n').chmod(0o755)
+    env = {"PATH": f"{stubs}:/usr/bin:/bin"}
+    for python, ran in ((stubs / "here-python", "here-python"), (tmp_path / "gone", "python")):
+        command, _ = entrypoint(run_config, tmp_path, Path("/d"), python=str(python))
+        out = subprocess.run(command, shell=True, env=env, capture_output=True, text=True).stdout
+        assert out == f"{ran} -m raypipe run run.yaml --data-root /d\n", (command, out)
 
 
 def test_relative_paths_resolve_against_the_data_root(tmp_path):

@@ -191,7 +191,7 @@ def test_submit_preprocess_job(head, project):
     assert "raypipe convert: done" in done.stdout
     # a head on this machine runs the job with this Python: a bare `python` was whichever
     # came first on the head's PATH (the system's, without raypipe, outside the venv)
-    python = done.stdout.split(f"{head.url}: ")[1].split(" -m raypipe convert")[0]
+    python = done.stdout.split(f"{head.url}: P=")[1].split("; ")[0]  # python where it is not
     assert Path(python).parent == BIN and Path(python).name.startswith("python"), python
     index = json.loads((project / "shards" / "index.json").read_text())
     assert index["complete"] and index["num_samples"] == 120

@@ -4,13 +4,19 @@ server)."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import io
+import os
 import re
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 import requests
 
+from raypipe.cli import jobapi
 from raypipe.cli import submit as sub
 from raypipe.cli.parser import build_parser
 
@@ -25,7 +31,7 @@ def local_token(monkeypatch):
 
 
 def _headers(monkeypatch, url: str, token_file=None) -> dict | None:
-    """The headers `raypipe.cli.submit._client` gives Ray's client for ``url``."""
+    """The headers `raypipe.cli.jobapi.client` gives Ray's client for ``url``."""
     seen = {}
 
     def client(address, headers=None):
@@ -33,7 +39,7 @@ def _headers(monkeypatch, url: str, token_file=None) -> dict | None:
         return SimpleNamespace()
 
     monkeypatch.setattr("ray.job_submission.JobSubmissionClient", client)
-    sub._client(url, token_file)
+    jobapi.client(url, token_file)
     return seen["headers"]
 
 
@@ -55,6 +61,69 @@ def test_the_local_token_never_goes_to_another_host_unless_asked(monkeypatch, lo
     assert _headers(monkeypatch, url, token) == {"Authorization": "Bearer theirs"}
     monkeypatch.setenv("RAY_AUTH_MODE", "token")  # Ray's client adds its token itself
     assert _headers(monkeypatch, url) is None
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    """A loopback server that notes each request (path, Authorization) and answers 404."""
+
+    def do_GET(self):
+        self.server.seen.append((self.path, self.headers.get("Authorization")))
+        self.send_response(404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def _listening():
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Recorder)
+    server.seen = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_head_asked_is_the_one_named_whatever_rays_variables_say(monkeypatch, local_token):
+    """Ray's client took RAY_API_SERVER_ADDRESS or RAY_ADDRESS over the address it was
+    given: `--address` and the token sent to a loopback head went to the variable's head
+    (raypipe chose the token for the address, Ray sent it elsewhere). A bare host:port there
+    (a GCS address) made Ray's client look the dashboard up for ~40 s, then a traceback."""
+    with _listening() as named, _listening() as elsewhere:
+        url = f"http://127.0.0.1:{named.server_port}"
+        for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+            monkeypatch.setenv(var, f"http://127.0.0.1:{elsewhere.server_port}")
+            with pytest.raises(jobapi.SubmitError, match=f"at {url}"):
+                jobapi.client(url, None)
+            assert os.environ[var] == f"http://127.0.0.1:{elsewhere.server_port}"  # put back
+            monkeypatch.delenv(var)
+        assert elsewhere.seen == [] and named.seen == [("/api/version", "Bearer local")] * 2
+        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{named.server_port}")
+        started = time.monotonic()
+        with pytest.raises(jobapi.SubmitError, match="cannot reach a Ray job API|failed"):
+            jobapi.client(jobapi.job_address(None), None)
+        assert time.monotonic() - started < 10 and len(named.seen) == 3
+
+
+def test_the_ray_job_commands_printed_carry_the_token_sent(monkeypatch, local_token, tmp_path):
+    """A token head refuses Ray's CLI without RAY_AUTH_MODE=token: the follow-up commands
+    printed after a submission failed there with 401."""
+    here, there = "http://127.0.0.1:8265", "http://head.example.com:8265"
+    assert (
+        jobapi.ray_job("stop", "j1", here, None)
+        == f"RAY_AUTH_MODE=token ray job stop j1 --address {here}"
+    )
+    assert jobapi.ray_job("stop", "j1", there, None) == f"ray job stop j1 --address {there}"
+    token = tmp_path / "head token"
+    token.write_text("theirs\n")
+    assert jobapi.ray_job("status", "j1", there, token) == (
+        f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH='{token}' ray job status j1 --address {there}"
+    )
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # set here: Ray's CLI finds it as the client did
+    assert jobapi.ray_job("status", "j1", there, token) == f"ray job status j1 --address {there}"
 
 
 class FakeClient:
@@ -81,11 +150,11 @@ class FakeClient:
 
 
 def _submit(monkeypatch, tmp_path, client: FakeClient) -> tuple[int, str]:
-    monkeypatch.setattr(sub, "_client", lambda url, token_file: client)
+    monkeypatch.setattr(sub, "client", lambda url, token_file: client)
     monkeypatch.setattr(sub, "time", SimpleNamespace(sleep=lambda s: None))  # no polling waits
     (tmp_path / "run.yaml").write_text("data:\n  source: .\n")
     out = io.StringIO()
-    code = sub.submit(tmp_path / "run.yaml", working_dir=tmp_path, address=sub.DEFAULT_ADDRESS,
+    code = sub.submit(tmp_path / "run.yaml", working_dir=tmp_path, address=jobapi.DEFAULT_ADDRESS,
                       out=out)  # fmt: skip
     return code, out.getvalue()
 
@@ -129,17 +198,17 @@ def test_a_job_still_running_after_the_stream_keeps_closing_exits_3(monkeypatch,
     assert code == 3, out  # the old code: 1, as if the job had failed
     assert code == sub.STILL_RUNNING and client.opened == 1 + sub.REATTACH
     assert out.count("epoch 0") == 1
-    assert f"ray job status {job_id} --address {sub.DEFAULT_ADDRESS}" in out.splitlines()[-1]
+    assert f"ray job status {job_id} --address {jobapi.DEFAULT_ADDRESS}" in out.splitlines()[-1]
     assert re.fullmatch(r"raypipe_train_[0-9a-f]{12}", job_id)  # what --help says
 
 
 def test_the_job_api_address_is_rays_job_cli_order(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # `raypipe run`'s GCS address
     monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "http://127.0.0.1:8266")
-    assert sub.job_address(None) == "http://127.0.0.1:8266"
-    assert sub.job_address("http://10.0.0.2:8265") == "http://10.0.0.2:8265"
+    assert jobapi.job_address(None) == "http://127.0.0.1:8266"
+    assert jobapi.job_address("http://10.0.0.2:8265") == "http://10.0.0.2:8265"
     monkeypatch.delenv("RAY_API_SERVER_ADDRESS")
-    assert sub.job_address(None) == "http://127.0.0.1:6379"
+    assert jobapi.job_address(None) == "http://127.0.0.1:6379"
 
 
 @pytest.mark.parametrize("port,what", [(6379, "GCS"), (10001, "Ray Client")])
@@ -151,11 +220,11 @@ def test_a_gcs_or_client_port_is_named_in_the_error(port, what):
         raise RuntimeError("Version check returned 404")
 
     for call in (refused, failed):
-        with pytest.raises(sub.SubmitError) as e:
-            sub._call(f"http://127.0.0.1:{port}", call)
+        with pytest.raises(jobapi.SubmitError) as e:
+            jobapi.call(f"http://127.0.0.1:{port}", call)
         assert f"{port} is Ray's {what} port" in str(e.value) and "(8265)" in str(e.value)
-    with pytest.raises(sub.SubmitError, match="is a head running there"):
-        sub._call("http://127.0.0.1:8265", refused)
+    with pytest.raises(jobapi.SubmitError, match="is a head running there"):
+        jobapi.call("http://127.0.0.1:8265", refused)
 
 
 def test_submit_help_says_what_the_code_does():
@@ -193,7 +262,7 @@ def test_an_installed_raypipe_asks_which_folder_to_ship(monkeypatch, tmp_path):
     monkeypatch.setattr(sub, "__file__", str(tmp_path / "site-packages/raypipe/cli/submit.py"))
     (tmp_path / "run.yaml").write_text("data:\n  source: .\n")
     with pytest.raises(ValueError, match="pass --working-dir, the folder to ship"):
-        sub.submit(tmp_path / "run.yaml", address=sub.DEFAULT_ADDRESS)
+        sub.submit(tmp_path / "run.yaml", address=jobapi.DEFAULT_ADDRESS)
 
 
 def test_a_job_whose_status_cannot_be_read_after_submission_exits_3(monkeypatch, tmp_path):
@@ -207,14 +276,14 @@ def test_a_job_whose_status_cannot_be_read_after_submission_exits_3(monkeypatch,
     client = Unreachable([["epoch 0\n"]])
     code, out = _submit(monkeypatch, tmp_path, client)
     assert code == sub.STILL_RUNNING == 3 and "submission_id" in client.kwargs
-    assert f"it may still run: ray job status {client.kwargs['submission_id']}" in out
+    assert "it may still run: " in out and f"ray job status {client.kwargs['submission_id']}" in out
 
 
 def test_submit_resolves_data_paths_against_its_data_root(monkeypatch, tmp_path):
     client = FakeClient([["done\n"]])
-    monkeypatch.setattr(sub, "_client", lambda url, token_file: client)
+    monkeypatch.setattr(sub, "client", lambda url, token_file: client)
     monkeypatch.setattr(sub, "time", SimpleNamespace(sleep=lambda s: None))
     (tmp_path / "run.yaml").write_text("data:\n  source: .\n")
     code = sub.submit(tmp_path / "run.yaml", working_dir=tmp_path, data_root="/shared/data",
-                      address=sub.DEFAULT_ADDRESS, out=io.StringIO())  # fmt: skip
+                      address=jobapi.DEFAULT_ADDRESS, out=io.StringIO())  # fmt: skip
     assert code == 0 and client.kwargs["entrypoint"].endswith("--data-root /shared/data")
