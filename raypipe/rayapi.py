@@ -18,6 +18,7 @@ a private name of Ray's).
                   _config, _running_actors, _release_running_actor and the two heaps
                   select_actors reads; ActorPoolScalingRequest.downscale
  loader.blocks    Dataset._create_executor, _build_bundle_iterator; the executor is its thread
+ train.ddp        the logger of a rank's error (TRAIN_ERROR_LOGGER)
  train.checkpoint ray.train.v2._internal.exceptions.CheckpointManagerInitializationError
  train.rendezvous ray.train.torch.config._TorchBackend, _set_torch_distributed_env_vars
 ```
@@ -33,19 +34,20 @@ import inspect
 import threading
 
 __all__ = [
-    "AUTH_TOKEN_LOGGER", "INTERNALS", "RAY_VERSION", "actor_autoscaler", "actor_table",
-    "address_from_environment", "auth_token_loader", "autoscaler_topology", "check",
-    "check_names", "checkpoint_manager_error", "cluster_autoscaler", "cluster_flag_off",
-    "downscale_request", "execute_to_iterator", "node_table", "pool_config",
-    "release_actor", "running_actors", "scheduling_heaps", "set_actor_autoscaler",
-    "set_cluster_autoscaler", "set_pool_config", "system_config", "torch_backend",
-    "torch_env_vars", "withdraw_resource_request", "worker_log_handlers",
+    "AUTH_TOKEN_LOGGER", "INTERNALS", "RAY_VERSION", "TRAIN_ERROR_LOGGER", "actor_autoscaler",
+    "actor_table", "address_from_environment", "auth_token_loader", "autoscaler_topology",
+    "check", "check_names", "checkpoint_manager_error", "cluster_autoscaler", "cluster_flag_off",
+    "downscale_request", "execute_to_iterator", "node_table", "pool_config", "release_actor",
+    "running_actors", "scheduling_heaps", "set_actor_autoscaler", "set_cluster_autoscaler",
+    "set_pool_config", "system_config", "torch_backend", "torch_env_vars",
+    "withdraw_resource_request", "worker_log_handlers",
 ]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 RAY_VERSION = "2.60.0"  # the Ray whose internals raypipe uses, checked by `check`
 _CHECKING, _CHECKED = threading.Lock(), {}  # groups -> what `check_names` found
 AUTH_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
+TRAIN_ERROR_LOGGER = "ray.train.v2._internal.util"  # logs a rank's error with its traceback
 _EXECUTOR = "ray.data._internal.execution.streaming_executor"
 _POOL = "ray.data._internal.execution.operators.actor_pool_map_operator"
 _SCALER = "ray.data._internal.actor_autoscaler"
@@ -62,8 +64,9 @@ INTERNALS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("watch", "ray._private.state", "nodes", ("callable",)),
     ("blocks", "ray.data.dataset", "Dataset", ("attr:_create_executor", "attr:_build_bundle_iterator")),
     ("blocks", _EXECUTOR, "StreamingExecutor", ("attr:join", "attr:shutdown")),
-    ("checkpoint", "ray.train.v2._internal.exceptions", "CheckpointManagerInitializationError",
-     ("class",)),
+    ("checkpoint", "ray.train.v2._internal.exceptions", "CheckpointManagerInitializationError", ("class",)),
+    ("ddp", TRAIN_ERROR_LOGGER, "construct_user_exception_with_traceback",
+     ("source:Error in training function",)),
     ("rendezvous", "ray.train.torch.config", "_TorchBackend", ("class", "attr:on_start")),
     ("rendezvous", "ray.train.torch.config", "_set_torch_distributed_env_vars", ("callable",)),
     ("autoscale", _SCALER, "ActorPoolScalingRequest", ("attr:downscale", "param:force")),
@@ -186,7 +189,7 @@ def auth_token_loader():
     return AuthenticationTokenLoader.instance()
 
 
-# -- pool.watch: the GCS's actor and node tables ------------------------------------------
+# -- pool.watch: the GCS's actor and node tables; loader.blocks: an execution -------------
 
 
 def actor_table(state: str | None) -> dict:
@@ -201,9 +204,6 @@ def node_table() -> list[dict]:
     from ray._private import state as gcs
 
     return gcs.nodes()
-
-
-# -- loader.blocks: a dataset's execution, started here -----------------------------------
 
 
 def execute_to_iterator(ds):

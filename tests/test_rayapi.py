@@ -168,6 +168,7 @@ def test_every_private_ray_name_is_used_in_the_fence_only():
         "ray.train.torch.config._TorchBackend",
         "ray.train.torch.config._set_torch_distributed_env_vars",
         "ray.train.v2._internal.exceptions",
+        "ray.train.v2._internal.util",
     ]
 
 

@@ -260,6 +260,7 @@ COMMANDS = {"demo-data": _demo_data, "run": _run, "convert": _convert, "preproce
 
 def main(argv: Sequence[str] | None = None) -> int:
     from raypipe.cli.jobapi import SubmitError
+    from raypipe.loader.errors import data_errors
 
     if "" not in sys.path and os.getcwd() not in sys.path:  # a console script's: as
         sys.path.insert(0, os.getcwd())  # `python -m raypipe`, a transform's module here
@@ -271,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.bench_args = extra[1:] if extra[:1] == ["--"] else extra
     try:
         return COMMANDS[args.command](args)
-    except (ValueError, FileNotFoundError, SubmitError) as e:
+    except (ValueError, FileNotFoundError, SubmitError, *data_errors()) as e:
         print(f"raypipe {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except ImportError as e:  # a format's library not installed: its message names the extra

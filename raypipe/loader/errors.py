@@ -9,10 +9,13 @@ the error as the actor raised it (one line naming the sample and its file), on e
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Iterator
 from typing import TypeVar
 
-__all__ = ["collect_failed", "raising_ours", "unwrapped"]
+__all__ = ["collect_failed", "data_error", "data_errors", "quiet_data_errors", "raising_ours",
+           "unwrapped"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 T = TypeVar("T")
@@ -21,20 +24,46 @@ T = TypeVar("T")
 def unwrapped(error: BaseException) -> BaseException:
     """The first raypipe error in ``error``'s chain of Ray wrappers (``cause``) and Python
     causes (``__cause__``) that is not itself a Ray wrapper; ``error`` when there is none."""
+    found = data_error(error)
+    return error if found is None else found
+
+
+def data_error(error: BaseException) -> BaseException | None:
+    """The raypipe error (a bad sample, the skip budget spent, a transform's output) in
+    ``error``'s chain, as `unwrapped` finds it; None when there is none."""
     from ray.exceptions import RayTaskError
 
-    from raypipe.preprocess.usermap import TransformOutputError
-    from raypipe.skips.budget import SkipBudgetError
-    from raypipe.skips.records import SampleError
-
-    ours = (SampleError, SkipBudgetError, TransformOutputError)
+    ours = data_errors()
     seen, e = set(), error
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, ours) and not isinstance(e, RayTaskError):
             return e
         e = getattr(e, "cause", None) or e.__cause__
-    return error
+    return None
+
+
+def data_errors() -> tuple[type[Exception], ...]:
+    """raypipe's errors about the data: a bad sample (`raypipe.SampleError`), the skip
+    budget spent (`raypipe.SkipBudgetError`), a transform's output (``TransformOutputError``)."""
+    from raypipe.preprocess.usermap import TransformOutputError
+    from raypipe.skips.budget import SkipBudgetError
+    from raypipe.skips.records import SampleError
+
+    return (SampleError, SkipBudgetError, TransformOutputError)
+
+
+def quiet_data_errors(logger: logging.Logger) -> None:
+    """Drop what ``logger`` logs while a data error (`data_errors`) is being handled: Ray
+    Train logs a rank's error with its traceback through raypipe's frames, and
+    `raypipe.train_ddp` raises it on the driver as itself, in one line."""
+    if _no_data_error not in logger.filters:
+        logger.addFilter(_no_data_error)
+
+
+def _no_data_error(record: logging.LogRecord) -> bool:
+    error = sys.exc_info()[1]
+    return error is None or data_error(error) is None
 
 
 def raising_ours(items: Iterator[T]) -> Iterator[T]:

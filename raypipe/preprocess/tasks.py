@@ -22,6 +22,7 @@ task of the run only.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
 import uuid
@@ -164,12 +165,32 @@ class TaskStream:
             while not ray.wait([oldest], timeout=STOP_POLL_S)[0]:
                 if self._stopped:  # `stop` came while the task ran: the stream ends quietly
                     return
-            blocks = ray.get(oldest)
+            try:
+                blocks = ray.get(oldest)
+            except Exception:  # a bad sample, the skip budget spent: the run stops
+                self._drain()
+                raise
             with self._lock:
                 if self._stopped:  # `stop` came during the get: the rest is not wanted
                     return
                 self._in_flight.popleft()
             yield from blocks
+
+    def _drain(self) -> None:
+        """Read the tasks in flight behind a failed one on a thread of their own: those that
+        failed too (the same budget spent) were each printed as Ray's "Unhandled error",
+        traceback and all, when their refs were dropped unread."""
+        import ray
+
+        with self._lock:
+            rest = list(self._in_flight)[1:]
+
+        def read() -> None:
+            for ref in rest:  # read to mark it handled: the first error is raised
+                with contextlib.suppress(Exception):
+                    ray.get(ref)
+
+        threading.Thread(target=read, name="raypipe-task-drain", daemon=True).start()
 
     def _window(self) -> int:
         """Tasks in flight: ``TASKS_IN_FLIGHT`` per slot, as an actor pool keeps."""

@@ -150,3 +150,35 @@ def test_a_ledger_made_before_any_ray_starts_raypipes_loopback_one(tmp_path):
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "node 127.0.0.1" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_a_spent_skip_budget_ends_raypipe_run_in_one_line(tmp_path):
+    """Half the images bad: each rank's error came back inside Ray Train's
+    WorkerGroupError, and the run printed ~140 lines, a traceback per rank ("Error in
+    training function"), one per failed task nobody read ("Unhandled error") and the
+    driver's own, exit 1. Now: the skipped samples' lines and one error line, exit 2."""
+    folder = make_imagefolder(tmp_path / "imgs", {"a": 160, "b": 160})
+    for bad in sorted(folder.glob("*/*"))[::2]:  # tasks fail at once: several in flight
+        bad.write_bytes(b"garbage\n")
+    (tmp_path / "run.yaml").write_text(textwrap.dedent(f"""
+        data:
+          source: {folder}
+          image_size: 8
+          batch_size: 4
+          actor_cpus: 0.25
+          files_per_task: 8
+        trainer:
+          num_workers: 2
+          epochs: 1
+          cpus_per_worker: 0.25
+          storage_path: {tmp_path / "runs"}
+        """))  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "raypipe", "run", "run.yaml"], cwd=tmp_path,
+                          env=_plain_env(), capture_output=True, text=True, timeout=240)  # fmt: skip
+    lines = [line for line in done.stderr.splitlines() if "Found multiple active Ray" not in line
+             and "(PlacementGroupCleaner pid=" not in line]  # another Ray here: see above  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert re.fullmatch(r"raypipe run: error: epoch 0: \d+ of its 320 samples skipped as bad so "
+                        r"far \(max_skipped=0\.05 allows 16\); .*", lines[-1]), lines[-1]  # fmt: skip
+    others = [line for line in lines[:-1] if "raypipe: skipped " not in line]
+    assert not others and "Traceback" not in done.stderr, done.stderr[-3000:]
