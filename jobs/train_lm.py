@@ -15,6 +15,7 @@ import sys
 from raypipe import localnode
 from raypipe.cli import localray
 from raypipe.cli.causal_lm import LMConfig, make_tokens, run
+from raypipe.loader.errors import data_errors
 
 
 def main(argv=None) -> int:
@@ -34,7 +35,7 @@ def main(argv=None) -> int:
     if args.config:
         try:
             result = _train(args.config, args.epochs)
-        except ValueError as e:  # a config or its data refused: one line
+        except (ValueError, *data_errors()) as e:  # a config or its data refused: one line
             print(f"train_lm: error: {' '.join(str(e).split())}", file=sys.stderr)
             return 2
         m = result.metrics

@@ -92,3 +92,25 @@ def test_a_vocabulary_smaller_than_the_data_stops_the_run_in_one_line(ray_sessio
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(TokenIdError, match=r"outside model.vocab_size=32 \(ids 0..31\)"):
         run(path, epochs=1)
+
+
+def test_train_lm_prints_a_data_error_in_one_line(monkeypatch, capsys, tmp_path):
+    """train_ddp raises a rank's spent skip budget as itself (not inside Ray Train's
+    WorkerGroupError), and the job prints it as its one error line, as raypipe run does."""
+    import importlib.util
+
+    from raypipe import SkipBudgetError
+
+    spec = importlib.util.spec_from_file_location("train_lm_job", ROOT / "jobs/train_lm.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+
+    def spent(config, epochs):
+        raise SkipBudgetError("epoch 0: 9 of its 10 samples skipped as bad so far\n(Ray's)", 9)
+
+    monkeypatch.setattr(job, "_train", spent)
+    (tmp_path / "lm.yaml").write_text("model: {}\n")
+    assert job.main([str(tmp_path / "lm.yaml")]) == 2
+    assert capsys.readouterr().err == (
+        "train_lm: error: epoch 0: 9 of its 10 samples skipped as bad so far\n"
+    )
