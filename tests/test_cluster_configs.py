@@ -367,6 +367,45 @@ def _autoscaler_tls_problems(cluster: dict) -> list[str]:
     return problems
 
 
+IMAGE_USER = (1000, 100)  # rayproject/ray's user: ray, uid 1000, in group users (100)
+
+
+def _secret_readable(pod: dict, volume: str) -> bool:
+    """Whether the image's user reads Secret ``volume``'s files in ``pod``, by kubelet's
+    rule (kubernetes/kubernetes#57923): root's, ``defaultMode``; with the pod's
+    ``fsGroup``, of that group, and group read added (a Secret volume is read-only)."""
+    (secret,) = [v["secret"] for v in pod["volumes"] if v["name"] == volume]
+    mode, fs_group = secret.get("defaultMode", 0o644), pod.get("securityContext", {}).get("fsGroup")
+    uid, gid = IMAGE_USER
+    if fs_group is not None:
+        mode |= 0o440
+    if uid == 0:
+        return True
+    if (fs_group if fs_group is not None else 0) in {gid, fs_group}:
+        return bool(mode & 0o040)
+    return bool(mode & 0o004)
+
+
+def test_every_pods_init_container_can_read_the_ca_it_signs_with():
+    """The CA Secret was mounted 0400 (root's) into an init container that runs as the
+    image's ray user: openssl could not read ca.key, and no pod started (a simulation:
+    there is no Kubernetes here)."""
+    (cluster,) = _docs("raycluster.yaml")
+    spec = cluster["spec"]
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        pod = group["template"]["spec"]
+        (init,) = pod["initContainers"]
+        assert "runAsUser" not in init.get("securityContext", {})  # the image's user
+        assert {"name": "ray-ca", "mountPath": "/etc/ray/ca", "readOnly": True} in init[
+            "volumeMounts"
+        ]
+        assert _secret_readable(pod, "ray-ca"), group.get("groupName", "head")
+        assert not any(m["name"] == "ray-ca" for m in pod["containers"][0]["volumeMounts"])
+        assert not _secret_readable(
+            {k: v for k, v in pod.items() if k != "securityContext"}, "ray-ca"
+        )
+
+
 def test_raycluster_autoscaler_gets_the_heads_tls():
     (cluster,) = _docs("raycluster.yaml")
     assert _autoscaler_tls_problems(cluster) == []
