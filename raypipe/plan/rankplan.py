@@ -19,8 +19,10 @@ gives every rank the same samples in the same order, whatever the timing or pool
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import threading
 
 import numpy as np
 
@@ -181,6 +183,11 @@ class RankPlan:
         return bool(np.all(self.counts == 1))
 
 
+KEYS_CACHE, KEYS_CACHE_BYTES = 32, 64 << 20  # entries, bytes (`_rank_keys`)
+_KEYS: collections.OrderedDict = collections.OrderedDict()  # (plan, epoch) → keys, newest last
+_KEYS_LOCK = threading.Lock()  # an actor's threads share it
+
+
 def rank_pool(actors: tuple[int, int], world_size: int, rank: int = 0) -> tuple[int, int]:
     """Rank ``rank``'s share of ``PipelineConfig.actors`` (the run's total): each bound
     split in whole actors, the first ranks taking one more, so the shares add up to the
@@ -189,8 +196,25 @@ def rank_pool(actors: tuple[int, int], world_size: int, rank: int = 0) -> tuple[
     return max(1, lo), max(1, lo, hi)
 
 
-@functools.lru_cache(maxsize=32)  # ranks sharing a pooled worker, two epochs each
 def _rank_keys(plan: RankPlan, epoch: int) -> np.ndarray:
+    """`RankPlan.keys`, cached: the newest ones, up to `KEYS_CACHE` entries and
+    `KEYS_CACHE_BYTES` (the newest always): a pooled worker serves several ranks and two
+    epochs of each at an epoch's turn; 32 entries of a 1.28M-sample epoch held 313 MiB."""
+    with _KEYS_LOCK:
+        found = _KEYS.get((plan, epoch))
+        if found is not None:
+            _KEYS.move_to_end((plan, epoch))
+            return found
+    keys = _build_rank_keys(plan, epoch)
+    with _KEYS_LOCK:
+        _KEYS[(plan, epoch)] = keys
+        held = sum(k.nbytes for k in _KEYS.values())
+        while len(_KEYS) > 1 and (len(_KEYS) > KEYS_CACHE or held > KEYS_CACHE_BYTES):
+            held -= _KEYS.popitem(last=False)[1].nbytes
+    return keys
+
+
+def _build_rank_keys(plan: RankPlan, epoch: int) -> np.ndarray:
     """``np.array_split(plan.all_keys(epoch), world_size)[rank]``, built from the shards
     the rank's slice touches only: O(shards + the rank's keys), not O(the epoch's keys).
     With weights (packing), the weighted `RankPlan.split`'s slice."""

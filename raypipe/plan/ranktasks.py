@@ -41,6 +41,7 @@ class RankTasks:
     paths: Paths
     labels: np.ndarray
     shared_skips: bool = False
+    _samples: dict = dataclasses.field(default_factory=dict, repr=False)  # epoch → `samples`
 
     @classmethod
     def of(cls, listing: Listing, plan: RankPlan, epochs: range, *, shared_skips: bool = False):
@@ -53,12 +54,17 @@ class RankTasks:
     def samples(self, epoch: int) -> int:
         """The samples of epoch ``epoch`` this rank's skip budget is a share of: the whole
         epoch's, a resumed one's too (a checkpoint consumes good keys only: the bad ones
-        met before it are read and skipped again, against the whole epoch's budget)."""
-        plan = self.plan
-        if epoch == plan.resume_epoch:
-            plan = dataclasses.replace(plan, consumed=None)
-        sizes = plan.sizes(epoch)
-        return int(sum(sizes)) if self.shared_skips else sizes[self.plan.rank]
+        met before it are read and skipped again, against the whole epoch's budget).
+        Asked at each flush of skips: with packing a rank's share is the weighted split of
+        the epoch's keys (~50 ms at 10M documents), found once an epoch."""
+        if self.shared_skips:  # every rank's: the whole epoch's samples
+            return self.plan.num_samples
+        if epoch not in self._samples:
+            plan = self.plan
+            if epoch == plan.resume_epoch:
+                plan = dataclasses.replace(plan, consumed=None)
+            self._samples[epoch] = plan.sizes(epoch)[plan.rank]
+        return self._samples[epoch]
 
     def rows(self, task: int) -> tuple[int, dict[str, list]]:
         """The task's epoch and its keys as shard rows: members of a shard that are not the
