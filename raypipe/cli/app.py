@@ -166,6 +166,7 @@ def _submit(args: argparse.Namespace) -> int:
         token_file=args.token_file,
         submission_id=args.submission_id,
         verbose=quiet.is_verbose(args.verbose),
+        resume=args.resume,
     )
 
 

@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--submission-id", default=None,
                    help="job id to use (default: raypipe_{train|convert}_ and 12 random hex "
                    "digits)")  # fmt: skip
+    p.add_argument("--resume", metavar="RUN", default=None,
+                   help="a run config's job goes on from this run folder on the head (as "
+                   "raypipe run --resume; a relative one is resolved against --data-root)")  # fmt: skip
     _verbose_flag(p)
 
     p = sub.add_parser("bench", help="measure ingest throughput against torch DataLoader",

@@ -50,10 +50,15 @@ POLL_S = 0.5
 
 
 def entrypoint(config: Path, working_dir: Path, data_root: Path, verbose: bool = False,
-               python: str = "python") -> tuple[str, str]:  # fmt: skip
+               python: str = "python", resume: str | None = None) -> tuple[str, str]:  # fmt: skip
     """The job's command and the config's kind; the config must be inside the working dir.
-    ``python``: the head's (this one's, where the head is on this machine: `submit`)."""
+    ``python``: the head's (this one's, where the head is on this machine: `submit`);
+    ``resume``: a run's folder on the head, relative ones against ``data_root``."""
     kind = jobspec.check(config)
+    if resume is not None and kind != "train":
+        raise ValueError(
+            f"--resume goes on with a training run; {str(config)!r} is a {kind} config"
+        )
     try:
         rel = config.resolve().relative_to(working_dir.resolve())
     except ValueError:
@@ -66,6 +71,7 @@ def entrypoint(config: Path, working_dir: Path, data_root: Path, verbose: bool =
                          "the working dir Ray packs; move it, or set RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1")  # fmt: skip
     args = ["-m", "raypipe", ENTRY[kind], rel.as_posix()]
     args += ["--data-root", os.path.abspath(data_root)] + ["--verbose"] * verbose  # as given
+    args += ["--resume", jobspec.resolve(str(data_root), resume)] if resume else []
     if python == "python":
         return shlex.join([python, *args]), kind
     # this machine's Python, where the head has it; ``python`` where it does not (a
@@ -110,9 +116,11 @@ def submit(
     submission_id: str | None = None,
     out: TextIO | None = None,
     verbose: bool = False,
+    resume: str | None = None,
 ) -> int:
     """Submit ``config`` as a Ray job; with ``wait``, stream its log and return its exit code.
-    Unless ``verbose``, the job's Ray processes print only what matters (`raypipe.cli.quiet`)."""
+    Unless ``verbose``, the job's Ray processes print only what matters (`raypipe.cli.quiet`).
+    ``resume``: the run goes on from that run folder on the head (``raypipe run --resume``)."""
     out = out or sys.stdout
     config = Path(config)
     working_dir = Path(working_dir) if working_dir else _repo_root()
@@ -120,7 +128,7 @@ def submit(
         raise ValueError(f"working dir {str(working_dir)!r} is not a directory")
     url = job_address(address)  # a head on this machine runs this Python, venv or not
     python = sys.executable if loopback(url) and sys.executable else "python"
-    command, kind = entrypoint(config, working_dir, Path(data_root), verbose, python)
+    command, kind = entrypoint(config, working_dir, Path(data_root), verbose, python, resume)
     api = client(url, token_file)
     runtime_env = {"working_dir": str(working_dir), "excludes": list(EXCLUDES)}
     if not verbose:

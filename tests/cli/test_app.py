@@ -307,6 +307,18 @@ def test_entrypoint_runs_the_config_from_the_working_dir(tmp_path, run_config):
     assert command == "python -m raypipe run run.yaml --data-root /data/here"
 
 
+def test_a_resumed_jobs_run_folder_is_the_heads(tmp_path, run_config):
+    command, _ = entrypoint(run_config, tmp_path, Path("/data/here"), resume="runs/r1")
+    assert command.endswith("--data-root /data/here --resume /data/here/runs/r1")
+    command, _ = entrypoint(run_config, tmp_path, Path("/d"), resume="/shared/runs/r1")
+    assert command.endswith("--resume /shared/runs/r1")
+    shards = _write(tmp_path / "shards.yaml", "preprocess:\n  source: .\n  out: o\n")
+    with pytest.raises(
+        ValueError, match="--resume goes on with a training run; .* a convert config"
+    ):
+        entrypoint(shards, tmp_path, Path("/d"), resume="runs/r1")
+
+
 def test_a_config_a_gitignore_leaves_out_is_refused_before_it_is_sent(tmp_path, run_config,
                                                                       monkeypatch):  # fmt: skip
     """Ray's upload honours the working dir's .gitignore files: such a config passed the

@@ -182,6 +182,27 @@ def test_submit_training_job(head, project):
     assert list((project / "runs").glob("*/checkpoint_*/state.pt"))
 
 
+def test_a_submitted_run_goes_on_from_its_run_folder(head, project):
+    """``raypipe submit --resume RUN`` (``raypipe run`` had it, submit did not): the job
+    trains only the epochs the run's checkpoint left, here epoch 1 of 2."""
+    if not list((project / "runs").glob("*/checkpoint_*")):  # run alone: make one
+        _submit("work/train.yaml", "--address", head.url, "--working-dir", "work",
+                cwd=project, env=_env())  # fmt: skip
+    (run,) = {c.parent for c in (project / "runs").glob("*/checkpoint_*")}
+    longer = project / "work" / "train2.yaml"
+    longer.write_text(
+        (project / "work" / "train.yaml").read_text().replace("epochs: 1", "epochs: 2")
+    )
+    done = _submit(
+        "work/train2.yaml", "--address", head.url, "--working-dir", "work",
+        "--resume", str(run.relative_to(project)), cwd=project, env=_env(),
+    )  # fmt: skip
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert f"--resume {run}" in out.splitlines()[0]  # against --data-root: the head's path
+    assert "epoch 1:" in out and "epoch 0:" not in out, out
+
+
 def test_submit_preprocess_job(head, project):
     done = _submit(
         "work/shards.yaml", "--address", head.url, "--working-dir", "work",
