@@ -92,15 +92,23 @@ def token(token_file: str | Path | None, url: str) -> str | None:
 
 
 def ray_job(verb: str, job_id: str, url: str, token_file: str | Path | None) -> str:
-    """``ray job VERB ID --address URL``, to run here later; with the token `token` sent,
-    which Ray's CLI sends only with ``RAY_AUTH_MODE=token`` (a token head refuses it else)."""
+    """``ray job VERB ID --address URL``, to run here later, with the token `token` sent
+    (its file's path, never the token): Ray's CLI sends one only with ``RAY_AUTH_MODE=token``.
+    With a token, or with Ray's address variables set here, the command names its head in
+    ``RAY_API_SERVER_ADDRESS`` too: Ray's CLI takes that variable, or ``RAY_ADDRESS``, over
+    ``--address``, and would send the token to the head they name."""
     command = f"ray job {verb} {job_id} --address {url}"
-    if os.environ.get("RAY_AUTH_MODE"):  # Ray's client sent its own token, or none
-        return command
     if token_file is not None:
         path = shlex.quote(str(Path(token_file).expanduser().resolve()))
-        return f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={path} {command}"
-    return f"RAY_AUTH_MODE=token {command}" if token(None, url) else command
+        auth = f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={path} "
+    elif os.environ.get("RAY_AUTH_MODE"):  # Ray's client sent its own token, or none
+        auth = ""
+    else:
+        auth = "RAY_AUTH_MODE=token " if token(None, url) else ""
+    sends = auth or os.environ.get("RAY_AUTH_MODE") == "token"
+    if sends or any(os.environ.get(v) for v in ADDRESS_VARS):
+        auth = f"RAY_API_SERVER_ADDRESS={shlex.quote(url)} {auth}"
+    return auth + command
 
 
 def loopback(url: str) -> bool:

@@ -17,6 +17,7 @@ Ray's token authentication (``RAY_AUTH_MODE=token``) for anything shared.
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import os
 import shlex
 import subprocess
@@ -67,8 +68,8 @@ def entrypoint(config: Path, working_dir: Path, data_root: Path, verbose: bool =
             "shipped to the cluster: move it there or pass --working-dir"
         ) from None
     if (rule := _left_out(rel, working_dir)) is not None:
-        raise ValueError(f"config {str(config)!r} would not be shipped: {rule} leaves it out of "
-                         "the working dir Ray packs; move it, or set RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1")  # fmt: skip
+        raise ValueError(f"config {str(config)!r} would not be shipped with the working dir: "
+                         f"{rule} leaves it out; move it")  # fmt: skip
     args = ["-m", "raypipe", ENTRY[kind], rel.as_posix()]
     args += ["--data-root", os.path.abspath(data_root)] + ["--verbose"] * verbose  # as given
     args += ["--resume", jobspec.resolve(str(data_root), resume)] if resume else []
@@ -80,8 +81,17 @@ def entrypoint(config: Path, working_dir: Path, data_root: Path, verbose: bool =
 
 
 def _left_out(rel: Path, working_dir: Path) -> str | None:
-    """The ``.gitignore`` rule (file:line:pattern) by which Ray's upload, which honours the
-    ``.gitignore`` files inside the working dir, leaves ``rel`` out; None without git."""
+    """The rule by which Ray's upload leaves ``rel`` out: one of `EXCLUDES`, or a rule
+    (file:line:pattern) of the ``.gitignore`` files inside the working dir, which it
+    honours (found with git: None without it; ``.rayignore`` files are not looked at)."""
+    for pattern in EXCLUDES:  # as gitignore's: a/b/ anchored, a/ a folder, a any name
+        bare = pattern.rstrip("/")
+        if "/" in bare:
+            names = ["/".join(rel.parts[:k]) for k in range(1, len(rel.parts))]
+        else:
+            names = rel.parts[:-1] if pattern.endswith("/") else rel.parts
+        if any(fnmatch.fnmatchcase(name, bare) for name in names):
+            return f"raypipe's excludes ({pattern}: secrets, environments, data)"
     if os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") == "1":
         return None
     found = _git(working_dir, "check-ignore", "-v", "--no-index", "--", rel.as_posix())
@@ -89,10 +99,13 @@ def _left_out(rel: Path, working_dir: Path) -> str | None:
     if not found or not top:  # not ignored, or no git (then none is honoured here either)
         return None
     source, _, rule = found.partition("\t")[0].partition(":")
+    if rule.partition(":")[2].startswith("!"):  # the last rule that matched puts it back
+        return None
     path, root = Path(top.strip(), source).resolve(), working_dir.resolve()
     if path.name != ".gitignore" or not path.is_relative_to(root):  # Ray reads no other
         return None
-    return f"{path.relative_to(root)}:{rule}"
+    return (f"{path.relative_to(root)}:{rule} (Ray's upload honours .gitignore files; "
+            "RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1 turns that off)")  # fmt: skip
 
 
 def _git(folder: Path, *args: str) -> str | None:

@@ -14,8 +14,7 @@ import sys
 from collections.abc import Iterator
 from typing import TypeVar
 
-__all__ = ["collect_failed", "data_error", "data_errors", "quiet_data_errors", "raising_ours",
-           "unwrapped"]  # fmt: skip
+__all__ = ["collect_failed", "data_errors", "quiet_data_errors", "raising_ours", "unwrapped"]
 assert __all__ == sorted(__all__)
 
 T = TypeVar("T")
@@ -24,13 +23,6 @@ T = TypeVar("T")
 def unwrapped(error: BaseException) -> BaseException:
     """The first raypipe error in ``error``'s chain of Ray wrappers (``cause``) and Python
     causes (``__cause__``) that is not itself a Ray wrapper; ``error`` when there is none."""
-    found = data_error(error)
-    return error if found is None else found
-
-
-def data_error(error: BaseException) -> BaseException | None:
-    """The raypipe error (a bad sample, the skip budget spent, a transform's output) in
-    ``error``'s chain, as `unwrapped` finds it; None when there is none."""
     from ray.exceptions import RayTaskError
 
     ours = data_errors()
@@ -40,7 +32,7 @@ def data_error(error: BaseException) -> BaseException | None:
         if isinstance(e, ours) and not isinstance(e, RayTaskError):
             return e
         e = getattr(e, "cause", None) or e.__cause__
-    return None
+    return error
 
 
 def data_errors() -> tuple[type[Exception], ...]:
@@ -54,16 +46,16 @@ def data_errors() -> tuple[type[Exception], ...]:
 
 
 def quiet_data_errors(logger: logging.Logger) -> None:
-    """Drop what ``logger`` logs while a data error (`data_errors`) is being handled: Ray
-    Train logs a rank's error with its traceback through raypipe's frames, and
-    `raypipe.train_ddp` raises it on the driver as itself, in one line."""
+    """Drop what ``logger`` logs while a data error (`data_errors`, itself: not one a
+    user's error wraps) is being handled: Ray Train logs a rank's error with its
+    traceback through raypipe's frames, and `raypipe.train_ddp` raises it on the driver
+    as itself, in one line."""
     if _no_data_error not in logger.filters:
         logger.addFilter(_no_data_error)
 
 
 def _no_data_error(record: logging.LogRecord) -> bool:
-    error = sys.exc_info()[1]
-    return error is None or data_error(error) is None
+    return not isinstance(sys.exc_info()[1], data_errors())
 
 
 def raising_ours(items: Iterator[T]) -> Iterator[T]:

@@ -183,7 +183,7 @@ class RankPlan:
         return bool(np.all(self.counts == 1))
 
 
-KEYS_CACHE, KEYS_CACHE_BYTES = 32, 64 << 20  # entries, bytes (`_rank_keys`)
+KEYS_KEPT, KEYS_CACHE, KEYS_CACHE_BYTES = 4, 32, 64 << 20  # entries, entries, bytes: `_rank_keys`
 _KEYS: collections.OrderedDict = collections.OrderedDict()  # (plan, epoch) → keys, newest last
 _KEYS_LOCK = threading.Lock()  # an actor's threads share it
 
@@ -197,9 +197,10 @@ def rank_pool(actors: tuple[int, int], world_size: int, rank: int = 0) -> tuple[
 
 
 def _rank_keys(plan: RankPlan, epoch: int) -> np.ndarray:
-    """`RankPlan.keys`, cached: the newest ones, up to `KEYS_CACHE` entries and
-    `KEYS_CACHE_BYTES` (the newest always): a pooled worker serves several ranks and two
-    epochs of each at an epoch's turn; 32 entries of a 1.28M-sample epoch held 313 MiB."""
+    """`RankPlan.keys`, cached: the newest `KEYS_KEPT` entries always (two ranks sharing
+    a pooled worker at an epoch's turn, which alternate: fewer rebuilt the keys at every
+    task, 70-130 ms at 10M samples), more up to `KEYS_CACHE_BYTES` and `KEYS_CACHE`
+    entries (32 entries of a 1.28M-sample epoch held 313 MiB)."""
     with _KEYS_LOCK:
         found = _KEYS.get((plan, epoch))
         if found is not None:
@@ -209,7 +210,7 @@ def _rank_keys(plan: RankPlan, epoch: int) -> np.ndarray:
     with _KEYS_LOCK:
         _KEYS[(plan, epoch)] = keys
         held = sum(k.nbytes for k in _KEYS.values())
-        while len(_KEYS) > 1 and (len(_KEYS) > KEYS_CACHE or held > KEYS_CACHE_BYTES):
+        while len(_KEYS) > KEYS_KEPT and (len(_KEYS) > KEYS_CACHE or held > KEYS_CACHE_BYTES):
             held -= _KEYS.popitem(last=False)[1].nbytes
     return keys
 

@@ -42,6 +42,7 @@ assert __all__ == sorted(__all__)
 
 Columns = dict[str, np.ndarray]
 STOP_POLL_S = 0.2  # how soon a stopped stream stops waiting for the task it waits on
+DRAIN_S = 5.0  # at most, for the tasks in flight behind a failed one (`TaskStream._drain`)
 RUNS_PER_WORKER = 16  # runs whose Preprocessor a pooled worker keeps (a node's ranks, train
 # and held-out: a run past them rebuilt its Preprocessor on every task, fetching its listing)
 _PREPROCESSORS: collections.OrderedDict = collections.OrderedDict()  # run id → Preprocessor
@@ -177,20 +178,18 @@ class TaskStream:
             yield from blocks
 
     def _drain(self) -> None:
-        """Read the tasks in flight behind a failed one on a thread of their own: those that
-        failed too (the same budget spent) were each printed as Ray's "Unhandled error",
-        traceback and all, when their refs were dropped unread."""
+        """Read the tasks in flight behind a failed one that are done within `DRAIN_S`:
+        those that failed too (the same budget spent) were each printed as Ray's "Unhandled
+        error", traceback and all, when their refs were dropped unread. Here, not on a
+        thread: a driver may shut Ray down as soon as the error reaches it."""
         import ray
 
         with self._lock:
             rest = list(self._in_flight)[1:]
-
-        def read() -> None:
-            for ref in rest:  # read to mark it handled: the first error is raised
-                with contextlib.suppress(Exception):
-                    ray.get(ref)
-
-        threading.Thread(target=read, name="raypipe-task-drain", daemon=True).start()
+        done = ray.wait(rest, num_returns=len(rest), timeout=DRAIN_S)[0] if rest else []
+        for ref in done:  # read to mark it handled: the first error is the one raised
+            with contextlib.suppress(Exception):
+                ray.get(ref)
 
     def _window(self) -> int:
         """Tasks in flight: ``TASKS_IN_FLIGHT`` per slot, as an actor pool keeps."""

@@ -24,7 +24,7 @@ from typing import Any
 from raypipe import localnode, rayapi
 from raypipe.config import PipelineConfig, rank_loader
 from raypipe.config.checks import check_share
-from raypipe.loader.errors import data_error, quiet_data_errors
+from raypipe.loader.errors import data_errors, quiet_data_errors
 from raypipe.loader.ledger import create_ledger
 from raypipe.plan.rankplan import rank_pool
 from raypipe.plan.shards import Listing, list_shards
@@ -264,8 +264,9 @@ def train_ddp(
 
 def _fit(trainer):
     """``trainer.fit()``, where a Ctrl-C stops the run with `KeyboardInterrupt` and a
-    rank's data error (`raypipe.SkipBudgetError`, `raypipe.SampleError`, a transform's
-    output) is raised as itself, not inside Ray Train's ``WorkerGroupError``.
+    failure of the ranks' that is all data errors (`raypipe.SkipBudgetError`,
+    `raypipe.SampleError`, a transform's output) is raised as the first rank's error,
+    not inside Ray Train's ``WorkerGroupError``.
 
     Ray Train answers a SIGINT in the driver by aborting the run, and the driver's wait
     then ends in ``SystemExit(1)`` with no message (``raypipe run`` exited 1, silently);
@@ -281,12 +282,11 @@ def _fit(trainer):
         return trainer.fit()
     except SystemExit as e:  # from a signal handler during the wait: Ray Train's Ctrl-C
         raise KeyboardInterrupt("the training run was stopped (Ctrl-C)") from e
-    except Exception as e:  # a rank's data error, raised as itself: not in Ray's wrapper
-        failures = getattr(e, "worker_failures", None) or {}
-        ours = [d for _, f in sorted(failures.items()) if (d := data_error(f)) is not None]
-        if not ours:
-            raise
-        raise ours[0] from e
+    except Exception as e:  # the ranks' data errors, raised as themselves, not in Ray's wrapper
+        failures = [f for _, f in sorted((getattr(e, "worker_failures", None) or {}).items())]
+        if not failures or not all(isinstance(f, data_errors()) for f in failures):
+            raise  # another failure too: Ray's error names every rank's
+        raise failures[0] from e
     finally:
         if before is not None:
             signal.signal(signal.SIGINT, before)

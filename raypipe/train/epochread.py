@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["EpochRead", "EpochSampler", "MISUSE", "start_point", "state_bytes", "state_tensor"]
+__all__ = ["EpochRead", "EpochSampler", "MISUSE", "held", "start_point", "state_bytes",
+           "state_tensor", "stop_reading"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 MISUSE = (
@@ -31,6 +32,36 @@ class EpochRead:
     count: int = 0
     over: bool = False
     reading: bool = False  # an iterator of it between its first next() and its end
+    stale: str | None = None  # why that iterator may not go on (else `MISUSE`)
+
+
+def stop_reading(run: EpochRead | None, by: str) -> None:
+    """A loop over ``run`` ends, at its next step, with why (a `set_epoch` within it: an
+    epoch's loop that set its own epoch at every step restarted the pool, then was told
+    of nested or zipped loops)."""
+    if run is not None and run.reading:
+        run.stale = (f"{by} was called while epoch {run.epoch} was being read: it starts the "
+                     "pool anew, and ends this loop; set the epoch before the loop (for e in "
+                     "range(E): loader.set_epoch(e); for batch in loader: ...)")  # fmt: skip
+
+
+def held(run: EpochRead | None) -> EpochRead | None:
+    """``run`` as `Loader.close` keeps it: the keys it handed out, so that ``state_dict()``
+    still says where the run stands, without its batches (their host-to-device ring,
+    pinned memory on CUDA)."""
+    if run is None or run.over:
+        return None
+    return dataclasses.replace(run, batches=_Handed(run.batches.state_dict()))
+
+
+class _Handed:
+    """What `held` keeps of an epoch's batches: their ``state_dict()``."""
+
+    def __init__(self, state: dict[str, Any]):
+        self._state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state
 
 
 class EpochSampler:

@@ -127,7 +127,7 @@ class Loader:
             while True:
                 self._check_open()  # closed mid-epoch: its end is not the epoch's
                 if self._latest is not token or self._running is not run:
-                    raise RuntimeError(MISUSE)
+                    raise RuntimeError(run.stale or MISUSE)
                 try:
                     batch = next(it)
                 except StopIteration:
@@ -151,12 +151,11 @@ class Loader:
 
     def set_epoch(self, epoch: int) -> None:
         """The next epoch read is ``epoch`` (an iterator not started yet reads it too); the
-        next epoch anyway, or the one being read (a loop that sets it at every batch reads
-        on): nothing changes."""
+        next epoch anyway: nothing changes. Set during an epoch's loop, it ends that loop."""
         if not is_int(epoch) or not 0 <= epoch < self.num_epochs:
             raise ValueError(f"{epoch=} must be an integer in 0..{self.num_epochs - 1}")
-        run = self._running
-        if epoch != self._next and not (run is not None and run.reading and epoch == run.epoch):
+        if epoch != self._next:
+            epochread.stop_reading(self._running, f"set_epoch({epoch})")
             latest = self._latest
             self._restart(epoch, None)
             self._latest = latest  # a started one is stale: its epoch is no longer running
@@ -288,7 +287,7 @@ class Loader:
             return
         self._closed = True
         self._stop_pipeline()
-        self._running = None  # its batches hold the host-to-device ring (pinned, on CUDA)
+        self._running = epochread.held(self._running)  # its keys: state_dict() still holds
         if self._named and self._ledger is not None:
             ranks.leave(self._ledger, self._run, self._rank_world()[0])
 

@@ -321,14 +321,19 @@ def test_a_resumed_jobs_run_folder_is_the_heads(tmp_path, run_config):
 
 def test_a_config_a_gitignore_leaves_out_is_refused_before_it_is_sent(tmp_path, run_config,
                                                                       monkeypatch):  # fmt: skip
-    """Ray's upload honours the working dir's .gitignore files: such a config passed the
-    check here, and the job then failed on the head (no such file)."""
+    """Ray's upload honours the working dir's .gitignore files, and raypipe's own excludes:
+    such a config passed the check here, and the job then failed on the head (no such
+    file). A rule that puts a file back (!keep.yaml) ships it."""
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
-    _write(tmp_path / "local" / ".gitignore", "*.yaml\n")
-    hidden = tmp_path / "local" / "run.yaml"
-    hidden.write_text(run_config.read_text())
-    with pytest.raises(ValueError, match=r"would not be shipped: local/\.gitignore:1:\*\.yaml "):
+    _write(tmp_path / "local" / ".gitignore", "*.yaml\n!keep.yaml\n")
+    hidden, kept = tmp_path / "local" / "run.yaml", tmp_path / "local" / "keep.yaml"
+    for path in (hidden, kept, tmp_path / "demo-data" / "run.yaml"):
+        _write(path, run_config.read_text())
+    with pytest.raises(ValueError, match=r"would not be shipped .*: local/\.gitignore:1:\*\.yaml "):
         entrypoint(hidden, tmp_path, Path("/data"))
+    with pytest.raises(ValueError, match=r"raypipe's excludes \(demo-data/: "):
+        entrypoint(tmp_path / "demo-data" / "run.yaml", tmp_path, Path("/data"))
+    entrypoint(kept, tmp_path, Path("/data"))  # put back by its rule
     entrypoint(run_config, tmp_path, Path("/data"))  # the one beside it ships
     monkeypatch.setenv("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "1")  # Ray then ships it too
     entrypoint(hidden, tmp_path, Path("/data"))

@@ -110,20 +110,35 @@ def test_the_head_asked_is_the_one_named_whatever_rays_variables_say(monkeypatch
 
 def test_the_ray_job_commands_printed_carry_the_token_sent(monkeypatch, local_token, tmp_path):
     """A token head refuses Ray's CLI without RAY_AUTH_MODE=token: the follow-up commands
-    printed after a submission failed there with 401."""
+    printed after a submission failed there with 401. Ray's CLI also takes
+    RAY_API_SERVER_ADDRESS or RAY_ADDRESS over --address: a command that carries a token
+    names its head in RAY_API_SERVER_ADDRESS, or the token would go to theirs."""
+    for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
     here, there = "http://127.0.0.1:8265", "http://head.example.com:8265"
-    assert (
-        jobapi.ray_job("stop", "j1", here, None)
-        == f"RAY_AUTH_MODE=token ray job stop j1 --address {here}"
+    pin = f"RAY_API_SERVER_ADDRESS={here} "
+    assert jobapi.ray_job("stop", "j1", here, None) == (
+        f"{pin}RAY_AUTH_MODE=token ray job stop j1 --address {here}"
     )
     assert jobapi.ray_job("stop", "j1", there, None) == f"ray job stop j1 --address {there}"
     token = tmp_path / "head token"
     token.write_text("theirs\n")
-    assert jobapi.ray_job("status", "j1", there, token) == (
-        f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH='{token}' ray job status j1 --address {there}"
+    carried = (
+        f"RAY_API_SERVER_ADDRESS={there} RAY_AUTH_MODE=token "
+        f"RAY_AUTH_TOKEN_PATH='{token}' ray job status j1 --address {there}"
     )
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # set here: Ray's CLI finds it as the client did
-    assert jobapi.ray_job("status", "j1", there, token) == f"ray job status j1 --address {there}"
+    assert jobapi.ray_job("status", "j1", there, token) == carried
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # --token-file's token still: the client sent it
+    assert jobapi.ray_job("status", "j1", there, token) == carried
+    assert jobapi.ray_job("status", "j1", there, None) == (
+        f"RAY_API_SERVER_ADDRESS={there} ray job status j1 --address {there}"
+    )
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("RAY_ADDRESS", "http://10.0.0.9:8265")  # Ray's CLI would go there
+    assert jobapi.ray_job("stop", "j1", there, None) == (
+        f"RAY_API_SERVER_ADDRESS={there} ray job stop j1 --address {there}"
+    )
+    assert "theirs" not in carried  # a path, never the token
 
 
 class FakeClient:

@@ -281,7 +281,7 @@ def test_a_resumed_plan_crosses_the_store_with_its_consumed_keys_as_bits():
 def test_a_workers_cache_of_rank_keys_keeps_to_its_bytes():
     """A pooled worker kept the keys of its last 32 (plan, epoch): 313 MiB for a 1.28M-file
     folder at world size 1. Here 40 epochs of 2M keys (16 MB each): at most 64 MiB of them
-    stay, the newest always, and a hit is the keys themselves."""
+    stay, the newest four always, and a hit is the keys themselves."""
     import gc
     import weakref
 
@@ -296,7 +296,11 @@ def test_a_workers_cache_of_rank_keys_keeps_to_its_bytes():
     del keys
     gc.collect()
     alive = [ref() for ref in seen if ref() is not None]
-    assert sum(a.nbytes for a in alive) <= 64 << 20 and seen[-1]() is not None
+    assert sum(a.nbytes for a in alive) <= 64 << 20 and all(r() is not None for r in seen[-4:])
+    big = plans(listing([1_000_000] * 10), 2)  # two ranks' 40 MB epochs, on one worker
+    turn = [(p, e) for e in (0, 1) for p in big]  # both ranks at an epoch's turn
+    newest = [p.keys(e) for p, e in turn]
+    assert all(p.keys(e) is k for (p, e), k in zip(turn, newest, strict=True))  # all kept
 
 
 def test_the_skip_budget_splits_a_packed_epoch_once(monkeypatch):

@@ -453,3 +453,32 @@ def test_a_memory_cache_is_gone_when_train_ddp_returns(ray_session, datasets, tm
                        storage_path=str(tmp_path / "runs"))  # fmt: skip
     assert result.error is None
     assert not [p for p in os.listdir(shm.SHM_DIR) if p.startswith(node._name(config, ""))]
+
+
+def test_the_ranks_data_errors_are_raised_as_themselves_and_nothing_else_is():
+    """Every failed rank's error a data error (a spent skip budget): the first rank's,
+    as itself (it came inside Ray Train's WorkerGroupError). Another failure beside one
+    (a rank out of memory): Ray's error, which names every rank's, not the data error
+    alone, which would hide it."""
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from raypipe import SkipBudgetError
+    from raypipe.train.ddp import _fit
+
+    class Failing:
+        def __init__(self, failures):
+            self.failures = failures
+
+        def fit(self):
+            raise WorkerGroupError("snippets", self.failures)
+
+    spent = [SkipBudgetError(f"epoch 0: rank {r}'s view", 9) for r in range(2)]
+    with pytest.raises(SkipBudgetError, match="rank 0's view") as e:
+        _fit(Failing({1: spent[1], 0: spent[0]}))
+    assert isinstance(e.value.__cause__, WorkerGroupError)
+    with pytest.raises(WorkerGroupError):
+        _fit(Failing({0: RuntimeError("CUDA out of memory"), 1: spent[1]}))
+    wrapped = RuntimeError("the user's own words")
+    wrapped.__cause__ = spent[0]
+    with pytest.raises(WorkerGroupError):  # the user's error, as they raised it
+        _fit(Failing({0: wrapped}))
