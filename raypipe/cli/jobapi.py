@@ -48,11 +48,10 @@ def job_address(address: str | None) -> str:
     return url.rstrip("/")
 
 
-def client(url: str, token_file: str | Path | None):
-    """Ray's job client for ``url`` and no other head, with the token `token` gives."""
+def client(url: str, sent: str | None):
+    """Ray's job client for ``url`` and no other head, sending ``sent`` (`token`'s)."""
     from ray.job_submission import JobSubmissionClient
 
-    sent = token(token_file, url)
     headers = {"Authorization": f"Bearer {sent}"} if sent else None
     with _without(ADDRESS_VARS):  # Ray's client would take them over ``url``
         return call(url, lambda: JobSubmissionClient(url, headers=headers))
@@ -91,24 +90,20 @@ def token(token_file: str | Path | None, url: str) -> str | None:
     return loader.get_raw_token(ignore_auth_mode=True)
 
 
-def ray_job(verb: str, job_id: str, url: str, token_file: str | Path | None) -> str:
-    """``ray job VERB ID --address URL``, to run here later, with the token `token` sent
-    (its file's path, never the token): Ray's CLI sends one only with ``RAY_AUTH_MODE=token``.
-    With a token, or with Ray's address variables set here, the command names its head in
-    ``RAY_API_SERVER_ADDRESS`` too: Ray's CLI takes that variable, or ``RAY_ADDRESS``, over
-    ``--address``, and would send the token to the head they name."""
-    command = f"ray job {verb} {job_id} --address {url}"
-    if token_file is not None:
-        path = shlex.quote(str(Path(token_file).expanduser().resolve()))
-        auth = f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={path} "
-    elif os.environ.get("RAY_AUTH_MODE"):  # Ray's client sent its own token, or none
-        auth = ""
-    else:
-        auth = "RAY_AUTH_MODE=token " if token(None, url) else ""
-    sends = auth or os.environ.get("RAY_AUTH_MODE") == "token"
+def ray_job(verb: str, job_id: str, url: str, token_file: str | Path | None,
+            sent: str | None) -> str:  # fmt: skip
+    """``ray job VERB ID --address URL``, to run here later, with the token ``sent``
+    (`token`'s; named by its file's path, never itself): Ray's CLI sends one only with
+    ``RAY_AUTH_MODE=token``. With a token, or with Ray's address variables set here, the
+    command names its head in ``RAY_API_SERVER_ADDRESS`` too: Ray's CLI takes that
+    variable, or ``RAY_ADDRESS``, over ``--address``, and would send the token there."""
+    auth = "RAY_AUTH_MODE=token " if sent else ""
+    if sent and token_file is not None:
+        auth += f"RAY_AUTH_TOKEN_PATH={shlex.quote(str(Path(token_file).expanduser().resolve()))} "
+    sends = auth or os.environ.get("RAY_AUTH_MODE") == "token"  # else Ray's client's own
     if sends or any(os.environ.get(v) for v in ADDRESS_VARS):
         auth = f"RAY_API_SERVER_ADDRESS={shlex.quote(url)} {auth}"
-    return auth + command
+    return f"{auth}ray job {verb} {job_id} --address {url}"
 
 
 def loopback(url: str) -> bool:

@@ -28,7 +28,16 @@ from pathlib import Path
 from typing import TextIO
 
 from raypipe.cli import jobspec
-from raypipe.cli.jobapi import SubmitError, call, client, gist, job_address, loopback, ray_job
+from raypipe.cli.jobapi import (
+    SubmitError,
+    call,
+    client,
+    gist,
+    job_address,
+    loopback,
+    ray_job,
+    token,
+)
 from raypipe.cli.quiet import QUIET_ENV
 
 EXCLUDES = [
@@ -142,7 +151,8 @@ def submit(
     url = job_address(address)  # a head on this machine runs this Python, venv or not
     python = sys.executable if loopback(url) and sys.executable else "python"
     command, kind = entrypoint(config, working_dir, Path(data_root), verbose, python, resume)
-    api = client(url, token_file)
+    sent = token(token_file, url)
+    api = client(url, sent)
     runtime_env = {"working_dir": str(working_dir), "excludes": list(EXCLUDES)}
     if not verbose:
         runtime_env["env_vars"] = dict(QUIET_ENV)
@@ -150,26 +160,28 @@ def submit(
     call(url, lambda: _submit_once(api, job_id, command, runtime_env))
     print(f"submitted {kind} job {job_id} to {url}: {command}", file=out, flush=True)
     if not wait:
-        print(f"follow it with: {ray_job('logs --follow', job_id, url, token_file)}", file=out)
+        print(
+            f"follow it with: {ray_job('logs --follow', job_id, url, token_file, sent)}", file=out
+        )
         return 0
     try:
         info = _follow(api, url, job_id, out)
     except Exception as e:  # the head unreachable for a moment: the job itself may be fine
         why = gist(str(e)) if isinstance(e, SubmitError) else f"{type(e).__name__}: {e}"
         print(f"lost job {job_id} ({why}); it may still run: "
-              f"{ray_job('status', job_id, url, token_file)}", file=out, flush=True)  # fmt: skip
+              f"{ray_job('status', job_id, url, token_file, sent)}", file=out, flush=True)  # fmt: skip
         return STILL_RUNNING  # submitted: never 2, which says it was not
     except KeyboardInterrupt:
         print(
             f"\nstopped following; job {job_id} goes on. Stop it with: "
-            f"{ray_job('stop', job_id, url, token_file)}",
+            f"{ray_job('stop', job_id, url, token_file, sent)}",
             file=out,
         )
         return 130
     status = _status(info)
     if status not in TERMINAL:
         print(f"job {job_id}: still {status}, but its log stream keeps closing; stopped "
-              f"following it. Check it with: {ray_job('status', job_id, url, token_file)}",
+              f"following it. Check it with: {ray_job('status', job_id, url, token_file, sent)}",
               file=out, flush=True)  # fmt: skip
         return STILL_RUNNING
     line = f"job {job_id}: {status}"

@@ -41,7 +41,8 @@ class RankTasks:
     paths: Paths
     labels: np.ndarray
     shared_skips: bool = False
-    _samples: dict = dataclasses.field(default_factory=dict, repr=False)  # epoch → `samples`
+    # epoch → `samples`; not an argument, so that a replace() starts anew
+    _samples: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def of(cls, listing: Listing, plan: RankPlan, epochs: range, *, shared_skips: bool = False):

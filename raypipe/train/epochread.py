@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["EpochRead", "EpochSampler", "MISUSE", "held", "start_point", "state_bytes",
-           "state_tensor", "stop_reading"]  # fmt: skip
+__all__ = ["EpochRead", "EpochSampler", "MISUSE", "held", "set_within", "start_point",
+           "state_bytes", "state_tensor", "stop_reading"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 MISUSE = (
@@ -31,18 +31,23 @@ class EpochRead:
     most: int | None  # batches the epoch has at most (drop_last); reached: it is over
     count: int = 0
     over: bool = False
-    reading: bool = False  # an iterator of it between its first next() and its end
-    stale: str | None = None  # why that iterator may not go on (else `MISUSE`)
+    stale: str | None = None  # why its iterator may not go on (else `MISUSE`)
 
 
-def stop_reading(run: EpochRead | None, by: str) -> None:
-    """A loop over ``run`` ends, at its next step, with why (a `set_epoch` within it: an
-    epoch's loop that set its own epoch at every step restarted the pool, then was told
-    of nested or zipped loops)."""
-    if run is not None and run.reading:
-        run.stale = (f"{by} was called while epoch {run.epoch} was being read: it starts the "
-                     "pool anew, and ends this loop; set the epoch before the loop (for e in "
-                     "range(E): loader.set_epoch(e); for batch in loader: ...)")  # fmt: skip
+def stop_reading(run: EpochRead | None, why: str) -> None:
+    """A loop over ``run``, if one is still going, ends at its next step with ``why``
+    (the Loader no longer holds ``run``: its identity check finds it)."""
+    if run is not None:
+        run.stale = why
+
+
+def set_within(epoch: int, run: EpochRead | None) -> str:
+    """Why a loop ends that a `set_epoch` within it restarted (an epoch's loop that set
+    its own epoch at every step was told of nested or zipped loops)."""
+    reading = f"epoch {run.epoch}" if run is not None else "an epoch"
+    return (f"set_epoch({epoch}) was called while {reading} was being read: it starts the "
+            "pool anew, and ends this loop; set the epoch before the loop (for e in "
+            "range(E): loader.set_epoch(e); for batch in loader: ...)")  # fmt: skip
 
 
 def held(run: EpochRead | None) -> EpochRead | None:

@@ -122,10 +122,9 @@ class Loader:
         if self._latest is not token:
             raise RuntimeError(MISUSE)
         run = self._claim()
-        it, run.reading = iter(run.batches), True
+        it = iter(run.batches)
         try:
             while True:
-                self._check_open()  # closed mid-epoch: its end is not the epoch's
                 if self._latest is not token or self._running is not run:
                     raise RuntimeError(run.stale or MISUSE)
                 try:
@@ -136,7 +135,7 @@ class Loader:
                 run.over = run.most is not None and run.count >= run.most
                 yield batch
         finally:  # read to the end, or left (break, an error): the next iter() is the next epoch
-            run.over, run.reading = True, False
+            run.over = True
 
     def __len__(self) -> int:
         """This rank's batches in a whole epoch, a resumed one too (Lightning counts a
@@ -155,7 +154,7 @@ class Loader:
         if not is_int(epoch) or not 0 <= epoch < self.num_epochs:
             raise ValueError(f"{epoch=} must be an integer in 0..{self.num_epochs - 1}")
         if epoch != self._next:
-            epochread.stop_reading(self._running, f"set_epoch({epoch})")
+            epochread.stop_reading(self._running, epochread.set_within(epoch, self._running))
             latest = self._latest
             self._restart(epoch, None)
             self._latest = latest  # a started one is stale: its epoch is no longer running
@@ -287,6 +286,7 @@ class Loader:
             return
         self._closed = True
         self._stop_pipeline()
+        epochread.stop_reading(self._running, "the Loader is closed")  # not the epoch's end
         self._running = epochread.held(self._running)  # its keys: state_dict() still holds
         if self._named and self._ledger is not None:
             ranks.leave(self._ledger, self._run, self._rank_world()[0])

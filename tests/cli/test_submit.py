@@ -39,7 +39,7 @@ def _headers(monkeypatch, url: str, token_file=None) -> dict | None:
         return SimpleNamespace()
 
     monkeypatch.setattr("ray.job_submission.JobSubmissionClient", client)
-    jobapi.client(url, token_file)
+    jobapi.client(url, jobapi.token(token_file, url))
     return seen["headers"]
 
 
@@ -97,14 +97,15 @@ def test_the_head_asked_is_the_one_named_whatever_rays_variables_say(monkeypatch
         for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
             monkeypatch.setenv(var, f"http://127.0.0.1:{elsewhere.server_port}")
             with pytest.raises(jobapi.SubmitError, match=f"at {url}"):
-                jobapi.client(url, None)
+                jobapi.client(url, jobapi.token(None, url))
             assert os.environ[var] == f"http://127.0.0.1:{elsewhere.server_port}"  # put back
             monkeypatch.delenv(var)
         assert elsewhere.seen == [] and named.seen == [("/api/version", "Bearer local")] * 2
         monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{named.server_port}")
         started = time.monotonic()
         with pytest.raises(jobapi.SubmitError, match="cannot reach a Ray job API|failed"):
-            jobapi.client(jobapi.job_address(None), None)
+            url = jobapi.job_address(None)
+            jobapi.client(url, jobapi.token(None, url))
         assert time.monotonic() - started < 10 and len(named.seen) == 3
 
 
@@ -117,25 +118,28 @@ def test_the_ray_job_commands_printed_carry_the_token_sent(monkeypatch, local_to
         monkeypatch.delenv(var, raising=False)
     here, there = "http://127.0.0.1:8265", "http://head.example.com:8265"
     pin = f"RAY_API_SERVER_ADDRESS={here} "
-    assert jobapi.ray_job("stop", "j1", here, None) == (
+    assert jobapi.ray_job("stop", "j1", here, None, jobapi.token(None, here)) == (
         f"{pin}RAY_AUTH_MODE=token ray job stop j1 --address {here}"
     )
-    assert jobapi.ray_job("stop", "j1", there, None) == f"ray job stop j1 --address {there}"
+    assert (
+        jobapi.ray_job("stop", "j1", there, None, jobapi.token(None, there))
+        == f"ray job stop j1 --address {there}"
+    )
     token = tmp_path / "head token"
     token.write_text("theirs\n")
     carried = (
         f"RAY_API_SERVER_ADDRESS={there} RAY_AUTH_MODE=token "
         f"RAY_AUTH_TOKEN_PATH='{token}' ray job status j1 --address {there}"
     )
-    assert jobapi.ray_job("status", "j1", there, token) == carried
+    assert jobapi.ray_job("status", "j1", there, token, jobapi.token(token, there)) == carried
     monkeypatch.setenv("RAY_AUTH_MODE", "token")  # --token-file's token still: the client sent it
-    assert jobapi.ray_job("status", "j1", there, token) == carried
-    assert jobapi.ray_job("status", "j1", there, None) == (
+    assert jobapi.ray_job("status", "j1", there, token, jobapi.token(token, there)) == carried
+    assert jobapi.ray_job("status", "j1", there, None, jobapi.token(None, there)) == (
         f"RAY_API_SERVER_ADDRESS={there} ray job status j1 --address {there}"
     )
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.setenv("RAY_ADDRESS", "http://10.0.0.9:8265")  # Ray's CLI would go there
-    assert jobapi.ray_job("stop", "j1", there, None) == (
+    assert jobapi.ray_job("stop", "j1", there, None, jobapi.token(None, there)) == (
         f"RAY_API_SERVER_ADDRESS={there} ray job stop j1 --address {there}"
     )
     assert "theirs" not in carried  # a path, never the token
