@@ -17,7 +17,8 @@ a private name of Ray's).
                   _cluster_autoscaler (its _send_resource_request); on an actor pool
                   _config, _running_actors, _release_running_actor and the two heaps
                   select_actors reads; ActorPoolScalingRequest.downscale
- loader.blocks    Dataset._create_executor, _build_bundle_iterator; the executor is its thread
+ loader.blocks    Dataset._create_executor, _build_bundle_iterator; the executor is its thread;
+                  the logger of a failed task's error (DATA_ERROR_LOGGER)
  train.ddp        the logger of a rank's error (TRAIN_ERROR_LOGGER)
  train.checkpoint ray.train.v2._internal.exceptions.CheckpointManagerInitializationError
  train.rendezvous ray.train.torch.config._TorchBackend, _set_torch_distributed_env_vars
@@ -34,13 +35,13 @@ import inspect
 import threading
 
 __all__ = [
-    "AUTH_TOKEN_LOGGER", "INTERNALS", "RAY_VERSION", "TRAIN_ERROR_LOGGER", "actor_autoscaler",
-    "actor_table", "address_from_environment", "auth_token_loader", "autoscaler_topology",
-    "check", "check_names", "checkpoint_manager_error", "cluster_autoscaler", "cluster_flag_off",
-    "downscale_request", "execute_to_iterator", "node_table", "pool_config", "release_actor",
-    "running_actors", "scheduling_heaps", "set_actor_autoscaler", "set_cluster_autoscaler",
-    "set_pool_config", "system_config", "torch_backend", "torch_env_vars",
-    "withdraw_resource_request", "worker_log_handlers",
+    "AUTH_TOKEN_LOGGER", "DATA_ERROR_LOGGER", "INTERNALS", "RAY_VERSION", "TRAIN_ERROR_LOGGER",
+    "actor_autoscaler", "actor_table", "address_from_environment", "auth_token_loader",
+    "autoscaler_topology", "check", "check_names", "checkpoint_manager_error",
+    "cluster_autoscaler", "cluster_flag_off", "downscale_request", "execute_to_iterator",
+    "node_table", "pool_config", "release_actor", "running_actors", "scheduling_heaps",
+    "set_actor_autoscaler", "set_cluster_autoscaler", "set_pool_config", "system_config",
+    "torch_backend", "torch_env_vars", "withdraw_resource_request", "worker_log_handlers",
 ]  # fmt: skip
 assert __all__ == sorted(__all__)
 
@@ -48,6 +49,7 @@ RAY_VERSION = "2.60.0"  # the Ray whose internals raypipe uses, checked by `chec
 _CHECKING, _CHECKED = threading.Lock(), {}  # groups -> what `check_names` found
 AUTH_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
 TRAIN_ERROR_LOGGER = "ray.train.v2._internal.util"  # logs a rank's error with its traceback
+DATA_ERROR_LOGGER = "ray.data._internal.execution.streaming_executor_state"  # a task's error
 _EXECUTOR = "ray.data._internal.execution.streaming_executor"
 _POOL = "ray.data._internal.execution.operators.actor_pool_map_operator"
 _SCALER = "ray.data._internal.actor_autoscaler"
@@ -64,6 +66,8 @@ INTERNALS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("watch", "ray._private.state", "nodes", ("callable",)),
     ("blocks", "ray.data.dataset", "Dataset", ("attr:_create_executor", "attr:_build_bundle_iterator")),
     ("blocks", _EXECUTOR, "StreamingExecutor", ("attr:join", "attr:shutdown")),
+    ("blocks", DATA_ERROR_LOGGER, "process_completed_tasks",
+     ("source:An exception was raised from a task of operator",)),
     ("checkpoint", "ray.train.v2._internal.exceptions", "CheckpointManagerInitializationError", ("class",)),
     ("ddp", TRAIN_ERROR_LOGGER, "construct_user_exception_with_traceback",
      ("source:Error in training function",)),
@@ -118,12 +122,9 @@ def _problems(groups, group: str, module: str, name: str, shape: tuple[str, ...]
 
 def _has(obj, want: str) -> bool:
     kind, _, arg = want.partition(":")
-    if kind == "bool":
-        return isinstance(obj, bool)
-    if kind == "callable":
-        return callable(obj)
-    if kind == "class":
-        return inspect.isclass(obj)
+    if kind in ("bool", "callable", "class"):
+        return {"bool": isinstance(obj, bool), "callable": callable(obj),
+                "class": inspect.isclass(obj)}[kind]  # fmt: skip
     if kind == "attr":
         return hasattr(obj, arg)
     if kind == "field":
@@ -141,8 +142,7 @@ def _has(obj, want: str) -> bool:
 
 @contextlib.contextmanager
 def cluster_flag_off():
-    """``ray_constants.ENABLE_RAY_CLUSTER`` False for the block (this process's reading of
-    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``), as it was after."""
+    """``ray_constants.ENABLE_RAY_CLUSTER`` (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``) off in it."""
     from ray._private import ray_constants
 
     before = ray_constants.ENABLE_RAY_CLUSTER

@@ -165,6 +165,7 @@ def test_every_private_ray_name_is_used_in_the_fence_only():
         "ray.data._internal.cluster_autoscaler",
         "ray.data._internal.execution.operators.actor_pool_map_operator",
         "ray.data._internal.execution.streaming_executor",
+        "ray.data._internal.execution.streaming_executor_state",
         "ray.train.torch.config._TorchBackend",
         "ray.train.torch.config._set_torch_distributed_env_vars",
         "ray.train.v2._internal.exceptions",

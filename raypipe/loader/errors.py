@@ -45,17 +45,28 @@ def data_errors() -> tuple[type[Exception], ...]:
     return (SampleError, SkipBudgetError, TransformOutputError)
 
 
-def quiet_data_errors(logger: logging.Logger) -> None:
-    """Drop what ``logger`` logs while a data error (`data_errors`, itself: not one a
-    user's error wraps) is being handled: Ray Train logs a rank's error with its
-    traceback through raypipe's frames, and `raypipe.train_ddp` raises it on the driver
-    as itself, in one line."""
-    if _no_data_error not in logger.filters:
-        logger.addFilter(_no_data_error)
+def quiet_data_errors(logger: logging.Logger, *, wrapped: bool = False) -> None:
+    """Drop what ``logger`` logs about a data error (`data_errors`, itself: not one a
+    user's error wraps), the one it is given or the one being handled: Ray Train logs a
+    rank's error with its traceback through raypipe's frames, and `raypipe.train_ddp`
+    raises it on the driver as itself, in one line. ``wrapped``: one in Ray's wrappers
+    too (`unwrapped`), as Ray Data logs a failed task's, which the rank raises as itself."""
+    keep = _no_wrapped_data_error if wrapped else _no_data_error
+    if keep not in logger.filters:
+        logger.addFilter(keep)
+
+
+def _logged(record: logging.LogRecord) -> BaseException | None:
+    return record.exc_info[1] if record.exc_info else sys.exc_info()[1]
 
 
 def _no_data_error(record: logging.LogRecord) -> bool:
-    return not isinstance(sys.exc_info()[1], data_errors())
+    return not isinstance(_logged(record), data_errors())
+
+
+def _no_wrapped_data_error(record: logging.LogRecord) -> bool:
+    error = _logged(record)
+    return error is None or not isinstance(unwrapped(error), data_errors())
 
 
 def raising_ours(items: Iterator[T]) -> Iterator[T]:

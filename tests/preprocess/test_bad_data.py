@@ -829,6 +829,35 @@ def test_raise_stops_every_pipeline_rank_with_the_actors_own_error(ray_session, 
         assert any(f"bad sample {w} (key " in str(error) for w in places)
 
 
+@pytest.mark.parametrize("compute", ["tasks", "actors"])
+def test_ray_datas_log_of_a_data_error_is_left_to_the_error_itself(ray_session, tmp_path,
+                                                                   compute, pillow_limit):  # fmt: skip
+    """Ray Data logs a failed task's error before the rank raises it as itself (on an
+    actor pool with a traceback through Ray's frames, once per rank): it says nothing
+    the error does not, and its advice (``DataContext.max_errored_blocks``) is not
+    raypipe's (``max_skipped``)."""
+    import logging
+
+    from raypipe import Pipeline, rayapi
+
+    source, _ = mixed_source(tmp_path, "webdataset")
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=5, on_error="raise",
+                            compute=compute)  # fmt: skip
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logger = logging.getLogger(rayapi.DATA_ERROR_LOGGER)
+    logger.addHandler(handler)  # behind the logger's own filters, before any propagation
+    try:
+        with pytest.raises(SampleError), Pipeline(config, epochs=1, device="cpu") as pipe:
+            for _, batches in pipe.epochs():
+                for _ in batches:
+                    pass
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in seen if r.levelno >= logging.ERROR] == []
+
+
 def test_a_failed_pipeline_frees_its_cpus_while_its_error_is_kept(ray_session, tmp_path,
                                                                    pillow_limit):  # fmt: skip
     """Ray Data releases a failed execution's pool actors to reference counting, and they
