@@ -100,14 +100,22 @@ def test_the_local_ray_raypipe_starts_has_its_settings_and_a_cluster_is_joined_a
         assert config.get(key) == value, (key, config)
     # joining that cluster passes no system config, which Ray would refuse
     gcs = ray_session.get_runtime_context().gcs_address
+    # and Ray Train's controller looks at its workers every 0.5 s on a local Ray raypipe
+    # started (a joined cluster keeps Ray's default), as a user's shell leaves it unset
+    env = {k: v for k, v in os.environ.items() if k != "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"}
     joined = subprocess.run(
-        [sys.executable, "-c", "import sys, ray; from raypipe.cli import localray; "
+        [sys.executable, "-c", "import os, sys, ray; from raypipe.cli import localray; "
+         "polls = lambda: os.environ.get('RAY_TRAIN_HEALTH_CHECK_INTERVAL_S'); "
          "localray.start(sys.argv[1], log_to_driver=False); "
-         "print(ray.cluster_resources()['CPU']); ray.shutdown()", gcs],
-        capture_output=True, text=True, timeout=120,
+         "print(ray.cluster_resources()['CPU'], polls()); ray.shutdown(); "
+         "localray.start('local', num_cpus=1, include_dashboard=False, log_to_driver=False); "
+         "print(polls()); localray.shutdown()", gcs],
+        capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip
     assert joined.returncode == 0, joined.stderr[-2000:]
-    assert float(joined.stdout.split()[-1]) == ray_session.cluster_resources()["CPU"]
+    cpus, polls, started_polls = joined.stdout.split()[-3:]
+    assert float(cpus) == ray_session.cluster_resources()["CPU"]
+    assert (polls, started_polls) == ("None", "0.5")
 
 
 def test_blocks_reuse_the_store_memory_the_blocks_before_them_freed(ray_session):
