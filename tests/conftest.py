@@ -19,10 +19,11 @@ from PIL import Image
 # `ray start` heads and the drivers that call ray.init themselves (they inherit this) need
 # Ray's switch for that. tests/cli/test_loopback.py runs raypipe without it.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-# Ray Train's controller looks at its workers every 2 s (Ray's default), and a run waits
-# for a look at each step of its start and end: 4-6 s of every short run in these tests.
-# A run's outcome does not depend on it; the tests of `raypipe run` as a user starts it
-# (tests/cli/test_loopback.py) run without it.
+# Ray Train's controller looks at its workers every 2 s by Ray's default, and a run waits
+# for a look at each step of its start, checkpoints and end. `raypipe run` sets 0.5 s on
+# the local Ray it starts (`raypipe.cli.localray`); the tests' trainers on the heads and
+# clusters they start, and those that start before the session's Ray, get it here. A
+# run's outcome does not depend on it.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
