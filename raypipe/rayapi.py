@@ -2,9 +2,9 @@
 
 raypipe reaches past Ray's public API in a few places, each for a reason its caller's
 docstring gives; every such name is one of `INTERNALS`, read or called only through the
-functions below, and `check` verifies them all against the running Ray (``tests/
-test_rayapi.py`` runs it, and checks by reading the package that no other module touches
-a private name of Ray's).
+functions below (each imports Ray itself: importing this module costs nothing), and `check`
+verifies them all against the running Ray (``tests/test_rayapi.py`` runs it, and checks by
+reading the package that no other module touches a private name of Ray's).
 
 ```
  localnode        ray_constants.ENABLE_RAY_CLUSTER, services.get_ray_address_from_environment,
@@ -17,14 +17,12 @@ a private name of Ray's).
                   _cluster_autoscaler (its _send_resource_request); on an actor pool
                   _config, _running_actors, _release_running_actor and the two heaps
                   select_actors reads; ActorPoolScalingRequest.downscale
- loader.blocks    Dataset._create_executor, _build_bundle_iterator; the executor is its thread;
-                  the logger of a failed task's error (DATA_ERROR_LOGGER)
+ loader.blocks    Dataset._create_executor, _build_bundle_iterator; the executor is its thread
+ loader.errors    Ray Data's log of a failed task's error (DATA_ERROR_LOGGER, DATA_ERROR_ABORTS)
  train.ddp        the logger of a rank's error (TRAIN_ERROR_LOGGER)
  train.checkpoint ray.train.v2._internal.exceptions.CheckpointManagerInitializationError
  train.rendezvous ray.train.torch.config._TorchBackend, _set_torch_distributed_env_vars
-```
-
-Ray is imported inside each function: importing this module costs nothing."""
+```"""
 
 from __future__ import annotations
 
@@ -35,13 +33,14 @@ import inspect
 import threading
 
 __all__ = [
-    "AUTH_TOKEN_LOGGER", "DATA_ERROR_LOGGER", "INTERNALS", "RAY_VERSION", "TRAIN_ERROR_LOGGER",
-    "actor_autoscaler", "actor_table", "address_from_environment", "auth_token_loader",
-    "autoscaler_topology", "check", "check_names", "checkpoint_manager_error",
-    "cluster_autoscaler", "cluster_flag_off", "downscale_request", "execute_to_iterator",
-    "node_table", "pool_config", "release_actor", "running_actors", "scheduling_heaps",
-    "set_actor_autoscaler", "set_cluster_autoscaler", "set_pool_config", "system_config",
-    "torch_backend", "torch_env_vars", "withdraw_resource_request", "worker_log_handlers",
+    "AUTH_TOKEN_LOGGER", "DATA_ERROR_ABORTS", "DATA_ERROR_LOGGER", "INTERNALS", "RAY_VERSION",
+    "TRAIN_ERROR_LOGGER", "actor_autoscaler", "actor_table", "address_from_environment",
+    "auth_token_loader", "autoscaler_topology", "check", "check_names",
+    "checkpoint_manager_error", "cluster_autoscaler", "cluster_flag_off", "downscale_request",
+    "execute_to_iterator", "node_table", "pool_config", "release_actor", "running_actors",
+    "scheduling_heaps", "set_actor_autoscaler", "set_cluster_autoscaler", "set_pool_config",
+    "system_config", "torch_backend", "torch_env_vars", "withdraw_resource_request",
+    "worker_log_handlers",
 ]  # fmt: skip
 assert __all__ == sorted(__all__)
 
@@ -50,6 +49,7 @@ _CHECKING, _CHECKED = threading.Lock(), {}  # groups -> what `check_names` found
 AUTH_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
 TRAIN_ERROR_LOGGER = "ray.train.v2._internal.util"  # logs a rank's error with its traceback
 DATA_ERROR_LOGGER = "ray.data._internal.execution.streaming_executor_state"  # a task's error
+DATA_ERROR_ABORTS = "Dataset execution will now abort"  # its message when the error ends it
 _EXECUTOR = "ray.data._internal.execution.streaming_executor"
 _POOL = "ray.data._internal.execution.operators.actor_pool_map_operator"
 _SCALER = "ray.data._internal.actor_autoscaler"
@@ -66,8 +66,8 @@ INTERNALS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("watch", "ray._private.state", "nodes", ("callable",)),
     ("blocks", "ray.data.dataset", "Dataset", ("attr:_create_executor", "attr:_build_bundle_iterator")),
     ("blocks", _EXECUTOR, "StreamingExecutor", ("attr:join", "attr:shutdown")),
-    ("blocks", DATA_ERROR_LOGGER, "process_completed_tasks",
-     ("source:An exception was raised from a task of operator",)),
+    ("errors", DATA_ERROR_LOGGER, "process_completed_tasks",
+     (f"source:{DATA_ERROR_ABORTS}", "source:logger.error(error_message, exc_info=e)")),
     ("checkpoint", "ray.train.v2._internal.exceptions", "CheckpointManagerInitializationError", ("class",)),
     ("ddp", TRAIN_ERROR_LOGGER, "construct_user_exception_with_traceback",
      ("source:Error in training function",)),

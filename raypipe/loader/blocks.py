@@ -7,13 +7,12 @@ when a block is one batch (Ray's batcher adds its own threads, queues and format
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 
 import numpy as np
 
 from raypipe import rayapi
-from raypipe.loader.errors import quiet_data_errors
+from raypipe.loader.errors import quiet_ray_data_aborts
 
 __all__ = ["block_columns", "dataset_columns", "execute"]
 assert __all__ == sorted(__all__)
@@ -31,9 +30,7 @@ def execute(ds, follower=None):
     iterator ends. A run-long execution kept that block in the object store of the node
     that made it, which then never went idle: the autoscaler could not remove it while the
     pool had shed its actors there (``tests/loader/test_blocks.py``)."""
-    # the rank raises a data error as itself (`raising_ours`); Ray Data's log of it, with a
-    # traceback through Ray's frames on an actor pool, would say it again before
-    quiet_data_errors(logging.getLogger(rayapi.DATA_ERROR_LOGGER), wrapped=True)
+    quiet_ray_data_aborts()  # its error is raised as itself, by the rank
     bundles, executor = rayapi.execute_to_iterator(ds)
     if follower is not None:
         from raypipe.pool.autoscale import follow

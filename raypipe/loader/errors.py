@@ -14,7 +14,10 @@ import sys
 from collections.abc import Iterator
 from typing import TypeVar
 
-__all__ = ["collect_failed", "data_errors", "quiet_data_errors", "raising_ours", "unwrapped"]
+from raypipe import rayapi
+
+__all__ = ["collect_failed", "data_errors", "quiet_data_errors", "quiet_ray_data_aborts",
+           "raising_ours", "unwrapped"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 T = TypeVar("T")
@@ -45,32 +48,43 @@ def data_errors() -> tuple[type[Exception], ...]:
     return (SampleError, SkipBudgetError, TransformOutputError)
 
 
-def quiet_data_errors(logger: logging.Logger, *, wrapped: bool = False) -> None:
+def quiet_data_errors(logger: logging.Logger) -> None:
     """Drop what ``logger`` logs about a data error (`data_errors`, itself: not one a
     user's error wraps), the one it is given or the one being handled: Ray Train logs a
     rank's error with its traceback through raypipe's frames, and `raypipe.train_ddp`
-    raises it on the driver as itself, in one line. ``wrapped``: one in Ray's wrappers
-    too (`unwrapped`), as Ray Data logs a failed task's, which the rank raises as itself."""
-    keep = _no_wrapped_data_error if wrapped else _no_data_error
-    if keep not in logger.filters:
-        logger.addFilter(keep)
-
-
-def _logged(record: logging.LogRecord) -> BaseException | None:
-    return record.exc_info[1] if record.exc_info else sys.exc_info()[1]
+    raises it on the driver as itself, in one line."""
+    if _no_data_error not in logger.filters:
+        logger.addFilter(_no_data_error)
 
 
 def _no_data_error(record: logging.LogRecord) -> bool:
-    return not isinstance(_logged(record), data_errors())
+    error = record.exc_info[1] if record.exc_info else sys.exc_info()[1]
+    return not isinstance(error, data_errors())
 
 
-def _no_wrapped_data_error(record: logging.LogRecord) -> bool:
-    error = _logged(record)
-    return error is None or not isinstance(unwrapped(error), data_errors())
+def quiet_ray_data_aborts() -> None:
+    """Drop Ray Data's log of a failed task's data error as its execution aborts (the error
+    it is given, in Ray's wrappers: `unwrapped`), in this process: the rank raises that
+    error as itself (`raising_ours`, `raypipe.loader.feeder`), where Ray Data's log gave a
+    traceback through Ray's frames and advice (``DataContext.max_errored_blocks``) that is
+    not raypipe's. What Ray Data goes on past (``max_errored_blocks`` set) is still logged:
+    nothing else says those samples were lost. An execution in another process (a
+    ``streaming_split``'s coordinator actor) logs as Ray Data does."""
+    logger = logging.getLogger(rayapi.DATA_ERROR_LOGGER)
+    if _no_aborting_data_error not in logger.filters:
+        logger.addFilter(_no_aborting_data_error)
+
+
+def _no_aborting_data_error(record: logging.LogRecord) -> bool:
+    if not record.exc_info or rayapi.DATA_ERROR_ABORTS not in record.getMessage():
+        return True
+    return not isinstance(unwrapped(record.exc_info[1]), data_errors())
 
 
 def raising_ours(items: Iterator[T]) -> Iterator[T]:
-    """``items``, with a raypipe error that reaches them through Ray raised as itself."""
+    """``items``, with a raypipe error that reaches them through Ray raised as itself
+    (and Ray Data's log of it left out: `quiet_ray_data_aborts`)."""
+    quiet_ray_data_aborts()
     try:
         yield from items
         return

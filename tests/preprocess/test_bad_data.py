@@ -829,33 +829,78 @@ def test_raise_stops_every_pipeline_rank_with_the_actors_own_error(ray_session, 
         assert any(f"bad sample {w} (key " in str(error) for w in places)
 
 
-@pytest.mark.parametrize("compute", ["tasks", "actors"])
-def test_ray_datas_log_of_a_data_error_is_left_to_the_error_itself(ray_session, tmp_path,
-                                                                   compute, pillow_limit):  # fmt: skip
-    """Ray Data logs a failed task's error before the rank raises it as itself (on an
-    actor pool with a traceback through Ray's frames, once per rank): it says nothing
-    the error does not, and its advice (``DataContext.max_errored_blocks``) is not
-    raypipe's (``max_skipped``)."""
+def _ray_data_errors(read) -> list[str]:
+    """The messages Ray Data's logger of a failed task's error lets through at ERROR while
+    ``read()`` runs (a handler on that logger sees what its filters keep)."""
     import logging
 
-    from raypipe import Pipeline, rayapi
+    from raypipe import rayapi
 
-    source, _ = mixed_source(tmp_path, "webdataset")
-    config = PipelineConfig(source=str(source), image_size=8, batch_size=5, on_error="raise",
-                            compute=compute)  # fmt: skip
     seen: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = seen.append
     logger = logging.getLogger(rayapi.DATA_ERROR_LOGGER)
-    logger.addHandler(handler)  # behind the logger's own filters, before any propagation
+    logger.addHandler(handler)
     try:
-        with pytest.raises(SampleError), Pipeline(config, epochs=1, device="cpu") as pipe:
-            for _, batches in pipe.epochs():
-                for _ in batches:
-                    pass
+        read()
     finally:
         logger.removeHandler(handler)
-    assert [r.getMessage() for r in seen if r.levelno >= logging.ERROR] == []
+    return [r.getMessage() for r in seen if r.levelno >= logging.ERROR]
+
+
+@pytest.mark.parametrize("path", ["pipeline-actors", "dataset"])
+def test_ray_datas_log_of_a_data_error_is_left_to_the_error_itself(ray_session, tmp_path, path,
+                                                                   pillow_limit):  # fmt: skip
+    """Ray Data logged a failed task's error as its execution aborted, with a traceback
+    through Ray's frames (on an actor pool: once per rank) and advice
+    (``DataContext.max_errored_blocks``) that is not raypipe's, before the rank raised the
+    error itself: now the error alone says it. (The default `Pipeline`, plain tasks, runs
+    no Ray Data execution.)"""
+    from raypipe import Pipeline, iter_torch_batches
+
+    source, _ = mixed_source(tmp_path, "webdataset")
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=5, on_error="raise",
+                            compute="actors")  # fmt: skip
+
+    def read() -> None:
+        with pytest.raises(SampleError):
+            if path == "dataset":  # Ray Data's own tasks, read by the rank's iterator
+                for _ in iter_torch_batches(build_dataset(config.replace(compute="tasks")),
+                                            batch_size=5, device="cpu"):  # fmt: skip
+                    pass
+                return
+            with Pipeline(config, epochs=1, device="cpu") as pipe:
+                for _, batches in pipe.epochs():
+                    for _ in batches:
+                        pass
+
+    assert _ray_data_errors(read) == []
+
+
+def test_a_data_error_ray_data_goes_on_past_is_still_logged(ray_session, tmp_path, pillow_limit):
+    """With ``DataContext.max_errored_blocks`` set, Ray Data drops a failed task's block
+    and goes on: its log is all that says those samples were lost, so it stays."""
+    import ray.data
+
+    from raypipe import iter_torch_batches
+
+    source, _ = mixed_source(tmp_path, "webdataset")
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=5, on_error="raise",
+                            rows_per_block=4)  # fmt: skip
+    context = ray.data.DataContext.get_current()
+    before = context.max_errored_blocks
+    context.max_errored_blocks = -1  # every failed block: dropped, and the run goes on
+    try:
+        ds = build_dataset(config)
+
+        def read() -> None:
+            for _ in iter_torch_batches(ds, batch_size=5, device="cpu"):
+                pass
+
+        logged = _ray_data_errors(read)
+    finally:
+        context.max_errored_blocks = before
+    assert logged and all("Ignoring this exception" in m for m in logged), logged
 
 
 def test_a_failed_pipeline_frees_its_cpus_while_its_error_is_kept(ray_session, tmp_path,
