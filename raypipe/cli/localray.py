@@ -30,6 +30,8 @@ __all__ = ["LOCAL_SYSTEM_CONFIG", "TRAIN_POLL_S", "plain_prefixes", "process_tre
 assert __all__ == sorted(__all__)
 
 TRAIN_POLL_S = 0.5  # how often Ray Train's controller looks at its workers on a local Ray
+_POLL_VAR = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+_POLL_SET: list[bool] = []  # `start` set it: `shutdown` takes it back
 
 
 def start(address: str = "local", **kwargs) -> None:
@@ -40,11 +42,12 @@ def start(address: str = "local", **kwargs) -> None:
     (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, unless set): Ray's 2 s default, meant for
     clusters of many workers, made a run wait for a look at each step of its start, its
     checkpoints and its end (the digits demo: 40 s, 34-36 s with 0.5 s). A cluster joined
-    keeps Ray's default."""
+    keeps Ray's default; `shutdown` takes the setting back."""
     plain_prefixes(sys.stdout)
     localnode.start(address, **kwargs)
-    if localnode.started_here():  # read by the trainer of this process, for its controller
-        os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(TRAIN_POLL_S))
+    if localnode.started_here() and _POLL_VAR not in os.environ:  # read by a trainer's fit()
+        os.environ[_POLL_VAR] = str(TRAIN_POLL_S)
+        _POLL_SET.append(True)
 
 
 def plain_prefixes(stream) -> None:
@@ -61,6 +64,9 @@ def shutdown(grace_s: float = 10.0) -> list[int]:
 
     noted = ray_descendants(os.getpid())
     ray.shutdown()
+    if _POLL_SET:  # a cluster this process joins next keeps Ray's default
+        os.environ.pop(_POLL_VAR, None)
+        _POLL_SET.clear()
     return stop_leftovers(noted, grace_s)
 
 

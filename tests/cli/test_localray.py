@@ -109,13 +109,13 @@ def test_the_local_ray_raypipe_starts_has_its_settings_and_a_cluster_is_joined_a
          "localray.start(sys.argv[1], log_to_driver=False); "
          "print(ray.cluster_resources()['CPU'], polls()); ray.shutdown(); "
          "localray.start('local', num_cpus=1, include_dashboard=False, log_to_driver=False); "
-         "print(polls()); localray.shutdown()", gcs],
+         "print(polls()); localray.shutdown(); print(polls())", gcs],
         capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip
     assert joined.returncode == 0, joined.stderr[-2000:]
-    cpus, polls, started_polls = joined.stdout.split()[-3:]
+    cpus, joined_polls, started_polls, after_polls = joined.stdout.split()[-4:]
     assert float(cpus) == ray_session.cluster_resources()["CPU"]
-    assert (polls, started_polls) == ("None", "0.5")
+    assert (joined_polls, started_polls, after_polls) == ("None", "0.5", "None")
 
 
 def test_blocks_reuse_the_store_memory_the_blocks_before_them_freed(ray_session):
