@@ -159,29 +159,27 @@ def submit(
     job_id = submission_id or f"raypipe_{kind}_{uuid.uuid4().hex[:12]}"
     call(url, lambda: _submit_once(api, job_id, command, runtime_env))
     print(f"submitted {kind} job {job_id} to {url}: {command}", file=out, flush=True)
+    later = lambda verb: ray_job(verb, job_id, url, token_file, sent)  # noqa: E731
     if not wait:
-        print(
-            f"follow it with: {ray_job('logs --follow', job_id, url, token_file, sent)}", file=out
-        )
+        print(f"follow it with: {later('logs --follow')}", file=out)
         return 0
     try:
         info = _follow(api, url, job_id, out)
     except Exception as e:  # the head unreachable for a moment: the job itself may be fine
         why = gist(str(e)) if isinstance(e, SubmitError) else f"{type(e).__name__}: {e}"
         print(f"lost job {job_id} ({why}); it may still run: "
-              f"{ray_job('status', job_id, url, token_file, sent)}", file=out, flush=True)  # fmt: skip
+              f"{later('status')}", file=out, flush=True)  # fmt: skip
         return STILL_RUNNING  # submitted: never 2, which says it was not
     except KeyboardInterrupt:
         print(
-            f"\nstopped following; job {job_id} goes on. Stop it with: "
-            f"{ray_job('stop', job_id, url, token_file, sent)}",
+            f"\nstopped following; job {job_id} goes on. Stop it with: {later('stop')}",
             file=out,
         )
         return 130
     status = _status(info)
     if status not in TERMINAL:
         print(f"job {job_id}: still {status}, but its log stream keeps closing; stopped "
-              f"following it. Check it with: {ray_job('status', job_id, url, token_file, sent)}",
+              f"following it. Check it with: {later('status')}",
               file=out, flush=True)  # fmt: skip
         return STILL_RUNNING
     line = f"job {job_id}: {status}"

@@ -49,17 +49,16 @@ def data_errors() -> tuple[type[Exception], ...]:
 
 
 def quiet_data_errors(logger: logging.Logger) -> None:
-    """Drop what ``logger`` logs about a data error (`data_errors`, itself: not one a
-    user's error wraps), the one it is given or the one being handled: Ray Train logs a
-    rank's error with its traceback through raypipe's frames, and `raypipe.train_ddp`
-    raises it on the driver as itself, in one line."""
+    """Drop what ``logger`` logs while a data error (`data_errors`, itself: not one a
+    user's error wraps) is being handled: Ray Train logs a rank's error with its
+    traceback through raypipe's frames, and `raypipe.train_ddp` raises it on the driver
+    as itself, in one line."""
     if _no_data_error not in logger.filters:
         logger.addFilter(_no_data_error)
 
 
 def _no_data_error(record: logging.LogRecord) -> bool:
-    error = record.exc_info[1] if record.exc_info else sys.exc_info()[1]
-    return not isinstance(error, data_errors())
+    return not isinstance(sys.exc_info()[1], data_errors())
 
 
 def quiet_ray_data_aborts() -> None:
@@ -67,9 +66,10 @@ def quiet_ray_data_aborts() -> None:
     it is given, in Ray's wrappers: `unwrapped`), in this process: the rank raises that
     error as itself (`raising_ours`, `raypipe.loader.feeder`), where Ray Data's log gave a
     traceback through Ray's frames and advice (``DataContext.max_errored_blocks``) that is
-    not raypipe's. What Ray Data goes on past (``max_errored_blocks`` set) is still logged:
-    nothing else says those samples were lost. An execution in another process (a
-    ``streaming_split``'s coordinator actor) logs as Ray Data does."""
+    not raypipe's. Called where an execution starts here (`raypipe.loader.blocks.execute`,
+    a ``DataIterator``'s batches). What Ray Data goes on past (``max_errored_blocks`` set)
+    is still logged: nothing else says those samples were lost. An execution in another
+    process (a ``streaming_split``'s coordinator actor) logs as Ray Data does."""
     logger = logging.getLogger(rayapi.DATA_ERROR_LOGGER)
     if _no_aborting_data_error not in logger.filters:
         logger.addFilter(_no_aborting_data_error)
@@ -82,9 +82,7 @@ def _no_aborting_data_error(record: logging.LogRecord) -> bool:
 
 
 def raising_ours(items: Iterator[T]) -> Iterator[T]:
-    """``items``, with a raypipe error that reaches them through Ray raised as itself
-    (and Ray Data's log of it left out: `quiet_ray_data_aborts`)."""
-    quiet_ray_data_aborts()
+    """``items``, with a raypipe error that reaches them through Ray raised as itself."""
     try:
         yield from items
         return

@@ -36,7 +36,7 @@ from raypipe.config import LoaderConfig, PipelineConfig
 from raypipe.loader.blocks import dataset_columns
 from raypipe.loader.collate import collate_for
 from raypipe.loader.device import normalize, resolve_device
-from raypipe.loader.errors import raising_ours
+from raypipe.loader.errors import quiet_ray_data_aborts, raising_ours
 from raypipe.loader.h2d import HostToDevice
 from raypipe.loader.rebatch import rebatch
 from raypipe.loader.shuffle import shuffled
@@ -254,6 +254,7 @@ class TorchBatches:
 def host_batches(source, batch_size: int | None, prefetch: int) -> Iterator[dict[str, np.ndarray]]:
     """Step 1: numpy batches from Ray, sizes only approximately ``batch_size`` (None: whole
     blocks)."""
+    quiet_ray_data_aborts()  # an execution of this process: its error is raised as itself
     return source.iter_batches(
         batch_size=batch_size, batch_format="numpy", prefetch_batches=prefetch, drop_last=False
     )
