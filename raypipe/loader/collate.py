@@ -16,7 +16,7 @@ import numpy as np
 
 from raypipe.config import resolve_callable
 
-__all__ = ["collate_for", "pad_collate"]
+__all__ = ["collate_for", "holding_dtype", "pad_collate"]
 assert __all__ == sorted(__all__)
 
 NUMBERS = "biufc"  # the dtype kinds a column of which becomes a tensor
@@ -88,7 +88,7 @@ def _pad(field: str, arrays: list[np.ndarray], pad_value: int):
         raise ValueError(f"field {field!r} has rows of {ndims} dimensions in one batch (mono "
                          "and stereo clips?): make every row's dimensions the same")  # fmt: skip
     top = tuple(np.array([a.shape for a in arrays]).max(axis=0))
-    dtype = _holding(field, arrays)
+    dtype = holding_dtype(field, arrays)
     padded = np.full((len(arrays), *top), pad_value, dtype=dtype)
     mask = np.zeros(padded.shape, bool)
     for i, a in enumerate(arrays):
@@ -98,7 +98,7 @@ def _pad(field: str, arrays: list[np.ndarray], pad_value: int):
     return torch.from_numpy(padded), torch.from_numpy(mask)
 
 
-def _holding(field: str, arrays: list[np.ndarray]) -> np.dtype:
+def holding_dtype(field: str, arrays: list[np.ndarray]) -> np.dtype:
     """The rows' common type, empty rows left out (an empty list has no type of its own:
     numpy makes it float64); int64 for signed and unsigned integers where the unsigned
     values fit it (numpy's common type of int64 and uint64 is float64, exact to 2**53)."""

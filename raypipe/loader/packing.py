@@ -32,6 +32,8 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
+from raypipe.loader.collate import holding_dtype
+
 __all__ = ["MAX_DOCUMENTS_PER_BLOCK", "Packing", "documents", "documents_per_block", "pack"]
 assert __all__ == sorted(__all__)
 
@@ -117,6 +119,8 @@ class _Rows:
         if self.tokens is None:
             self.dtype = piece.dtype if len(piece) else self.dtype
             self._alloc()
+        elif len(piece) and piece.dtype != self.dtype:  # files of two token types
+            self._widen(piece)
         r, c, n = self.row, self.col, len(piece)
         self.segment += 1
         self.tokens[r, c : c + n] = piece
@@ -145,6 +149,13 @@ class _Rows:
         if self.done is not None:
             batch, self.done = self.done, None
             yield batch
+
+    def _widen(self, piece: np.ndarray) -> None:
+        """The batch's tokens in the type that holds ``piece``'s too (as `pad_collate`
+        pads rows of two types): a cast into the first document's type would wrap ids."""
+        dtype = holding_dtype(self.field, [self.tokens, piece])
+        if dtype != self.dtype:
+            self.tokens, self.dtype = self.tokens.astype(dtype), dtype
 
     def _alloc(self) -> None:
         shape = (self.B, self.L)  # (rows of the batch, tokens per row)

@@ -60,6 +60,18 @@ def test_pack_keeps_every_token_once_in_order():
                 assert [k for b in out for k in b["key"]] == [k for k, _ in docs]
 
 
+def test_documents_of_two_token_types_are_packed_into_the_type_that_holds_both():
+    """Files of uint16 and int32 ids (each Parquet file keeps its own): a batch begun with
+    the narrow type widens, never wrapping an id past its range."""
+    docs = [(0, np.array([1, 2], np.uint16)), (1, np.array([70000, 3], np.int32)),
+            (2, np.array([-5, 4, 4, 4], np.int64)), (3, np.array([65535, 7], np.uint16))]  # fmt: skip
+    out = list(pack(iter(docs), "tokens", seq_len=4, batch_size=1, rows=3, counts={}))
+    got = np.concatenate([b["tokens"][b["segment_ids"] > 0] for b in out])
+    assert got.tolist() == [1, 2, 70000, 3, -5, 4, 4, 4, 65535, 7]
+    assert out[0]["tokens"].dtype == np.int32 and out[1]["tokens"].dtype == np.int64
+    assert out[2]["tokens"].dtype == np.uint16  # a batch of one type keeps it
+
+
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory):
     root = tmp_path_factory.mktemp("packed")
