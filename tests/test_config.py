@@ -1,3 +1,5 @@
+import math
+
 import pytest
 
 from raypipe import PipelineConfig
@@ -120,9 +122,36 @@ def test_numbers_in_exponent_form_are_numbers(tmp_path):
     from raypipe.config import load_yaml
 
     path = tmp_path / "c.yaml"
-    path.write_text("a: 2e-3\nb: -1E5\nc: '2e-3'\nd: 12\ne: 1.5e3\nf: e5\ng: .5e1\n")
-    assert load_yaml(path) == {"a": 0.002, "b": -1e5, "c": "2e-3", "d": 12, "e": 1500.0,
-                               "f": "e5", "g": 5.0}  # fmt: skip
+    path.write_text("a: 2e-3\nb: -1E5\nc: '2e-3'\nd: 12\ne: 1.5e3\nf: e5\ng: .5e1\n"
+                    "h: 1.25\ni: 2.5e0\nj: 1e400\n")  # fmt: skip
+    got = load_yaml(path)
+    assert got == {"a": 0.002, "b": -1e5, "c": "2e-3", "d": 12, "e": 1500.0, "f": "e5",
+                   "g": 5.0, "h": 1.25, "i": 2.5, "j": math.inf}  # fmt: skip
+    # a whole number in exponent form is an integer: a byte count can be written 2e9
+    assert [type(got[k]) for k in "abeghi"] == [float, int, int, int, float, float]
+    path.write_text("source: x\ncache: memory\ncache_budget: 2e9\n")
+    assert PipelineConfig.from_yaml(path).cache_budget == 2 * 10**9
+
+
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path):
+    """YAML keeps the last of two keys without a word: a second ``trainer:`` section
+    dropped the first one's ``epochs``."""
+    from raypipe.config import load_yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text("data: {source: x, batch_size: 32, batch_size: 64}\n")
+    with pytest.raises(
+        ValueError, match=r"c.yaml:1:\d+: .*'batch_size' is given twice \(first on line 1\)"
+    ):
+        load_yaml(path)
+    path.write_text("trainer: {epochs: 1}\ndata: {source: x}\ntrainer: {use_gpu: false}\n")
+    with pytest.raises(
+        ValueError, match=r"c.yaml:3:1: .*'trainer' is given twice \(first on line 1\)"
+    ):
+        load_yaml(path)
+    # a merge's keys may be overridden
+    path.write_text("base: &b {a: 1, b: 2}\nx: {<<: *b, b: 3}\n")
+    assert load_yaml(path)["x"] == {"a": 1, "b": 3}
 
 
 def test_missing_yaml_file(tmp_path):

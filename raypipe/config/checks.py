@@ -18,7 +18,8 @@ assert __all__ == sorted(__all__)
 
 
 # YAML 1.1's floats need a dot, and a sign in an exponent: PyYAML reads ``lr: 2e-3`` and
-# ``1.5e3`` as strings. Numbers in exponent form are floats here (YAML 1.2's rule).
+# ``1.5e3`` as strings. Numbers in exponent form are numbers here (YAML 1.2's rule), and
+# a whole one an integer: ``cache_budget: 2e9`` is bytes, a count.
 _EXPONENT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
 
 
@@ -27,8 +28,25 @@ def _loader():
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node, deep=False):
+            """A key given twice is refused (YAML keeps the last one without a word: a
+            repeated ``trainer:`` section would drop the first one's settings)."""
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if isinstance(key_node, yaml.ScalarNode) and not key_node.tag.endswith(":merge"):
+                    key = self.construct_object(key_node)
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"{key!r} is given twice (first on line {seen[key]})",
+                            key_node.start_mark)  # fmt: skip
+                    seen[key] = key_node.start_mark.line + 1
+            return super().construct_mapping(node, deep)
 
+        def construct_yaml_float(self, node):
+            value = super().construct_yaml_float(node)
+            return int(value) if "e" in node.value.lower() and value.is_integer() else value
+
+    Loader.add_constructor("tag:yaml.org,2002:float", Loader.construct_yaml_float)
     Loader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT, list("-+.0123456789"))
     return Loader
 
