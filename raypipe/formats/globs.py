@@ -9,7 +9,7 @@ import os
 import re
 from collections.abc import Iterator
 
-__all__ = ["glob_regex", "globbed", "local_files"]
+__all__ = ["glob_regex", "globbed", "hidden_below", "local_files"]
 assert __all__ == sorted(__all__)
 
 
@@ -45,7 +45,7 @@ def glob_regex(pattern: str) -> re.Pattern:
 def globbed(files, pattern: str) -> list[str]:
     """The ``files`` (object keys, sorted) a local glob of ``pattern`` would reach: those
     it matches, and those under a folder it matches (a local source expands a matched
-    folder into its files)."""
+    folder into its files, hidden ones left out: `hidden_below`)."""
     base = pattern.rstrip("/")
     match = glob_regex(base).match
     # "a/**" matches the folder "a/" itself too, which a local source expands whole
@@ -53,7 +53,8 @@ def globbed(files, pattern: str) -> list[str]:
     out = []
     for uri in files:
         cuts = [i for i, c in enumerate(uri) if c == "/"]
-        if match(uri) or any(match(uri[:i]) or folder(uri[:i]) for i in cuts):
+        if match(uri) or any((match(uri[:i]) or folder(uri[:i]))
+                             and not hidden_below(uri[:i], uri) for i in cuts):  # fmt: skip
             out.append(uri)
     return out
 
@@ -69,3 +70,10 @@ def local_files(root: str) -> Iterator[str]:
             continue
         seen.add((st.st_dev, st.st_ino))
         yield from (os.path.join(folder, n) for n in names)
+
+
+def hidden_below(root: str, path: str) -> bool:
+    """Whether a file or folder on ``path`` below ``root`` has a name that starts with a dot."""
+    base = root.rstrip("/") + "/"
+    below = path[len(base) :] if path.startswith(base) else os.path.basename(path)
+    return any(part.startswith(".") for part in below.split("/"))

@@ -23,7 +23,7 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from raypipe.formats.globs import globbed, local_files
+from raypipe.formats.globs import globbed, hidden_below, local_files
 
 __all__ = ["Storage", "StorageError", "is_remote"]
 assert __all__ == sorted(__all__)
@@ -138,7 +138,7 @@ class Storage:
         items = [source] if isinstance(source, str) else list(source)
         out: list[str] = []
         for item in items:
-            if globlib.has_magic(item):
+            if globlib.has_magic(item) and self.kind(item) is None:  # "Data [v2]/": a path
                 matched = self._glob(item)
                 if not matched:
                     raise ValueError(f"PipelineConfig.source: glob {item!r} matches nothing")
@@ -160,16 +160,18 @@ class Storage:
             return "dir"
         return "file" if info.type == pafs.FileType.File else None
 
-    def walk(self, root: str) -> Iterator[str]:
-        """Every file under ``root``, recursively, in sorted order."""
-        if not self.remote:  # sorted as whole paths, as a remote listing is
-            yield from sorted(local_files(root))
-            return
+    def walk(self, root: str, *, hidden: bool = False) -> Iterator[str]:
+        """Every file under ``root``, recursively, sorted as whole paths; those below a name
+        with a dot first (``.cache/``, ``._a.tar``) only with ``hidden``, as a glob does."""
+        files = sorted(self._files(root)) if self.remote else sorted(local_files(root))
+        yield from (f for f in files if hidden or not hidden_below(root, f))
+
+    def _files(self, root: str) -> Iterator[str]:
         import pyarrow.fs as pafs
 
         selector = pafs.FileSelector(self._path(root).rstrip("/"), recursive=True)
         infos = self._call(root, self.fs.get_file_info, selector)
-        yield from sorted(self._uri(i.path) for i in infos if i.type == pafs.FileType.File)
+        return (self._uri(i.path) for i in infos if i.type == pafs.FileType.File)
 
     def first_files(self, root: str, count: int) -> list[str]:
         """The first ``count`` files of `walk` (``root``), listing one folder at a time: a
@@ -184,7 +186,8 @@ class Storage:
         def visit(path: str) -> None:  # folders in walk's order: "a.tar" < "a/" as paths
             infos = self._call(root, self.fs.get_file_info, pafs.FileSelector(path))
             kind = pafs.FileType.Directory
-            for i in sorted(infos, key=lambda i: i.path + ("/" if i.type == kind else "")):
+            shown = [i for i in infos if not i.base_name.startswith(".")]  # as `walk` lists
+            for i in sorted(shown, key=lambda i: i.path + ("/" if i.type == kind else "")):
                 if len(found) >= count:
                     return
                 if i.type == pafs.FileType.File:
@@ -211,7 +214,7 @@ class Storage:
             return sorted(globlib.glob(pattern, recursive=True))
         head = pattern[: min(pattern.index(c) for c in "*?[" if c in pattern)]
         root = head.rsplit("/", 1)[0]
-        return globbed(self.walk(root), pattern)
+        return globbed(self.walk(root, hidden=True), pattern)
 
     def _call(self, uri: str, fn, *args):
         try:
@@ -222,13 +225,8 @@ class Storage:
     def _hint(self) -> str:
         if self.scheme != "s3" or self._options.get("anonymous"):
             return ""
-        keys = (
-            "access_key",
-            "key",
-            "AWS_ACCESS_KEY_ID",
-            "AWS_PROFILE",
-            "AWS_WEB_IDENTITY_TOKEN_FILE",
-        )
+        keys = ("access_key", "key", "AWS_ACCESS_KEY_ID", "AWS_PROFILE",
+                "AWS_WEB_IDENTITY_TOKEN_FILE")  # fmt: skip
         seen = any(k in self._options or k in os.environ for k in keys)
         if seen or os.path.exists(os.path.expanduser("~/.aws/credentials")):
             return ""

@@ -39,8 +39,8 @@ def _wds_groups(members: list[tarfile.TarInfo]) -> list[tuple[str, dict[str, tar
         if not m.isfile():
             continue
         base = os.path.basename(m.name)
-        if "." not in base:
-            continue
+        if base.startswith(".") or "." not in base:  # a hidden file (macOS's ._000.jpg)
+            continue  # is no sample of webdataset's either: its key needs a name before a dot
         stem, ext = base.split(".", 1)
         prefix, ext = os.path.join(os.path.dirname(m.name), stem), ext.lower()
         i = latest.get(prefix)

@@ -182,6 +182,27 @@ def test_a_tar_that_repeats_a_key_holds_a_sample_for_each(tmp_path):
     assert [r.where.split(":", 1)[1] for r in raws] == ["0001", "0001", "0002"]
 
 
+def test_hidden_members_of_a_tar_are_no_samples(tmp_path):
+    """A tar made on macOS holds an AppleDouble ``._0001.jpg`` beside members: no sample
+    (each made one, a skip; webdataset keys it by its folder, ``a/``, between the halves of
+    the sample it splits)."""
+    import io
+    import tarfile
+
+    path = tmp_path / "mac.tar"
+    with tarfile.open(path, "w") as tar:
+        for name, data in (("a/0001.jpg", png(2)), ("a/._0001.jpg", b"\0\5\26\7"),
+                           ("a/0001.cls", b"2"), ("a/0002.jpg", png(4)), ("a/0002.cls", b"4"),
+                           ("a/._0002.cls", b"\0\5\26\7"), (".hidden.jpg", png(5))):  # fmt: skip
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    listing = list_shards(PipelineConfig(source=str(path)))
+    raws = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
+    assert [r.where.split(":", 1)[1] for r in raws] == ["a/0001", "a/0002"]
+    assert [r.label for r in raws] == [2, 4] and listing.num_samples == 2
+
+
 def test_a_damaged_parquet_page_loses_its_row_group_only(tmp_path):
     """A page that cannot be read skips the rest of its row group, each row naming it; the
     row groups after it are read (they were all lost with it, as one unreadable shard)."""

@@ -17,6 +17,7 @@ from raypipe import Pipeline, PipelineConfig
 from raypipe.cli import main
 from raypipe.formats.storage import Storage, StorageError
 from raypipe.plan.shards import list_shards
+from tests.conftest import make_parquet
 
 BUCKET = "raypipe-test"
 POLICY = '{"Version":"2012-10-17","Statement":[{"Effect":"Allow","Action":"s3:*","Resource":"*"}]}'
@@ -214,3 +215,41 @@ def test_a_glob_on_object_storage_matches_what_it_matches_locally(tmp_path, patt
         return [s.path.removeprefix(f"{root}/") for s in listing.shards]
 
     assert shards(str(tmp_path / "local")) == shards("memory:///globs")
+
+
+def test_a_folders_hidden_files_are_not_shards_locally_or_remotely(tmp_path):
+    """A directory source lists what a glob of it would: no macOS ``._`` file, nothing
+    under a download's ``.cache/`` (which, sorted first, also hid the format from the
+    files it is inferred from), here and on object storage alike."""
+    import fsspec
+
+    from raypipe.formats import infer_format
+
+    mem = fsspec.filesystem("memory")
+    src = make_parquet(tmp_path / "src", [3, 4])
+    names = {f"data/{p.name}": p.read_bytes() for p in sorted(src.glob("*.parquet"))}
+    for i in range(70):  # what a --local-dir download keeps beside every file
+        names[f".cache/huggingface/download/data/f{i}.parquet.metadata"] = b"x"
+    names["data/._" + sorted(names)[-1].split("/")[-1]] = b"\0\5\26\7"  # AppleDouble
+    for name, data in names.items():
+        (tmp_path / "local" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "local" / name).write_bytes(data)
+        mem.pipe(f"/hidden/{name}", data)
+    for root in (str(tmp_path / "local"), "memory:///hidden"):
+        config = PipelineConfig(source=root)
+        listing = list_shards(config)
+        got = [s.path.removeprefix(f"{root}/") for s in listing.shards]
+        assert got == ["data/" + p.name for p in sorted(src.glob("*.parquet"))], root
+        assert listing.num_samples == 7
+        assert infer_format([root], Storage.for_source(root)) == "parquet"
+
+
+def test_a_folder_whose_name_looks_like_a_glob_is_the_folder(tmp_path):
+    """``Dataset [v2]/`` exists: it is the source, not a glob of ``Dataset v/`` or
+    ``Dataset 2/`` (which, present too, would have been read instead)."""
+    src = make_parquet(tmp_path / "Dataset [v2]", [3, 4])
+    make_parquet(tmp_path / "Dataset v", [5])
+    assert list_shards(PipelineConfig(source=str(src))).num_samples == 7
+    assert list_shards(PipelineConfig(source=str(src / "part-00001.parquet"))).num_samples == 4
+    # a glob is still a glob where no path has its name
+    assert list_shards(PipelineConfig(source=str(tmp_path / "Dataset [v]"))).num_samples == 5
