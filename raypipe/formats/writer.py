@@ -68,7 +68,7 @@ def write_shard(samples: list[Sample], out: str, name: str, fmt: str) -> Written
 
 
 def _load(samples: list[Sample]) -> Iterator[tuple[Sample, bytes | None, str]]:
-    """Yield ``(sample, bytes, ext)``; JPEG and PNG stay as they are, others become PNG;
+    """Yield ``(sample, bytes, ext)``; JPEG, PNG and WebP stay as they are, others become PNG;
     bytes that are no image are ``(sample, None, why)``."""
     for s in samples:
         ext = Path(s.path).suffix.lower().lstrip(".")
