@@ -146,12 +146,17 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _key_value(text: str) -> tuple[str, object]:
-    import yaml
+    """``KEY=VALUE``, the value read as JSON where it is JSON (``true``, ``30``), else the
+    string as written: a key or secret such as ``0777``, ``NO`` or ``a#b`` stays itself."""
+    import json
 
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise ValueError(f"--storage-option {text!r}: expected KEY=VALUE")
-    return key, yaml.safe_load(value)
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
 
 
 def _submit(args: argparse.Namespace) -> int:

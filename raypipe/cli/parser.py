@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="WebDataset label member: cls, txt or json (default: the first present)")  # fmt: skip
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a storage_options setting, e.g. endpoint_url=http://127.0.0.1:9000 "
-                   "(repeatable)")  # fmt: skip
+                   "(repeatable; VALUE is read as JSON where it is JSON, e.g. anonymous=true, "
+                   "else kept as written)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
     p = sub.add_parser("submit", help="submit a run or convert config as a Ray job",

@@ -253,3 +253,20 @@ def test_a_folder_whose_name_looks_like_a_glob_is_the_folder(tmp_path):
     assert list_shards(PipelineConfig(source=str(src / "part-00001.parquet"))).num_samples == 4
     # a glob is still a glob where no path has its name
     assert list_shards(PipelineConfig(source=str(tmp_path / "Dataset [v]"))).num_samples == 5
+
+
+def test_a_storage_options_value_is_json_or_the_string_as_written(tmp_path, capsys):
+    """``--storage-option`` values were read as YAML: a secret ``0777`` reached the file
+    system as 511, ``NO`` as False, ``a #b`` as 'a', and ``[b`` ended in a traceback."""
+    import fsspec
+
+    from raypipe.cli.app import _key_value
+
+    got = dict(map(_key_value, ["a=true", "b=30", "c=0777", "d=NO", "e=ab #cd", "f=[b", "g=",
+                                "h=2024-01-02", 'i="12"', "j=x=y"]))  # fmt: skip
+    assert got == {"a": True, "b": 30, "c": "0777", "d": "NO", "e": "ab #cd", "f": "[b", "g": "",
+                   "h": "2024-01-02", "i": "12", "j": "x=y"}  # fmt: skip
+    src = make_parquet(tmp_path / "src", [3])
+    fsspec.filesystem("memory").pipe("/kv/a.parquet", (src / "part-00000.parquet").read_bytes())
+    assert main(["inspect", "memory:///kv/", "--storage-option", "secret=[b"]) == 0
+    assert "3 good" in capsys.readouterr().out
