@@ -33,7 +33,7 @@ def _run(args: argparse.Namespace) -> int:
     from raypipe.cli.classify import RunConfig, check_classes, go_on, run
     from raypipe.train.checkpoint import new_run_name, run_folder
 
-    _expect_kind(args.config, "train")
+    _expect_kind(args.config, "train", args.data_root)
     jobspec.check_sources(args.config, args.data_root)
     with tempfile.TemporaryDirectory(prefix="raypipe-") as tmp:
         config = jobspec.write_resolved(args.config, args.data_root, tmp)
@@ -98,7 +98,7 @@ def _writable(folder: str | None) -> None:
 def _convert(args: argparse.Namespace) -> int:
     from raypipe.cli.convert import ShardsConfig, convert, plan
 
-    _expect_kind(args.config, "convert")
+    _expect_kind(args.config, "convert", args.data_root)
     jobspec.check_sources(args.config, args.data_root)
     raw = jobspec.resolve_paths(args.config, args.data_root)
     cfg = ShardsConfig.from_dict(raw[jobspec.convert_section(raw)])
@@ -240,8 +240,8 @@ def _ray_session(address: str | None, *, verbose: bool = False):
             localray.shutdown()
 
 
-def _expect_kind(config: str, kind: str) -> None:
-    found = jobspec.check(config)
+def _expect_kind(config: str, kind: str, root: str) -> None:
+    found = jobspec.check(config, root)
     if found != kind:
         use = "raypipe convert" if found == "convert" else "raypipe run"
         raise ValueError(f"{config} is a {found} config: use {use}")

@@ -56,8 +56,9 @@ class RunConfig:
     trainer: TrainerSettings
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> RunConfig:
-        raw = load_yaml(path)
+    def from_yaml(cls, path: str | Path, raw: dict | None = None) -> RunConfig:
+        """The run config in the file ``path`` (or ``raw``, what was read of it)."""
+        raw = load_yaml(path) if raw is None else raw
         check_keys(raw, ["data", "eval", "trainer"], where=str(path))
         if "data" not in raw:
             raise ValueError(f"{path}: a run config needs a 'data' section")

@@ -49,14 +49,17 @@ def kind_of(path: str | Path) -> Kind:
     return "train"
 
 
-def check(path: str | Path) -> Kind:
-    """Load and validate the config fully; returns its kind. Errors are ValueErrors."""
+def check(path: str | Path, root: str | Path = ".") -> Kind:
+    """Load and validate the config fully, its relative paths joined onto ``root`` as the
+    job's are (a relative ``cache_dir`` is one); returns its kind. Errors are ValueErrors."""
     from raypipe.cli.classify import RunConfig
     from raypipe.cli.convert import ShardsConfig
 
     kind = kind_of(path)
     try:
-        (ShardsConfig if kind == "convert" else RunConfig).from_yaml(path)
+        (ShardsConfig if kind == "convert" else RunConfig).from_yaml(
+            path, resolve_paths(path, root)
+        )
     except TypeError as e:
         raise ValueError(f"{path}: {e}") from None
     return kind

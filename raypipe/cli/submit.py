@@ -64,7 +64,7 @@ def entrypoint(config: Path, working_dir: Path, data_root: Path, verbose: bool =
     """The job's command and the config's kind; the config must be inside the working dir.
     ``python``: the head's (this one's, where the head is on this machine: `submit`);
     ``resume``: a run's folder on the head, relative ones against ``data_root``."""
-    kind = jobspec.check(config)
+    kind = jobspec.check(config, data_root)
     if resume is not None and kind != "train":
         raise ValueError(
             f"--resume goes on with a training run; {str(config)!r} is a {kind} config"

@@ -306,3 +306,25 @@ def test_submit_resolves_data_paths_against_its_data_root(monkeypatch, tmp_path)
     code = sub.submit(tmp_path / "run.yaml", working_dir=tmp_path, data_root="/shared/data",
                       address=jobapi.DEFAULT_ADDRESS, out=io.StringIO())  # fmt: skip
     assert code == 0 and client.kwargs["entrypoint"].endswith("--data-root /shared/data")
+
+
+def test_a_relative_cache_dir_is_checked_where_the_job_finds_it(monkeypatch, tmp_path):
+    """A disk cache's relative ``cache_dir`` is joined onto ``--data-root``, as ``source``
+    is (docs/jobs.md): the check before the job read it unjoined and refused it as
+    relative, for `raypipe submit` and `raypipe run` alike."""
+    from raypipe.cli import jobspec
+
+    client = FakeClient([["done\n"]])
+    monkeypatch.setattr(sub, "client", lambda url, token_file: client)
+    monkeypatch.setattr(sub, "time", SimpleNamespace(sleep=lambda s: None))
+    (tmp_path / "run.yaml").write_text("data:\n  source: .\n  cache: disk\n  cache_dir: c\n")
+    code = sub.submit(tmp_path / "run.yaml", working_dir=tmp_path, data_root=tmp_path,
+                      address=jobapi.DEFAULT_ADDRESS, out=io.StringIO())  # fmt: skip
+    assert code == 0 and client.kwargs["entrypoint"].endswith(f"--data-root {tmp_path}")
+    assert jobspec.check(tmp_path / "run.yaml", tmp_path) == "train"
+    assert jobspec.resolve_paths(tmp_path / "run.yaml", tmp_path)["data"]["cache_dir"] == str(
+        tmp_path / "c"
+    )
+    (tmp_path / "c").write_text("a file")  # what the job would find there is checked
+    with pytest.raises(ValueError, match=r"cache_dir=.*/c'.* is not a directory"):
+        jobspec.check(tmp_path / "run.yaml", tmp_path)
