@@ -211,8 +211,8 @@ def _check_head(address: str) -> None:
         socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
     except (OSError, ValueError) as e:
         raise ConnectionError(
-            f"nothing answers at {address} ({e}): is the head up (ray "
-            "start --head), and is this its GCS address?"
+            f"nothing answers at {address} ({e}): is the head up (docs/jobs.md starts one "
+            "on loopback), and is this its GCS address?"
         ) from None
 
 

@@ -127,7 +127,8 @@ def call(url: str, fn):
             "pass --token-file, or set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN"
         ) from None
     except (ConnectionError, requests.exceptions.RequestException):
-        hint = ": is a head running there? (ray start --head --dashboard-host=127.0.0.1)"
+        hint = (": is a head running there? (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 ray start "
+                "--head --dashboard-host=127.0.0.1: all its servers on this machine's loopback)")  # fmt: skip
         raise SubmitError(
             f"cannot reach a Ray job API at {url}{_wrong_port(url) or hint}"
         ) from None

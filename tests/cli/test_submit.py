@@ -242,8 +242,13 @@ def test_a_gcs_or_client_port_is_named_in_the_error(port, what):
         with pytest.raises(jobapi.SubmitError) as e:
             jobapi.call(f"http://127.0.0.1:{port}", call)
         assert f"{port} is Ray's {what} port" in str(e.value) and "(8265)" in str(e.value)
-    with pytest.raises(jobapi.SubmitError, match="is a head running there"):
+    with pytest.raises(jobapi.SubmitError, match="is a head running there") as e:
         jobapi.call("http://127.0.0.1:8265", refused)
+    # the head it suggests keeps every server on loopback (docs/security.md), not only the
+    # dashboard: without the variable Ray binds the others to the machine's address
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 ray start --head --dashboard-host=127.0.0.1" in (
+        str(e.value)
+    )
 
 
 def test_submit_help_says_what_the_code_does():
