@@ -142,8 +142,11 @@ def resolve_callable(value: Any, field: str) -> Callable | None:
             obj: Any = importlib.import_module(module)
             for part in name.split("."):
                 obj = getattr(obj, part)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"PipelineConfig.{field}={value!r}: cannot import it: {e}") from None
+        except Exception as e:  # no such module or name; or the module fails as it imports
+            named = isinstance(e, (ImportError, AttributeError))  # says what is missing
+            why = (str(e) if named else f"{type(e).__name__}: {e}").strip() or type(e).__name__
+            why = why.splitlines()[0]
+            raise ValueError(f"PipelineConfig.{field}={value!r}: cannot import it: {why}") from None
         value = obj
     if not callable(value):
         raise ValueError(f"PipelineConfig.{field}={value!r}: not callable")

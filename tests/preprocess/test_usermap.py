@@ -292,6 +292,26 @@ def test_bad_transforms_fail_before_any_work(transform, words):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "module, error",
+    [("def f(:\n", "SyntaxError: invalid syntax"), ("raise RuntimeError('no GPU here')\n",
+     "RuntimeError: no GPU here"), ("raise RuntimeError('two\\nlines')\n", "RuntimeError: two")],
+)  # fmt: skip
+def test_a_transform_module_that_fails_to_import_is_named_in_one_line(
+    tmp_path, monkeypatch, module, error
+):
+    """A module with a syntax error, or one that raises as it imports, ended `raypipe run`
+    in a traceback; a relative name in a TypeError that named no field."""
+    (tmp_path / "broken_transform.py").write_text(module)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for transform, words in (("broken_transform:f", error), (".relative:f", "relative import")):
+        with pytest.raises(ValueError) as e:
+            PipelineConfig(source="data", transform=transform)
+        text = str(e.value)
+        assert text.startswith(f"PipelineConfig.transform={transform!r}: cannot import it: ")
+        assert words in text and "\n" not in text
+
+
 def test_a_module_level_callable_is_accepted_as_it_is():
     config = PipelineConfig(source="data", transform=user_transforms.noisy)
     assert config.transform is user_transforms.noisy
