@@ -222,3 +222,16 @@ def test_a_device_torch_does_not_know_is_refused_where_it_is_set():
     with pytest.raises(ValueError, match=r"LoaderConfig.device='gpu': must be 'auto' or a torch"):
         Loader(PipelineConfig(source="/tmp"), epochs=1, device="gpu")
     assert LoaderConfig(device="cuda:1").device == "cuda:1"  # no GPU needed to name one
+
+
+@pytest.mark.parametrize("section", ["data", "eval"])
+def test_a_run_config_whose_ranks_hold_no_batch_ahead_is_refused_before_ray(tmp_path, section):
+    """``prefetch_batches: 0`` passed `raypipe run`'s checks and was refused by
+    ``train_ddp``, after the local Ray had started."""
+    from raypipe.cli.classify import RunConfig
+
+    path = tmp_path / "run.yaml"
+    other = {"data": "eval", "eval": "data"}[section]
+    path.write_text(f"{other}: {{source: x}}\n{section}: {{source: z, prefetch_batches: 0}}\n")
+    with pytest.raises(ValueError, match=rf"run.yaml: {section}: prefetch_batches=0 must be"):
+        RunConfig.from_yaml(path)

@@ -18,6 +18,7 @@ from typing import Any
 
 from raypipe.config import PipelineConfig, check_keys, load_yaml
 from raypipe.config.checks import is_int, is_num
+from raypipe.config.loader import rank_loader
 from raypipe.train.ddp import TrainContext, list_sources, train_ddp
 
 
@@ -83,8 +84,12 @@ def _trainer(path, settings: dict) -> TrainerSettings:
 
 
 def _section(path, name: str, data: Any) -> PipelineConfig:
+    """A section's `PipelineConfig`, with what its ranks' Pipelines take (``prefetch_batches``
+    >= 1) checked too: before Ray starts, not in ``train_ddp`` after."""
     try:
-        return PipelineConfig.from_dict(data)
+        config = PipelineConfig.from_dict(data)
+        rank_loader(config)
+        return config
     except (ValueError, TypeError) as e:
         raise ValueError(f"{path}: {name}: {e}") from None
 
