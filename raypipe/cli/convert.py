@@ -93,8 +93,7 @@ class ShardsConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path, raw: dict | None = None) -> ShardsConfig:
-        """The convert config in the file ``path`` (or ``raw``, what was read of it)."""
-        raw = load_yaml(path) if raw is None else raw
+        raw = load_yaml(path) if raw is None else raw  # ``raw``: what was read of ``path``
         section = convert_section(raw)
         check_keys(raw, [section or "convert"], where=str(path))
         if section is None:
