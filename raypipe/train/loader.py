@@ -71,9 +71,10 @@ class Loader:
                 raise TypeError(f"Loader() sets {name}= itself")
         if unknown := sorted(set(options) - set(inspect.signature(Pipeline).parameters)):
             raise TypeError(f"Loader() got {unknown}, which raypipe.Pipeline does not take")
-        check_options(**{k: v for k, v in options.items() if k in ("progress_s", "skips")})
         fields = {f.name for f in dataclasses.fields(LoaderConfig)}  # checked now, as by a Pipeline
         rank_loader(config, **{k: v for k, v in options.items() if k in fields})
+        checked = ("progress_s", "skips", "drop_last")  # drop_last=None too: rank_loader's unset
+        check_options(**{k: options[k] for k in checked if k in options})
         self.config, self.num_epochs = config, epochs
         self._asked = (rank, world_size, ledger)
         self._group, self._join_timeout_s, self._options = group, join_timeout_s, options

@@ -94,6 +94,8 @@ def test_a_loaders_options_are_checked_when_it_is_made(datasets):
         Loader(config, epochs=1, prefetch=4)
     with pytest.raises(ValueError, match="drop_last='no': must be true or false"):
         Loader(config, epochs=1, drop_last="no")
+    with pytest.raises(ValueError, match="drop_last=None must be True or False"):
+        Loader(config, epochs=1, drop_last=None)  # was len()'s False until the first next()
     # found at the first next(), after the listing and the pool's start (skips: an
     # AttributeError in the feeder)
     with pytest.raises(ValueError, match=r"progress_s=-1 must be seconds >= 0"):
