@@ -129,6 +129,8 @@ def list_shards(config: PipelineConfig) -> Listing:
         return _list_imagefolder(paths, reader)
     listed = frozenset(_files_under(paths, storage))
     files = sorted(f for f in listed if get_format(fmt).matches(f))
+    if storage.remote and fmt == "tfrecord" and (named := {p for p in paths if p in listed}):
+        listed |= _beside(named, storage)  # the index a reader finds beside a glob's match
     if not files:
         raise ValueError(f"no {fmt} shards found in source {config.source!r}")
     shards, key, shown = [], 0, time.monotonic()
@@ -210,6 +212,13 @@ def _files_under(paths: list[str], storage: Storage) -> Iterator[str]:
             yield from storage.walk(p)
         else:
             yield p
+
+
+def _beside(files: set[str], storage: Storage) -> frozenset[str]:
+    """What the folders of remote ``files`` (a glob's matches, a list's items) hold: the
+    `raypipe.formats.tfindex` names the listing may count by are only the ones it saw, and
+    the reader, going on past a damaged record, finds its index by name."""
+    return frozenset(f for d in {f.rpartition("/")[0] for f in files} for f in storage.walk(d))
 
 
 def _list_imagefolder(paths: list[str], reader: Reader) -> Listing:

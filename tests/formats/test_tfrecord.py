@@ -68,6 +68,38 @@ def test_every_record_once_with_its_label_for_each_convention(ray_session, tmp_p
     assert seen == dict(enumerate(labels))  # shards in order: key i is record i
 
 
+@pytest.mark.parametrize("source", ["*.tfrecord", "list"])
+def test_a_remote_glob_counts_by_the_index_its_reader_goes_on_by(tmp_path, source):
+    """On object storage the listing looked for an index only among the files it listed,
+    which for a glob or a list are the shards alone; the reader, past a damaged record,
+    found the index by name and read on: more samples than counted, those after the
+    count dropped unseen (the next shard's keys). Now both count by it."""
+    import fsspec
+    from tfrecord.tools.tfrecord2idx import create_index
+
+    labels = labels_of(14, seed=3)
+    root = tf_shards(tmp_path / "tf", labels, per_shard=7)
+    first, second = sorted(root.iterdir())
+    offsets, _, _ = scan(Storage(), str(first))
+    data = bytearray(first.read_bytes())
+    data[offsets[2] + 9] ^= 0xFF  # record 2's length CRC
+    first.write_bytes(bytes(data))
+    create_index(str(first), str(first) + ".index")
+    mem = fsspec.filesystem("memory")
+    for path in (first, second, first.with_name(first.name + ".index")):
+        mem.pipe(f"/idx/{path.name}", path.read_bytes())
+    mem.pipe("/idx/other.tfrecord", second.read_bytes())  # not matched: not a shard
+    uri = "memory:///idx/"
+    config = PipelineConfig(source=uri + "train-*.tfrecord" if source != "list" else
+                            (uri + first.name, uri + second.name))  # fmt: skip
+    listing = list_shards(config)
+    assert [s.num_samples for s in listing.shards] == [7, 7]
+    got = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
+    assert [r.key for r in got] == list(range(14))
+    assert [(r.key, r.reason) for r in got if r.reason] == [(2, "bad_checksum")]
+    assert [r.label for r in got if r.reason is None] == labels[:2] + labels[3:]
+
+
 def test_gzip_and_index_files_give_the_same_records(tmp_path, monkeypatch):
     from tfrecord.tools.tfrecord2idx import create_index
 
