@@ -41,12 +41,12 @@ def main(argv: list[str] | None = None) -> None:
 
     spec, config = _read(args.config)
     trainer = _trainer(spec, args.config, checkpoint=args.checkpoint)
+    cuda = torch.cuda.is_available()
+    device = _device(cuda)
     localnode.start(args.address, log_to_driver=False)  # this rank joins as a driver
     _loopback_only()
-    cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     torch.manual_seed(config.seed)
@@ -55,10 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.Adam(model.parameters(), lr=trainer["lr"])
     loader = Loader(config, epochs=trainer["epochs"], device=device)  # rank, world: dist's
     if _resuming(args.checkpoint, device):
-        saved = torch.load(args.checkpoint, map_location=device)
-        net.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        loader.load_state_dict(saved["loader"])
+        _resume(args.checkpoint, device, net, opt, loader)
     every = trainer.get("checkpoint_every", 0)
     with loader:
         for epoch in range(loader.epoch, trainer["epochs"]):
@@ -180,6 +177,33 @@ def _loopback_only() -> None:
 
     for name, value in loopback_sockets(os.environ.get("MASTER_ADDR", "")).items():
         os.environ.setdefault(name, value)
+
+
+def _resume(path: str, device, net, opt, loader) -> None:
+    """The model, the optimizer and the loader's position saved in ``path``."""
+    import torch
+
+    saved = torch.load(path, map_location=device)
+    net.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    try:
+        loader.load_state_dict(saved["loader"])
+    except ValueError as e:  # another dataset, seed or epochs than the run it saved
+        raise SystemExit(f"--checkpoint {path}: {e}") from None
+
+
+def _device(cuda: bool):
+    """This rank's device: its GPU by ``LOCAL_RANK`` (torchrun's; ``SLURM_LOCALID`` under a
+    bare srun), else the CPU."""
+    import torch
+
+    if not cuda:
+        return torch.device("cpu")
+    local = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID")
+    if not (local or "").isdigit():
+        raise SystemExit(f"LOCAL_RANK={local!r}: which of this node's GPUs is this rank's? "
+                         "torchrun sets it (srun: SLURM_LOCALID); set it with RANK and WORLD_SIZE")  # fmt: skip
+    return torch.device("cuda", int(local))
 
 
 def _parser() -> argparse.ArgumentParser:

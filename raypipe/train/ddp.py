@@ -23,7 +23,7 @@ from typing import Any
 
 from raypipe import localnode, rayapi
 from raypipe.config import PipelineConfig, rank_loader
-from raypipe.config.checks import check_share
+from raypipe.config.checks import check_share, is_num
 from raypipe.loader.errors import data_errors, quiet_data_errors
 from raypipe.loader.ledger import create_ledger
 from raypipe.plan.rankplan import rank_pool
@@ -108,8 +108,8 @@ def _check_run(*, num_workers, epochs, cpus_per_worker, checkpoint_every, keep_c
     for name, value, low in checks:
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name}={value!r} must be an integer >= {low}")
-    if not cpus_per_worker > 0:
-        raise ValueError(f"{cpus_per_worker=} must be > 0")
+    if not is_num(cpus_per_worker) or not cpus_per_worker > 0:
+        raise ValueError(f"{cpus_per_worker=} must be a number > 0")
 
 
 def list_sources(config: PipelineConfig, num_workers: int,

@@ -72,8 +72,11 @@ def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         found = dist.get_rank(), dist.get_world_size()
     else:
-        found = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        if rank is None and found[1] > 1 and "RANK" not in os.environ:  # every process rank 0
+        env = {k: os.environ.get(k, "").strip() for k in ("RANK", "WORLD_SIZE")}  # "": unset
+        if bad := [f"{k}={v!r}" for k, v in env.items() if v and not v.isdigit()]:
+            raise ValueError(f"{', '.join(bad)} in the environment: must be an integer")
+        found = int(env["RANK"] or 0), int(env["WORLD_SIZE"] or 1)
+        if rank is None and found[1] > 1 and not env["RANK"]:  # every process rank 0
             raise ValueError(f"WORLD_SIZE={found[1]} but RANK is not set (a launcher's child "
                              "before init_process_group?): pass rank=, or initialize "
                              "torch.distributed first")  # fmt: skip

@@ -184,6 +184,8 @@ def test_keep_checkpoints_is_checked_before_work(datasets, bad):
     ({"loop_config": [1]}, "loop_config=[1] must be a dict"),
     ({"callbacks": print}, "callbacks=<built-in function print> must be a list"),
     ({"ray_log_level": "LOUD"}, "ray_log_level='LOUD' must be one of"),
+    ({"cpus_per_worker": "2"}, "cpus_per_worker='2' must be a number > 0"),
+    ({"cpus_per_worker": None}, "cpus_per_worker=None must be a number > 0"),
 ])  # fmt: skip
 def test_train_ddp_arguments_of_the_wrong_kind_are_refused_before_ray(datasets, monkeypatch,
                                                                       kw, says):  # fmt: skip

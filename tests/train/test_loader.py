@@ -379,6 +379,13 @@ def test_world_size_without_rank_is_refused_and_a_damaged_state_is_one_line(data
     assert resolve_world(1, None) == (1, 2)
     monkeypatch.setenv("RANK", "1")
     assert resolve_world(None, None) == (1, 2)
+    monkeypatch.setenv("RANK", "")  # an empty export is no rank (int('') named neither)
+    with pytest.raises(ValueError, match="WORLD_SIZE=2 but RANK is not set"):
+        resolve_world(None, None)
+    monkeypatch.setenv("RANK", "one")
+    with pytest.raises(ValueError, match=r"^RANK='one' in the environment: must be an integer"):
+        resolve_world(None, None)
+    monkeypatch.setenv("RANK", "1")
     loader = Loader(_config(datasets), epochs=2, rank=0, world_size=1, device="cpu")
     good = PipelineState(0, 0, 60, "f" * 32, np.zeros(60, bool)).to_bytes()
     for data in (good[:20], torch.frombuffer(bytearray(good[:30]), dtype=torch.uint8)):

@@ -135,3 +135,44 @@ def _refused(*argv: str) -> str:
     with pytest.raises(SystemExit) as exited:
         job.main([*argv, "--address", "127.0.0.1:9"])
     return str(exited.value.code)
+
+
+def _job():
+    spec = importlib.util.spec_from_file_location("torchrun_job", ROOT / "jobs/torchrun_train.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    return job
+
+
+def test_a_gpu_rank_takes_its_gpu_from_local_rank_or_slurm_and_says_when_neither(monkeypatch):
+    """Started with RANK, WORLD_SIZE and MASTER_ADDR/PORT set by hand (docs/trainers.md's
+    Slurm way), a GPU rank ended in ``KeyError: 'LOCAL_RANK'``."""
+    import torch
+
+    job = _job()
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("SLURM_LOCALID", raising=False)
+    assert job._device(False) == torch.device("cpu")
+    with pytest.raises(SystemExit, match=r"LOCAL_RANK=None: which of this node's GPUs"):
+        job._device(True)
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    assert job._device(True) == torch.device("cuda", 1)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert job._device(True) == torch.device("cuda", 0)
+
+
+def test_a_checkpoint_of_another_run_is_refused_in_one_line(tmp_path):
+    """A loader state the Loader refuses (another dataset, seed or epochs) ended every rank
+    in a traceback; the job's other refusals are one line."""
+    import torch
+
+    class Refusing:
+        def load_state_dict(self, state):
+            raise ValueError("the state is of another dataset")
+
+    net = torch.nn.Linear(2, 2)
+    opt = torch.optim.Adam(net.parameters())
+    path = tmp_path / "run.pt"
+    torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "loader": {}}, path)
+    with pytest.raises(SystemExit, match=r"^--checkpoint .*run.pt: the state is of another"):
+        _job()._resume(str(path), "cpu", net, opt, Refusing())
