@@ -20,6 +20,7 @@ naming the field, the key and the file.
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,8 @@ __all__ = ["SampleMap", "TransformOutputError", "resolve_callable", "seed_global
 assert __all__ == sorted(__all__)
 
 _IMAGE_EXTS = tuple(e.lstrip(".") for e in IMAGE_EXTS)  # member names of image bytes
+_SAID = False  # `_say_sizes` warned in this process
+log = logging.getLogger(__name__)
 
 
 class TransformOutputError(ValueError):
@@ -91,6 +94,8 @@ class SampleMap:
         ``image``: the decoded H×W×3 pixels (the decoded cache's), else ``raw``'s decoded."""
         extras = {_name(k): self._extra(k, v) for k, v in (raw.extras or {}).items()}
         pixels = self._image(raw.data) if image is None else self._as_input(np.array(image))
+        if image is not None and not _SAID:
+            _say_sizes(raw, extras, np.shape(image)[:2])
         return {**extras, "image": pixels, "label": raw.label, "key": raw.key}
 
     def __call__(self, raw, epoch: int, image: np.ndarray | None = None) -> dict[str, Any]:
@@ -176,6 +181,23 @@ def _check_pixels(img, limit: int | None) -> None:
             f"{img.width}x{img.height} = {img.width * img.height} pixels > "
             f"max_image_pixels={limit}",
         )
+
+
+def _say_sizes(raw, extras: dict[str, Any], size: tuple[int, ...]) -> None:
+    """Warn, once a process, where an image member (``mask.png``) is not the size of the
+    capped image the decoded cache gives the transform: a target cropped with the image
+    would not line up (the cache scales the image only)."""
+    global _SAID
+    for ext in raw.extras or {}:
+        value = extras[_name(ext)]
+        if (ext.rsplit(".", 1)[-1] in _IMAGE_EXTS and isinstance(value, np.ndarray)
+                and value.shape[:2] != tuple(size)):  # fmt: skip
+            log.warning("raypipe: with the decoded cache the transform's image is the capped "
+                        "%dx%d one, but member %r of %s is %dx%d: scale it to the image in "
+                        "the transform, or leave the cache off", size[1], size[0], ext,
+                        raw.where, value.shape[1], value.shape[0])  # fmt: skip
+            _SAID = True
+            return
 
 
 def _decode_extra(ext: str, data: Any, max_pixels: int | None = None) -> Any:

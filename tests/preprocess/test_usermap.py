@@ -450,6 +450,29 @@ def test_a_damaged_member_is_named_not_the_main_image(mask):
     assert "mask" in m(ok, 0)
 
 
+def test_a_member_not_the_size_of_the_cached_image_is_said_once(caplog, monkeypatch):
+    """With the decoded cache the transform's ``image`` is the capped copy, its other image
+    members full size: a mask cropped with the image would not line up, without a word."""
+    import logging
+
+    from raypipe.formats.sample import RawSample
+    from raypipe.preprocess import usermap
+
+    monkeypatch.setattr(usermap, "_SAID", False)
+    m = usermap.SampleMap(mask_only, seed=0, image_input="numpy", per_batch=False,
+                          max_image_pixels=None)  # fmt: skip
+    capped = np.zeros((10, 12, 3), np.uint8)  # what the cache gives for a 20x24 photo
+    same = RawSample(1, 1, None, "s:1", extras={"mask.png": png(1, size=(12, 10))})
+    other = RawSample(2, 1, None, "s:2", extras={"mask.png": png(1, size=(24, 20))})
+    with caplog.at_level(logging.WARNING, logger="raypipe.preprocess.usermap"):
+        assert m(same, 0, image=capped)["mask"].shape[:2] == (10, 12)
+        assert not caplog.records  # the member fits the image: nothing to say
+        for raw in (other, other):
+            assert m(raw, 0, image=capped)["mask"].shape[:2] == (20, 24)
+    (record,) = caplog.records
+    assert "capped 12x10 one, but member 'mask.png' of s:2 is 24x20" in record.getMessage()
+
+
 def test_a_members_pixels_count_against_max_image_pixels():
     from raypipe.formats.sample import RawSample
     from raypipe.preprocess.usermap import SampleMap
