@@ -218,6 +218,7 @@ class TorchBatches:
                 try:
                     batch = next(out)
                 except StopIteration:
+                    stats.end()  # a stats() after the loop's eval is the pass's own
                     return
                 waited = time.perf_counter() - t0
                 stats.waited(waited, self._delivered.pop())  # a collate may drop "key"

@@ -16,8 +16,8 @@ class IterStats:
     """Wall-clock accounting of one rank's iteration.
 
     ``wait_s`` is time the consumer spent blocked inside ``next()``; everything
-    else between the first request and now is the consumer's own work.
-    ``wait_fraction`` near 0 means the trainer never waited for data.
+    else between the first request and the pass's end (or now, while it runs) is the
+    consumer's own work. ``wait_fraction`` near 0 means the trainer never waited for data.
     """
 
     batches: int = 0
@@ -25,10 +25,15 @@ class IterStats:
     wait_s: float = 0.0
     first_batch_s: float | None = None
     _started: float | None = None
+    _ended: float | None = None  # the pass ran out: what the loop does after is not its time
 
     def start(self) -> None:
         if self._started is None:
             self._started = time.perf_counter()
+
+    def end(self) -> None:
+        if self._started is not None and self._ended is None:
+            self._ended = time.perf_counter()
 
     def waited(self, seconds: float, rows: int) -> None:
         self.batches += 1
@@ -38,7 +43,8 @@ class IterStats:
             self.first_batch_s = time.perf_counter() - self._started
 
     def as_dict(self) -> dict[str, float | int | None]:
-        elapsed = (time.perf_counter() - self._started) if self._started else 0.0
+        now = self._ended or time.perf_counter()
+        elapsed = (now - self._started) if self._started else 0.0
         return {
             "batches": self.batches,
             "samples": self.samples,

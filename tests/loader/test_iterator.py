@@ -72,6 +72,22 @@ def test_keep_partial_batch_delivers_everything_once(ray_session, datasets):
     assert [len(b["key"]) for b in batches] == [8] * 7 + [5]
 
 
+def test_stats_after_the_pass_are_the_pass_s_own(ray_session, datasets):
+    """``stats()`` read after the loop's held-out pass or checkpoint counted that time as
+    the loop's own: the wait share fell and ``bound`` could name the trainer for a run
+    its data held back."""
+    import time
+
+    config = PipelineConfig(source=str(datasets["parquet"]), image_size=8, rows_per_block=4)
+    batches = iter_torch_batches(build_dataset(config), batch_size=8, device="cpu")
+    assert sum(len(b["key"]) for b in batches) == 56
+    at_end = batches.stats()
+    time.sleep(0.5)  # the loop's own work after the epoch
+    later = batches.stats()
+    assert later["elapsed_s"] == at_end["elapsed_s"] < 60 and later["samples"] == 56
+    assert later["wait_fraction"] == at_end["wait_fraction"] > 0
+
+
 def _images_by_key(ds) -> dict[int, bytes]:
     out = {}
     for b in ds.iter_batches(batch_size=None, batch_format="numpy"):
