@@ -102,6 +102,7 @@ class Feeder:
         self._counts: dict[int, dict[str, int]] = {}
         self._next = epochs.start
         self._open: Iterator[Columns] | None = None  # the epoch being read, not yet ended
+        self._draining = False  # `finish` reads the epoch's rest: rows no one is handed
         self._current = dict.fromkeys(STAGES, 0.0)
         self.demand = demand if demand is not None else Demand()  # for raypipe.pool.follow
         self._thread.start()
@@ -122,8 +123,12 @@ class Feeder:
         if self._next == epoch:  # never asked for
             self.epoch(epoch)
         if self._open is not None:
-            for _ in self._open:
-                pass
+            self._draining = True
+            try:
+                for _ in self._open:
+                    pass
+            finally:
+                self._draining = False
 
     def _read(self, epoch: int) -> Iterator[Columns]:
         demand = self.demand
@@ -138,7 +143,7 @@ class Feeder:
                     return
                 continue
             finally:
-                demand.waited_s += time.perf_counter() - t0
+                demand.waited_s += time.perf_counter() - t0  # a drain's too: the loop waits
             if kind == _FAIL:
                 self._open = None
                 raise item
@@ -146,7 +151,7 @@ class Feeder:
             if kind == _END:
                 self._open = None
                 return
-            rows = len(item["key"])
+            rows = 0 if self._draining else len(item["key"])  # the trainer's only
             demand.rows, demand.epoch_rows = demand.rows + rows, demand.epoch_rows + rows
             yield item
 

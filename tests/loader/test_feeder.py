@@ -52,3 +52,29 @@ def test_data_waiting_on_a_long_step_reads_as_held_while_it_waits():
         assert demand.held_s > 0.5, demand.held_s  # counted while it waits
     finally:
         feeder.close()
+
+
+def test_an_epoch_left_early_is_drained_without_counting_as_handed_out():
+    """The rows drained after a trainer leaves an epoch were counted as handed out: the
+    progress line's rate and its count of the epoch's samples. (The drain's time is the
+    loop's wait: it asked for the next epoch, which comes after it.)"""
+    listing = Listing("imagefolder", tuple(Shard(f"/d/{i}.jpg", i, 1) for i in range(16)))
+    plan = RankPlan.of(listing, seed=0, shuffle=False, rank=0, world_size=1, per_task=4)
+    blocks = [{"key": plan.keys(e)[i : i + 4], "epoch": np.full(4, e)}
+              for e in range(2) for i in range(0, 16, 4)]  # fmt: skip
+
+    def slow():
+        for block in blocks:
+            time.sleep(0.02)
+            yield block
+
+    demand = Demand()
+    feeder = Feeder(lambda: (slow(), None), plan, Gate(None, "run", 0, 2), range(2),
+                    batch_size=2, prefetch=1, demand=demand)  # fmt: skip
+    try:
+        next(feeder.epoch(0))  # the trainer takes one batch of epoch 0, then leaves it
+        epoch1 = [b["key"].tolist() for b in feeder.epoch(1)]  # epoch 0's rest drained first
+    finally:
+        feeder.close()
+    assert sum(map(len, epoch1)) == 16 and demand.rows == 2 + 16 and demand.epoch_rows == 16
+    assert feeder.counts(0)["good"] == 16  # read whole, as before
