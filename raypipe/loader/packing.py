@@ -119,7 +119,7 @@ class _Rows:
         if self.tokens is None:
             self.dtype = piece.dtype if len(piece) else self.dtype
             self._alloc()
-        elif len(piece) and piece.dtype != self.dtype:  # files of two token types
+        elif len(piece) and not np.can_cast(piece.dtype, self.dtype):  # files of two types
             self._widen(piece)
         r, c, n = self.row, self.col, len(piece)
         self.segment += 1
@@ -153,9 +153,8 @@ class _Rows:
     def _widen(self, piece: np.ndarray) -> None:
         """The batch's tokens in the type that holds ``piece``'s too (as `pad_collate`
         pads rows of two types): a cast into the first document's type would wrap ids."""
-        dtype = holding_dtype(self.field, [self.tokens, piece])
-        if dtype != self.dtype:
-            self.tokens, self.dtype = self.tokens.astype(dtype), dtype
+        self.dtype = holding_dtype(self.field, [self.tokens, piece])
+        self.tokens = self.tokens.astype(self.dtype)
 
     def _alloc(self) -> None:
         shape = (self.B, self.L)  # (rows of the batch, tokens per row)
