@@ -17,7 +17,10 @@ all of them) times, for one rank:
 and reports the median and range of each over the runs. ``--compute tasks,actors`` runs
 both settings in each of the --repeats rounds, the order alternating from round to round,
 and reports each one's figures and the median of the rounds' own ratios (actors over
-tasks) of the first batch and of epoch 0.
+tasks) of the first batch and of epoch 0, and the first round's apart: there each setting
+runs its first `Pipeline` of the Ray session, as a user's first one does (the later rounds'
+tasks run on pooled workers that imported raypipe in an earlier round, where an actor pool
+starts new processes every run).
 
     python benchmarks/first_epoch.py [--repeats 5] [--epochs 4] [--setup-s 0] [--compute tasks]
 """
@@ -84,6 +87,16 @@ def summary(runs: list[dict]) -> dict:
             for k in keys}  # fmt: skip
 
 
+def ratios(runs: dict[str, list[dict]]) -> dict:
+    """Actors over tasks: the median of the rounds' own ratios, and the first round's."""
+    keys = ("first_batch_s", "epoch0_img_s", "steady_img_s")
+    pairs = list(zip(runs["actors"], runs["tasks"], strict=True))
+    return {"actors_over_tasks": {k: statistics.median(a[k] / t[k] for a, t in pairs)
+                                  for k in keys},
+            "first_round_actors_over_tasks": {k: pairs[0][0][k] / pairs[0][1][k]
+                                              for k in keys}}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=5, help="runs (default: %(default)s)")
@@ -122,18 +135,18 @@ def main(argv: list[str] | None = None) -> dict:
               "compute": args.compute, "runs": runs,
               "summary": {c: summary(runs[c]) for c in computes}}  # fmt: skip
     if len(computes) == 2:
-        result["actors_over_tasks"] = {
-            k: statistics.median(a[k] / t[k] for a, t in zip(runs["actors"], runs["tasks"],
-                                                             strict=True))
-            for k in ("first_batch_s", "epoch0_img_s", "steady_img_s")
-        }  # fmt: skip
+        result.update(ratios(runs))
     for compute in computes:
         print(f"\n{compute:20s} {'median':>9s} {'min':>9s} {'max':>9s}   ({args.repeats} runs)")
         for k, v in result["summary"][compute].items():
             print(f"{k:20s} {v['median']:9.3f} {v['min']:9.3f} {v['max']:9.3f}")
     if "actors_over_tasks" in result:
-        print("actors over tasks, the rounds' median: " + json.dumps(
-            {k: round(v, 3) for k, v in result["actors_over_tasks"].items()}))  # fmt: skip
+        for key, what in (
+            ("actors_over_tasks", "the rounds' median"),
+            ("first_round_actors_over_tasks", "the first round (cold)"),
+        ):
+            print(f"actors over tasks, {what}: " + json.dumps(
+                {k: round(v, 3) for k, v in result[key].items()}))  # fmt: skip
     name = f"first_epoch-setup{args.setup_s:g}-{'-'.join(computes)}.json"
     (args.out / name).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out / name}")
