@@ -7,9 +7,11 @@ for data and shrinks while the trainer never waits and finished data is held bac
              (`raypipe.loader.demand`, kept by the rank)
                                    ▼ every period_s
  Follower.decide(actors): a target in [min, max]
-   grow    the trainer waited more than `wait` of the period           → actors + 1
+   grow    the trainer waited more than `wait` of the period  → serving + 1
    shrink  it waited under wait/5 while the data was held back over half
-           of the time, for shrink_s in a row (2 × shrink_s after a grow) → actors - 1
+           of the time, for shrink_s in a row (2 × shrink_s after a grow),
+           once the trainer has taken a batch                  → serving - 1
+   (serving: the pool's actors, at most the target: those over it are draining)
                                    ▼ on Ray Data's scheduling thread
  raypipe.pool.autoscale: Ray Data's own pool, sized to the target
 ```
@@ -84,14 +86,16 @@ class Follower:
             self._last = _Window(now, d.waited_s, d.held_s)
             self.actors = actors
             target = self.target
+            serving = min(target, actors)  # those over the target are draining
             if waited > self.wait:
-                target = min(self.hi, max(target, actors + 1))
+                target = min(self.hi, max(target, serving + 1))
                 self._calm_since, self._grew = None, target > self.target or self._grew
-            elif waited < self.wait / 5 and held > 0.5:
+            elif waited < self.wait / 5 and held > 0.5 and d.rows > 0:
+                # held back before the trainer's first batch is its set-up, not its pace
                 self._calm_since = self._calm_since if self._calm_since is not None else start
                 need = self.shrink_s * (2 if self._grew else 1)
-                if now - self._calm_since >= need and min(target, actors) > self.lo:
-                    target = min(target, actors) - 1
+                if now - self._calm_since >= need and serving > self.lo:
+                    target = serving - 1
                     self._calm_since, self._grew = now, False
             else:
                 self._calm_since = None

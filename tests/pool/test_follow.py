@@ -32,14 +32,16 @@ class Clock:
 
 
 def run(follower: Follower, clock: Clock, demand: Demand, seconds: float, *, wait: float,
-        held: float, actors=None) -> list[int]:  # fmt: skip
-    """Advance ``seconds`` in 0.5 s steps with the given wait and held shares; the pool
-    follows the target at once unless ``actors`` pins it. The targets seen."""
+        held: float, actors=None, rows: int = 1) -> list[int]:  # fmt: skip
+    """Advance ``seconds`` in 0.5 s steps with the given wait and held shares, the trainer
+    taking ``rows`` rows a step; the pool follows the target at once unless ``actors``
+    pins it. The targets seen."""
     seen = []
     for _ in range(int(seconds / 0.5)):
         clock.t += 0.5
         demand.waited_s += 0.5 * wait
         demand.held_s += 0.5 * held
+        demand.rows += rows
         seen.append(follower.decide(follower.target if actors is None else actors))
     return seen
 
@@ -72,6 +74,21 @@ def test_grow_needs_the_pool_to_have_reached_the_target():
     run(f, clock, demand, 30, wait=0.0, held=0.9)
     seen = run(f, clock, demand, 6, wait=0.3, held=0.0, actors=1)  # Ray has not grown it
     assert set(seen) == {1, 2}  # one above what runs, not a runaway target
+
+
+def test_a_grow_counts_from_the_actors_serving_not_those_draining():
+    f, clock, demand = make(lo=1, hi=6)
+    run(f, clock, demand, 16, wait=0.0, held=0.9, actors=6)  # the shed three still busy
+    assert f.target == 3
+    run(f, clock, demand, 1, wait=0.3, held=0.0, actors=6)  # one short wait
+    assert f.target == 4  # one actor more, not the drained three back at once
+
+
+def test_data_held_back_before_the_trainers_first_batch_sheds_nothing():
+    f, clock, demand = make(lo=2, hi=8)  # Pipeline.start(), then a 30 s model build
+    assert set(run(f, clock, demand, 30, wait=0.0, held=1.0, rows=0)) == {8}
+    seen = run(f, clock, demand, 6, wait=0.0, held=0.9)  # the trainer's pace from its first batch
+    assert seen[-1] == 7 and min(seen[:8]) == 8
 
 
 def test_after_a_grow_the_next_shrink_waits_twice_as_long():
