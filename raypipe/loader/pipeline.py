@@ -212,7 +212,7 @@ class Pipeline:
     def _pool(self) -> dict[str, Any]:
         """``{"pool": ...}``: the follower's summary, or a fixed pool's size (min = max:
         Ray Data keeps it there); nothing when Ray Data sizes it or there is no pool."""
-        if self.follower is not None:
+        if self.follower is not None and self.follower.in_charge:
             return {"pool": self.follower.summary()}
         lo, hi = rank_pool(self.config.actors, self.world_size, self.rank)
         if self.config.compute != "actors" or lo != hi:

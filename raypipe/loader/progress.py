@@ -59,7 +59,7 @@ class ProgressLine:
                 f"{planned:,} samples  {(rows - rows0) / dt:,.0f} samples/s  "
                 f"wait {min((waited - waited0) / dt, 1.0):.0%}")  # fmt: skip
         f = self._follower
-        if f is not None:
+        if f is not None and f.in_charge:
             text += f"  actors {f.actors} (target {f.target} of {f.lo}-{f.hi})"
         c = self._cache() if self._cache is not None else None
         if c:

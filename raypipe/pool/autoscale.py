@@ -151,8 +151,9 @@ def _skip_draining(pool, draining: set) -> None:
 
 
 def follow(executor, follower: Follower | None) -> bool:
-    """Put ``follower`` in charge of ``executor``'s actor pools; False (and a warning)
-    where this Ray cannot be driven, leaving Ray Data's own autoscaler."""
+    """Put ``follower`` in charge of ``executor``'s actor pools; False (and a warning, and
+    ``follower.in_charge`` False) where this Ray cannot be driven, leaving Ray Data's own
+    autoscaler."""
     if follower is None or executor is None:
         return False
     why = check_ray()
@@ -161,6 +162,7 @@ def follow(executor, follower: Follower | None) -> bool:
     if why is not None:
         log.warning("raypipe: the pool cannot follow the trainer (%s); Ray Data's own "
                     "autoscaler sizes it", why)  # fmt: skip
+        follower.in_charge = False  # stats and the progress line show no target of its
         return False
     import ray
 

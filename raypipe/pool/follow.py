@@ -70,6 +70,7 @@ class Follower:
         self._grew = False
         self.actors = 0
         self.changes = 0
+        self.in_charge = True  # False where `raypipe.pool.autoscale.follow` could not take over
         self.series: collections.deque = collections.deque(maxlen=SERIES)
         self._lock = threading.Lock()
 

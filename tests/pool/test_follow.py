@@ -393,3 +393,32 @@ def test_the_progress_line_comes_once_under_ray_trains_print(monkeypatch):
     lines = stream.getvalue().splitlines()
     assert lines and all(x.startswith("raypipe rank 0") for x in lines)
     assert len(lines) == Counted.made, lines  # each line once
+
+
+def test_a_follower_that_cannot_take_over_shows_no_target(ray_session, tmp_path, monkeypatch):
+    """Where this Ray cannot be driven (another version, its executor changed), Ray Data's
+    own autoscaler sizes the pool: stats() and the progress line show no follower's
+    target (they showed "actors 0 (target 2 of 1-2)", a pool that never was)."""
+    import io
+
+    from raypipe import Pipeline
+    from raypipe.loader.progress import ProgressLine
+    from raypipe.pool import autoscale
+    from tests.conftest import make_imagefolder
+
+    monkeypatch.setattr(autoscale, "check_ray", lambda: "Ray 0.0 is not " + RAY_VERSION)
+    f, _, demand = make(lo=1, hi=2)
+    assert autoscale.follow(object(), f) is False and not f.in_charge
+    line = ProgressLine(60, rank=0, demand=demand, planned=lambda e: 0, follower=f,
+                        out=io.StringIO()).line()  # fmt: skip
+    assert "actors" not in line and "target" not in line
+    root = make_imagefolder(tmp_path / "d", {"a": 8, "b": 8})
+    config = PipelineConfig(source=str(root), image_size=16, batch_size=4, compute="actors",
+                            actors=(1, 2))  # fmt: skip
+    keys = []
+    with Pipeline(config, epochs=1, device="cpu", normalize=False) as p:
+        for _, batches in p.epochs():
+            keys += [k for b in batches for k in b["key"].tolist()]
+            stats = batches.stats()
+        assert p.follower is not None and not p.follower.in_charge
+    assert sorted(keys) == list(range(16)) and "pool" not in stats, stats.get("pool")
