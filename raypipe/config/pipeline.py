@@ -102,7 +102,8 @@ class PipelineConfig:
             Other formats are decoded in the actors as with ``"cpu"``. Not with a
             ``transform`` (it needs pixels in the actors).
         follow: the pool follows the trainer (`raypipe.pool.follow`): grows while the trainer
-            waits for data, shrinks while it never waits and the data is held back.
+            waits for data, shrinks while it never waits and the data is held back
+            (`Pipeline`, `Loader`, `train_ddp`; a `build_dataset` pool is Ray Data's own).
         follow_wait: share of the trainer's time spent waiting above which the pool grows.
         follow_shrink_s: seconds the trainer never waits and the data is held back before
             one actor goes (twice that after a grow).
