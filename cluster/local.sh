@@ -8,8 +8,10 @@
 # The autoscaler starts each fake node as a raylet that outlives the head's own processes,
 # and `ray stop` would stop every Ray of this user on the machine (a `raypipe run`, a test
 # suite). So `up` gives the cluster a temp dir of its own and `down` stops the `ray start`
-# it ran, then the processes whose command line names that dir or that hold a file in it
-# open (the fake nodes' raylets and workers), by pid, and removes the dir.
+# it ran, then the processes whose command line names that dir, and Ray's own processes
+# (`ray::` workers, programs of the ray package) that hold a file in it open: the fake
+# nodes' raylets and workers, by pid (a `tail -f` of its log, an editor, a driver of yours
+# connected to it are left alone), and removes the dir.
 # RAY (default: ray on PATH) and STATE (default: a file in ${XDG_RUNTIME_DIR:-~/.cache}/raypipe,
 # a folder only you can write) may be set.
 set -euo pipefail
@@ -19,13 +21,20 @@ state=${STATE:-${XDG_RUNTIME_DIR:-$HOME/.cache}/raypipe/local-cluster}
 here=$(cd "$(dirname "$0")" && pwd)
 me=$(id -u)
 
+is_ray() {  # a Ray program: a ray:: worker, or one run from an installed ray package
+    local cmd
+    cmd=$(tr '\0' ' ' < "$1/cmdline" 2>/dev/null) || return 1
+    [[ "$cmd" == ray::* || "$cmd" == */site-packages/ray/* || "$cmd" == */dist-packages/ray/* ]]
+}
+
 pids_in() {  # this user's processes of the Ray whose temp dir is $1: its own arguments name
-    local dir=$1 p  # it, or they hold a file of its sessions open (a log open elsewhere: not)
+    local dir=$1 p  # it as their temp dir, or Ray's name or hold a file of its sessions
     for p in /proc/[0-9]*; do
         [ "${p#/proc/}" = "$$" ] && continue
         [ "$(stat -c %u "$p" 2>/dev/null)" = "$me" ] || continue
-        if tr '\0' '\n' < "$p/cmdline" 2>/dev/null | grep -qE -- "^--temp[-_]dir=$dir\$|^$dir/session_" \
-           || ls -l "$p/fd" 2>/dev/null | grep -qF -- "$dir/session_"; then
+        if tr '\0' '\n' < "$p/cmdline" 2>/dev/null | grep -qE -- "^--temp[-_]dir=$dir\$" \
+           || { is_ray "$p" && { tr '\0' '\n' < "$p/cmdline" 2>/dev/null | grep -qE -- "^$dir/session_" \
+                                 || ls -l "$p/fd" 2>/dev/null | grep -qF -- "$dir/session_"; }; }; then
             echo "${p#/proc/}"
         fi
     done
@@ -100,7 +109,7 @@ down)
     echo "down: stopped the cluster in $dir"
     ;;
 *)
-    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac

@@ -73,3 +73,32 @@ def test_down_refuses_a_state_file_it_did_not_write(tmp_path):
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 1 and "does not hold a cluster this script started" in done.stderr
     assert victim.is_dir() and state.exists()
+
+
+def test_down_stops_rays_processes_in_its_dir_and_no_other(tmp_path):
+    """``down`` kills what holds its cluster's files open only where it is Ray's (a
+    ``ray::`` worker of a fake node): a ``tail -f`` of the head's log, an editor, a driver
+    of yours, are not its to stop. No Ray here: the head's pid in the state is gone."""
+    make = ["mktemp", "-d", "/tmp/rpl-XXXXXX"]  # as `up` makes it
+    temp_dir = subprocess.run(make, capture_output=True, text=True, check=True).stdout.strip()
+    log = Path(temp_dir) / "session_x" / "logs" / "raylet.out"
+    log.parent.mkdir(parents=True)
+    log.write_text("")
+    state = tmp_path / "state"
+    state.write_text(f"999999999 {temp_dir}\n")
+    tail = "/usr/bin/tail" if os.path.exists("/usr/bin/tail") else "/bin/tail"
+    reader = subprocess.Popen([tail, "-f", str(log)])  # a user watching the log
+    worker = subprocess.Popen(["ray::IDLE", "-f", str(log)], executable=tail)  # Ray's
+    try:
+        time.sleep(0.5)  # both have the log open
+        env = {**os.environ, "STATE": str(state)}
+        done = subprocess.run([str(ROOT / "cluster" / "local.sh"), "down"], env=env,
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert worker.wait(timeout=10) == -9  # SIGKILL, by pid
+        assert reader.poll() is None  # still watching
+        assert not os.path.exists(temp_dir) and not state.exists()
+    finally:
+        for p in (reader, worker):
+            p.kill()
+            p.wait()
