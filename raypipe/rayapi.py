@@ -8,7 +8,7 @@ reading the package that no other module touches a private name of Ray's).
 
 ```
  localnode        ray_constants.ENABLE_RAY_CLUSTER, services.get_ray_address_from_environment,
-                  ray.init(_system_config=...)
+                  ray.init(_system_config=...), ray._raylet.Config.initialize
  cli.quiet        ray_logging.global_worker_stdstream_dispatcher (and its _lock), the
                   token-setup logger
  cli.jobapi       ray._raylet.AuthenticationTokenLoader
@@ -58,7 +58,8 @@ _SCALER = "ray.data._internal.actor_autoscaler"
 # fields or parameters it must have (``attr:x``, ``field:x``, ``param:x``, ``source:text``)
 INTERNALS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("localnode", "ray._private.ray_constants", "ENABLE_RAY_CLUSTER", ("bool",)),
-    ("localnode", "ray._private.services", "get_ray_address_from_environment", ("callable",)),
+    ("localnode", "ray._private.services", "get_ray_address_from_environment", ("param:temp_dir",)),
+    ("localnode", "ray._raylet", "Config", ("attr:initialize",)),
     ("quiet", "ray._private.ray_logging", "global_worker_stdstream_dispatcher",
      ("attr:_lock", "attr:handlers")),
     ("submit", "ray._raylet", "AuthenticationTokenLoader", ("attr:instance",)),
@@ -138,8 +139,6 @@ def _has(obj, want: str) -> bool:
 
 
 # -- localnode: a new local node's address ------------------------------------------------
-
-
 @contextlib.contextmanager
 def cluster_flag_off():
     """``ray_constants.ENABLE_RAY_CLUSTER`` (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``) off in it."""
@@ -153,12 +152,20 @@ def cluster_flag_off():
         ray_constants.ENABLE_RAY_CLUSTER = before
 
 
-def address_from_environment(address: str | None) -> str | None:
-    """The cluster plain ``ray.init(address)`` would join (``RAY_ADDRESS``, a cluster
-    ``ray start`` left), or None."""
+def address_from_environment(address: str | None, temp_dir: str | None = None) -> str | None:
+    """The cluster plain ``ray.init(address, _temp_dir=temp_dir)`` would join
+    (``RAY_ADDRESS``, a cluster ``ray start`` left in that temp dir), or None."""
     from ray._private import services
 
-    return services.get_ray_address_from_environment(address, None)
+    return services.get_ray_address_from_environment(address, temp_dir)
+
+
+def reload_config() -> None:
+    """This process's Ray config read again from the environment (``RAY_AUTH_MODE``), as
+    Ray's own token setup does after it sets the variable."""
+    from ray._raylet import Config
+
+    Config.initialize("")
 
 
 def system_config(config: dict) -> dict:
@@ -167,8 +174,6 @@ def system_config(config: dict) -> dict:
 
 
 # -- cli: the driver's log printer, the token a job client sends --------------------------
-
-
 @contextlib.contextmanager
 def worker_log_handlers():
     """The driver's list of ``(name, handler)`` of its workers' output, under its lock;
@@ -190,8 +195,6 @@ def auth_token_loader():
 
 
 # -- pool.watch: the GCS's actor and node tables; loader.blocks: an execution -------------
-
-
 def actor_table(state: str | None) -> dict:
     """The cluster's actors in ``state`` (``"ALIVE"``...; None: any, dead too), by id."""
     from ray._private import state as gcs
@@ -213,8 +216,6 @@ def execute_to_iterator(ds):
 
 
 # -- train --------------------------------------------------------------------------------
-
-
 def checkpoint_manager_error() -> type[BaseException]:
     """What Ray Train raises reading a run folder while it rewrites its state."""
     from ray.train.v2._internal.exceptions import CheckpointManagerInitializationError
@@ -237,8 +238,6 @@ def torch_env_vars():
 
 
 # -- pool.autoscale: the executor's autoscalers and actor pools ---------------------------
-
-
 def actor_autoscaler(executor):
     """The executor's actor autoscaler, None where it has none."""
     return getattr(executor, "_actor_autoscaler", None)

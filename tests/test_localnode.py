@@ -10,10 +10,12 @@ import errno
 import ipaddress
 import json
 import os
+import stat
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -44,6 +46,97 @@ def test_no_address_follows_ray_address_as_ray_init_does(monkeypatch, tmp_path):
     assert localnode._on_loopback(None) is False
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
     assert localnode._on_loopback(None) is True
+
+
+def test_a_cluster_left_in_ray_inits_own_temp_dir_is_what_it_joins(monkeypatch, tmp_path):
+    """``ray.init(_temp_dir=D)`` looks for a cluster `ray start` left in D, not in the
+    default temp dir: a stale file there named a cluster elsewhere, so `start` skipped the
+    loopback switch and raypipe's settings while Ray started a new node on the machine's
+    address."""
+    import ray
+
+    default, own = tmp_path / "default", tmp_path / "own"
+    (default / "ray").mkdir(parents=True)
+    own.mkdir()
+    monkeypatch.setenv("RAY_TMPDIR", str(default))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    (default / "ray" / "ray_current_cluster").write_text("10.0.0.5:6379")  # a stale one
+    assert localnode._on_loopback(None, str(own)) and localnode._nothing_to_join(str(own))
+    seen: dict = {}
+    monkeypatch.setattr(ray, "init", lambda address=None, **kw: seen.update(
+        kw, address=address, switch=os.environ.get(localnode.CLUSTER_VAR)))  # fmt: skip
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(gcs_address="x"))
+    monkeypatch.setattr(localnode, "_STARTED", [])  # the session's Ray stays started here
+    monkeypatch.setattr(localnode, "_AUTH_SET", [])
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # no token file written by this test
+    localnode.start(None, _temp_dir=str(own))
+    assert seen["switch"] == "0" and "_system_config" in seen, seen
+    (own / "ray_current_cluster").write_text("10.0.0.5:6379")  # now D has one to join
+    assert not localnode._on_loopback(None, str(own))
+    assert not localnode._nothing_to_join(str(own))
+
+
+def test_started_here_is_the_ray_it_started_not_one_joined_after(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(localnode, "_STARTED", ["127.0.0.1:6379"])
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    gcs = SimpleNamespace(gcs_address="127.0.0.1:6379")
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: gcs)
+    assert localnode.started_here()
+    gcs.gcs_address = "10.0.0.5:6379"  # ray.shutdown(), then ray.init("auto") elsewhere
+    assert not localnode.started_here()
+
+
+def test_the_token_a_new_local_ray_uses_is_this_users_alone(monkeypatch, tmp_path, caplog):
+    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    path = localnode.private_token(tmp_path)
+    assert path == tmp_path / ".ray" / "auth_token" and stat.S_IMODE(path.stat().st_mode) == 0o600
+    token = path.read_text()
+    assert len(token) == 64 and int(token, 16) >= 0  # 256 bits, as Ray makes one
+    assert localnode.private_token(tmp_path) == path and path.read_text() == token  # kept
+    path.chmod(0o644)  # as Ray 2.60 writes it
+    with caplog.at_level("WARNING", logger="raypipe.localnode"):
+        localnode.private_token(tmp_path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text() == token
+    assert "could be read by other users" in caplog.text
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "mine"))  # Ray reads that one
+    assert localnode.private_token(tmp_path / "other") is None
+    assert not (tmp_path / "other").exists()
+
+
+TOKEN_RUN = """
+import os, stat, sys
+from pathlib import Path
+import ray
+from raypipe import localnode, rayapi
+from raypipe.cli import localray
+localray.start("local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+token = Path.home() / ".ray" / "auth_token"
+mode = stat.S_IMODE(token.stat().st_mode)
+used = rayapi.auth_token_loader().get_raw_token(ignore_auth_mode=True) == token.read_text()
+print("started", oct(mode), used, os.environ.get("RAY_AUTH_MODE"), localnode.started_here())
+localray.shutdown()
+from ray._raylet import AuthenticationMode, get_authentication_mode
+print("after", os.environ.get("RAY_AUTH_MODE"), get_authentication_mode() == AuthenticationMode.TOKEN)
+"""
+
+
+def test_a_local_ray_leaves_its_token_private_and_the_auth_mode_as_it_found_it(tmp_path):
+    """Ray 2.60's ``ray.init`` of a new Ray writes ``~/.ray/auth_token`` 0644 (any user of
+    the machine could run jobs on the local Ray's job API as this one) and sets
+    ``RAY_AUTH_MODE=token`` in the process for good (a cluster it joined next, or a
+    job client to a head elsewhere, was sent this machine's token unasked)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}  # fmt: skip
+    env["HOME"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", TOKEN_RUN], capture_output=True, text=True,
+                          timeout=180, env=env, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [x for x in done.stdout.splitlines() if x.startswith(("started", "after"))]
+    assert lines == ["started 0o600 True token True", "after None False"], done.stdout
 
 
 def make_certificates(folder: Path) -> dict[str, str]:

@@ -58,12 +58,14 @@ def plain_prefixes(stream) -> None:
 
 
 def shutdown(grace_s: float = 10.0) -> list[int]:
-    """``ray.shutdown()``, then SIGKILL to this process's Ray descendants (noted before it)
-    still alive ``grace_s`` later. Returns the pids killed."""
+    """``ray.shutdown()`` (`raypipe.localnode.forget` after it), then SIGKILL to this
+    process's Ray descendants (noted before it) still alive ``grace_s`` later. Returns the
+    pids killed."""
     import ray
 
     noted = ray_descendants(os.getpid())
     ray.shutdown()
+    localnode.forget()  # and RAY_AUTH_MODE=token, where its start had Ray set it
     if _POLL_SET:  # a cluster this process joins next keeps Ray's default
         os.environ.pop(_POLL_VAR, None)
         _POLL_SET.clear()
