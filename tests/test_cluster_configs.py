@@ -4,6 +4,7 @@ what KubeRay needs (autoscaling on, a CPU group from zero, a GPU group, the job)
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import re
 import shlex
@@ -149,7 +150,8 @@ def test_aws_yaml_commands_make_the_certificate_and_refuse_a_missing_file(tmp_pa
             shutil.copy(mine / local.removeprefix("~/"), dest)
 
     sync()
-    setup = [c for c in config["setup_commands"] if not c.startswith("pip install")]
+    installs = ("pip install", "command -v pip")  # the node's packages: not run here
+    setup = [c for c in config["setup_commands"] if not c.startswith(installs)]
     for command in setup * 2 + config["worker_setup_commands"]:  # twice: re-runs are fine
         done = _shell(command, home)
         assert done.returncode == 0, (command, done.stderr)
@@ -487,3 +489,64 @@ def test_cluster_configs_install_every_dependency(name):
             rest = [r for r in install if not r.startswith(dep.name)]
             assert _missing(dependencies, rest, provided) == [f"{dep} is not installed"]
     assert _missing(dependencies, [*install, "crc32c>=1"], provided)
+
+
+def test_aws_nodes_boot_an_image_ray_2_60_installs_on():
+    """``latest_dlami`` is Ray's fixed old Deep Learning AMI (Ubuntu 18.04, CUDA 11.2):
+    Ray 2.60 needs Python 3.10. The nodes take AWS's current DLAMI by its public parameter."""
+    from ray.autoscaler._private.aws.config import DEFAULT_AMI_NAME
+
+    assert "18.04" in DEFAULT_AMI_NAME  # what latest_dlami means in this Ray
+    for name, node in _load("aws.yaml")["available_node_types"].items():
+        image = node["node_config"]["ImageId"]
+        assert image.startswith("resolve:ssm:/aws/service/deeplearning/ami/x86_64/"), name
+        assert "ubuntu-22.04" in image, name  # Python 3.10, pip installs as the user
+    setup = _load("aws.yaml")["setup_commands"]
+    assert "python3-pip" in setup[0] and setup[1].startswith("pip install")
+
+
+def test_every_claim_the_raycluster_mounts_is_made_and_shared_between_nodes():
+    (cluster,) = _docs("raycluster.yaml")
+    groups = [cluster["spec"]["headGroupSpec"], *cluster["spec"]["workerGroupSpecs"]]
+    claims = {v["persistentVolumeClaim"]["claimName"] for g in groups
+              for v in g["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v}  # fmt: skip
+    assert claims == {"raypipe-data"}
+    made = {d["metadata"]["name"]: d for f in sorted((CLUSTER / "kuberay").glob("*.yaml"))
+            for d in _docs(f.name) if d.get("kind") == "PersistentVolumeClaim"}  # fmt: skip
+    assert claims <= set(made), f"{claims - set(made)} mounted, never made"
+    assert all(made[c]["spec"]["accessModes"] == ["ReadWriteMany"] for c in claims)
+
+
+def test_every_submit_line_of_a_cluster_config_sends_the_clusters_token():
+    """Both clusters ask for a token (401 without one): the lines to copy carry it."""
+    for path in sorted(CLUSTER.glob("*.yaml")):
+        text = path.read_text()
+        for m in re.finditer(r"raypipe submit (?:[^\n]*\\\n)*[^\n]*", text):
+            assert "--token-file" in m.group(0), f"{path.name}: {m.group(0)}"
+
+
+def test_s3_runs_sets_made_as_its_comment_says_pass_the_classifier_jobs_checks(
+    ray_session, tmp_path
+):  # fmt: skip
+    """Both sets `raypipe convert` output of folders with the same classes: the job lists
+    them and names the classes (it refused integer-only labels, and a held-out set whose
+    class names are not the training set's)."""
+    from raypipe.cli.classify import check_classes
+    from raypipe.cli.convert import ShardsConfig, convert
+    from tests.conftest import make_imagefolder
+
+    run = RunConfig.from_yaml(CLUSTER / "s3-run.yaml")
+    assert run.data.format == run.eval.format == "webdataset"
+    sets = {}
+    for name, seed in (("train", 0), ("val", 1)):
+        folder = make_imagefolder(tmp_path / name, {"n01440764": 3, "n01443537": 3}, seed=seed)
+        sets[name] = tmp_path / f"{name}-shards"
+        convert(ShardsConfig(source=str(folder), out=str(sets[name]), format="webdataset",
+                             shards=2))  # fmt: skip
+    small = {"storage_options": {}, "batch_size": 2, "actors": (1, 1)}  # 6 images, not S3
+    local = RunConfig(
+        data=run.data.replace(source=str(sets["train"]), **small),
+        eval=run.eval.replace(source=str(sets["val"]), **small),
+        trainer=dataclasses.replace(run.trainer, num_workers=1, use_gpu=False),
+    )
+    assert check_classes(local, "s3-run.yaml") == ("n01440764", "n01443537")
