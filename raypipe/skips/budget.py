@@ -9,6 +9,7 @@ happens to be read early. An epoch with every sample bad always fails, whatever 
 
 from __future__ import annotations
 
+import fractions
 from typing import Any
 
 __all__ = ["SkipBudgetError", "check_budget", "skip_limit"]
@@ -59,7 +60,9 @@ def skip_limit(samples: int, max_skipped: float | None) -> int:
     """The most skips an epoch of ``samples`` may have: never all of them."""
     if max_skipped is None:
         return samples - 1
-    return min(samples - 1, int(max_skipped * samples + 1e-9))
+    # the share as written (0.29 is 29/100), times the count, exactly: a float product is
+    # one short at billions of samples (0.29 * 3e9 = 869999999.99...)
+    return min(samples - 1, int(fractions.Fraction(str(float(max_skipped))) * samples))
 
 
 def check_budget(total: int, *, epoch: int, samples: int, max_skipped: float | None,

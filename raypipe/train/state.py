@@ -82,6 +82,8 @@ class PipelineState:
             bits = memoryview(data)[12 + size :]
             if header.pop("bits", None) == "deflate":
                 bits = zlib.decompress(bits)
+            if len(bits) != (header["num_samples"] + 7) // 8:  # unpackbits pads with zeros
+                raise ValueError(f"{len(bits)} bytes of bits for {header['num_samples']} samples")
             consumed = np.unpackbits(np.frombuffer(bits, dtype=np.uint8),
                                      count=header["num_samples"]).astype(bool)  # fmt: skip
             return cls(consumed=consumed, **header)

@@ -67,6 +67,30 @@ def test_state_loads_from_a_checkpoint_folder_and_refuses_other_files(tmp_path):
         _state(10, np.zeros(9, bool))
 
 
+def test_a_state_whose_bits_are_cut_short_is_refused_not_read_as_unconsumed():
+    """A state written without deflate (the layout of the format's raw bits) and cut short:
+    numpy pads the missing bits with zeros, which read as keys never delivered, and the
+    resumed epoch delivered them again."""
+    import json
+    import struct
+
+    header = json.dumps({"epoch": 3, "seed": 7, "num_samples": 80, "fingerprint": "ab" * 16})
+    whole = _state(80, np.ones(80, bool)).to_bytes()
+    raw = whole[:8] + struct.pack("<I", len(header)) + header.encode() + bytes([255]) * 10
+    assert PipelineState.from_bytes(raw).consumed.all()  # the raw layout reads
+    with pytest.raises(ValueError, match="damaged.*3 bytes of bits for 80 samples"):
+        PipelineState.from_bytes(raw[:-7], source="the state")
+
+
+def test_the_skip_budget_is_the_share_as_written_at_billions_of_samples():
+    from raypipe.skips.budget import skip_limit
+
+    assert skip_limit(3_000_000_000, 0.29) == 870_000_000  # the float product: 869,999,999
+    assert skip_limit(10_000_000_000, 0.57) == 5_700_000_000
+    assert skip_limit(1000, 0.05) == 50 and skip_limit(1001, 0.05) == 50
+    assert skip_limit(10, 1.0) == 9 and skip_limit(10, None) == 9 and skip_limit(10, 0) == 0
+
+
 def test_a_checkpoint_in_object_storage_is_read_through_its_filesystem(tmp_path, s3,  # noqa: F811
                                                                        monkeypatch):  # fmt: skip
     """``resume_from`` naming a checkpoint folder in S3 (the loopback server): its state is
