@@ -502,3 +502,27 @@ def test_a_run_goes_on_from_the_folder_its_checkpoints_are_in(ray_session, capsy
     assert latest_state(str(second)).epoch == 3 and "checkpoint" in capsys.readouterr().out
     line = _error_line(capsys, [*argv, "--epochs", "1"])  # nothing left to train
     assert "epoch 1" in line and "epochs=1" in line, line
+
+
+def test_demo_data_run_again_replaces_what_it_wrote_and_refuses_other_files(capsys, tmp_path):
+    """Another seed into the same folder left the first split's files beside the second's:
+    576 digits in both train and val, and counts on disk that were not the ones printed."""
+
+    def on_disk(out: Path) -> tuple[dict[str, set[str]], int]:
+        digits = out / "digits"
+        splits = {s: {p.name for p in (digits / s).rglob("*.png")} for s in ("train", "val")}
+        return splits, len(list((out / "photos").rglob("*.jpg")))
+
+    out = tmp_path / "demo"
+    assert cli.main(["demo-data", str(out), "--photos", "6"]) == 0
+    assert cli.main(["demo-data", str(out), "--photos", "4", "--seed", "1"]) == 0
+    said = capsys.readouterr().out.strip().splitlines()[-1]
+    splits, photos = on_disk(out)
+    assert said == (f"wrote {out}/digits (train {len(splits['train'])}, val "
+                    f"{len(splits['val'])}) and {out}/photos ({photos} JPEGs)")  # fmt: skip
+    assert photos == 4 and len(splits["train"]) + len(splits["val"]) == 1797
+    assert not splits["train"] & splits["val"]
+    mine = tmp_path / "mine"
+    _write(mine / "photos" / "notes.txt", "keep me")
+    err = _error_line(capsys, ["demo-data", str(mine)])
+    assert "holds files demo-data did not write" in err and (mine / "photos/notes.txt").exists()
