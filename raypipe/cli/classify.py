@@ -220,7 +220,8 @@ def check_classes(run_cfg: RunConfig, config_path) -> tuple[str, ...]:
         raise ValueError(
             f"{config_path}: the classifier job needs named classes (an image folder's class "
             f"folders, shards raypipe convert wrote, or string labels); data.source is "
-            f"{listing.format} with integer labels only"
+            f"{listing.format} and names none (labels from {listing.labels}); `raypipe "
+            "inspect SOURCE` shows what is read"
         )
     return listing.classes
 

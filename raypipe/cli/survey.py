@@ -81,7 +81,7 @@ def format_survey(report: dict[str, Any]) -> list[tuple[str, str]]:
         ("storage", report["storage"]),
         ("shards", f"{report['shards']:,}" + _pieces(report)),
         ("samples", f"{report['samples']:,}"),
-        ("classes", f"{len(classes)}: {shown}" if classes else "none named (integer labels)"),
+        ("classes", f"{len(classes)}: {shown}" if classes else "none named"),
         ("labels from", report["labels"]),
         (
             "looked at",

@@ -225,7 +225,27 @@ def test_the_classifier_job_says_it_needs_named_classes(capsys, tmp_path, datase
         tmp_path / "wds.yaml", f"data: {{source: {datasets['webdataset']}, batch_size: 2}}\n"
     )
     line = _error_line(capsys, ["run", str(cfg)])
-    assert "needs named classes" in line and "webdataset with integer labels only" in line
+    assert "needs named classes" in line and "webdataset and names none" in line
+    assert "labels from the first of .cls, .json, .txt members" in line
+
+
+def test_a_label_column_not_there_is_named_not_called_integer_labels(capsys, tmp_path):
+    """Parquet whose labels are in a column the config does not name: the job said it had
+    integer labels only, which sent users converting labels that needed no converting."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.conftest import image_bytes
+
+    rng = __import__("numpy").random.default_rng(0)
+    images = [{"bytes": image_bytes(rng), "path": f"{i}.jpg"} for i in range(4)]
+    table = pa.table({"img": images, "cls": ["cat", "dog", "cat", "dog"]})
+    pq.write_table(table, tmp_path / "b.parquet")
+    cfg = _write(tmp_path / "pq.yaml", f"data: {{source: {tmp_path / 'b.parquet'}, "
+                                       "image_column: img, batch_size: 2}\n")  # fmt: skip
+    line = _error_line(capsys, ["run", str(cfg)])
+    assert "parquet and names none" in line and "integer" not in line
+    assert "column 'label' missing (the files have ['img', 'cls'])" in line
 
 
 def test_submit_to_an_unreachable_head(capsys, run_config, tmp_path):
