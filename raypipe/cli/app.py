@@ -40,7 +40,8 @@ def _run(args: argparse.Namespace) -> int:
         run_cfg = RunConfig.from_yaml(config)
         classes = check_classes(run_cfg, args.config)  # before Ray
         storage = args.storage_path and jobspec.resolve(args.data_root, args.storage_path)
-        _writable(storage or run_cfg.trainer.storage_path)
+        setting = "--storage-path" if storage else f"{args.config}: trainer.storage_path"
+        jobspec.make_folder(storage or run_cfg.trainer.storage_path, setting)
         resume = args.resume and _resumable(jobspec.resolve(".", args.resume))
         verbose = quiet.is_verbose(args.verbose)
         name = new_run_name()  # train_ddp would pick one; known here, for a stop's go-on line
@@ -89,21 +90,14 @@ def _resumable(path: str) -> str:
     return path
 
 
-def _writable(folder: str | None) -> None:
-    """A local output folder made now, before Ray starts (OSError if it cannot be)."""
-    if folder and "://" not in folder:
-        os.makedirs(os.path.expanduser(folder), exist_ok=True)
-
-
 def _convert(args: argparse.Namespace) -> int:
     from raypipe.cli.convert import ShardsConfig, convert, plan
 
     _expect_kind(args.config, "convert", args.data_root)
     jobspec.check_sources(args.config, args.data_root)
-    raw = jobspec.resolve_paths(args.config, args.data_root)
-    cfg = ShardsConfig.from_dict(raw[jobspec.convert_section(raw)])
+    cfg = ShardsConfig.from_yaml(args.config, jobspec.resolve_paths(args.config, args.data_root))
     plan(cfg)  # fail on a bad folder before starting Ray
-    _writable(cfg.out)
+    jobspec.make_folder(cfg.out, f"{args.config}: convert.out")
     with _ray_session(args.address, verbose=quiet.is_verbose(args.verbose)):
         s = convert(cfg)
     _summary(

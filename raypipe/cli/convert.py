@@ -102,6 +102,8 @@ class ShardsConfig:
             return cls.from_dict(raw[section])
         except TypeError as e:
             raise ValueError(f"{path}: {section}: {e}") from None
+        except ValueError as e:  # its own message names the section and the key
+            raise ValueError(f"{path}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)

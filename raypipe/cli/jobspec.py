@@ -65,6 +65,18 @@ def check(path: str | Path, root: str | Path = ".") -> Kind:
     return kind
 
 
+def make_folder(folder: str | None, setting: str) -> None:
+    """A local output folder made now, before Ray starts; ValueError naming ``setting``
+    (the config key or flag that gave it) where it cannot be."""
+    if folder and "://" not in folder:
+        try:
+            os.makedirs(os.path.expanduser(folder), exist_ok=True)
+        except OSError as e:
+            where = f" ({e.filename})" if e.filename and e.filename != folder else ""
+            raise ValueError(f"{setting} {folder!r}: cannot make the folder: "
+                             f"{e.strerror}{where}") from None  # fmt: skip
+
+
 def resolve_paths(path: str | Path, root: str | Path) -> dict[str, Any]:
     """The config as a mapping with relative data paths joined onto ``root``."""
     raw = copy.deepcopy(load_yaml(path))

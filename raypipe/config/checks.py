@@ -56,6 +56,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     import yaml
 
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder, not a config file (a YAML such as "
+                         "jobs/configs/digits.yaml; its data.source names the data)")  # fmt: skip
     if not path.is_file():
         raise ValueError(f"config file not found: {path}")
     try:
@@ -64,6 +67,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         raise ValueError(f"{where}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
+    if data is None:
+        raise ValueError(f"{path}: the file is empty (a config starts with its data: section)")
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at the top, got {type(data).__name__}")
     return data

@@ -142,6 +142,31 @@ def test_bad_values_and_paths(capsys, tmp_path, folder):
     assert "unknown key(s) 'nothing'" in _error_line(capsys, ["run", str(cfg)])
 
 
+def test_mistakes_a_newcomer_makes_are_named_where_they_are(capsys, tmp_path, folder):
+    """The data folder given for the config, an empty YAML, an output folder that cannot
+    be made, a convert config's bad key: each said so, naming the file or setting (they
+    said "config file not found" for a folder that is there, "got NoneType", a bare
+    "[Errno 17] File exists", "convert: unknown key(s)" with no file)."""
+    line = _error_line(capsys, ["run", str(folder)])
+    assert line.endswith(f"{folder} is a folder, not a config file (a YAML such as "
+                         "jobs/configs/digits.yaml; its data.source names the data)")  # fmt: skip
+    empty = _write(tmp_path / "empty.yaml", "")
+    assert f"{empty}: the file is empty" in _error_line(capsys, ["run", str(empty)])
+    taken = _write(tmp_path / "notes.txt", "a file where a folder would go")
+    cfg = _write(tmp_path / "r.yaml", f"data: {{source: {folder}, batch_size: 2}}\n"
+                                      f"trainer: {{storage_path: {taken}}}\n")  # fmt: skip
+    line = _error_line(capsys, ["run", str(cfg)])
+    assert line.endswith(f"{cfg}: trainer.storage_path '{taken}': cannot make the folder: "
+                         "File exists")  # fmt: skip
+    line = _error_line(capsys, ["run", str(cfg), "--storage-path", f"{taken}/runs"])
+    assert f"--storage-path '{taken}/runs': cannot make the folder: Not a directory" in line
+    bad = _write(tmp_path / "c.yaml", f"convert:\n  source: {folder}\n  out: o\n  shard: 2\n")
+    assert f"{bad}: convert: unknown key(s) 'shard'" in _error_line(capsys, ["convert", str(bad)])
+    out = _write(tmp_path / "o.yaml", f"convert:\n  source: {folder}\n  out: {taken}/o\n")
+    line = _error_line(capsys, ["convert", str(out)])
+    assert f"{out}: convert.out '{taken}/o': cannot make the folder: Not a directory" in line
+
+
 def test_an_eval_set_with_other_classes_is_refused_before_ray(capsys, tmp_path):
     train = make_imagefolder(tmp_path / "train", {"cat": 2, "dog": 2, "fox": 2})
     val = make_imagefolder(tmp_path / "val", {"cat": 1, "fox": 1})  # fox would be label 1
