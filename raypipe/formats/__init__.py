@@ -166,9 +166,20 @@ def infer_format(paths: list[str], storage: Storage | None = None) -> str:
         else:
             files.append(p)
     exts = {os.path.splitext(f)[1].lower() for f in files}
-    for fmt in FORMATS.values():
-        if any(fmt.matches(f) for f in files):
-            return fmt.name
+    found: dict[str, str] = {}  # format -> a file of it (each file: the first that takes it)
+    for f in files:
+        if name := next((fmt.name for fmt in FORMATS.values() if fmt.matches(f)), None):
+            found.setdefault(name, f)
+    if len(found) > 1:  # reading one would leave the others' samples out, unsaid
+        kinds = ", ".join(f"{name} ({os.path.basename(f)})" for name, f in found.items())
+        raise ValueError(f"{paths!r} holds shards of more than one format: {kinds}; set the "
+                         f"format to read (format: in the config, --format on raypipe "
+                         f"inspect), or name its files")  # fmt: skip
+    if found:
+        return next(iter(found))
     if exts & set(imagefolder.IMAGE_EXTS) or dirs:
         return "imagefolder"
-    raise ValueError(f"cannot infer the format of {paths!r}: set PipelineConfig.format")
+    raise ValueError(
+        f"cannot infer the format of {paths!r}: set it (format: in the config, "
+        "PipelineConfig.format, --format on raypipe inspect)"
+    )

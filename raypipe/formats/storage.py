@@ -69,7 +69,8 @@ class Storage:
         scheme = schemes.pop()
         if not scheme:
             if options:
-                raise ValueError("PipelineConfig.storage_options is for remote sources only")
+                raise ValueError(f"storage_options (--storage-option on raypipe inspect) are "
+                                 f"for remote sources only; {items[0]!r} is local")  # fmt: skip
             return cls()
         try:
             return cls(_filesystem(scheme, dict(options or {})), scheme, options)

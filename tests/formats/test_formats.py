@@ -346,6 +346,28 @@ def test_inspect_reports_format_labels_and_skips(tmp_path, capsys):
     assert "skip: missing_column" in capsys.readouterr().out
 
 
+def test_a_folder_of_two_formats_is_refused_not_read_as_one(tmp_path, capsys):
+    """Parquet beside a tar: the tar was read and the Parquet's rows left out unsaid."""
+    from tests.conftest import make_parquet, make_webdataset
+
+    root = make_parquet(tmp_path / "mixed", [10])
+    make_webdataset(tmp_path / "wds", [6])
+    for shard in (tmp_path / "wds").glob("*.tar"):
+        shard.rename(root / shard.name)
+    with pytest.raises(ValueError, match="holds shards of more than one format: .*parquet.*"
+                                         "webdataset|webdataset.*parquet"):  # fmt: skip
+        list_shards(PipelineConfig(source=str(root)))
+    assert list_shards(PipelineConfig(source=str(root), format="parquet")).num_samples == 10
+    assert main(["inspect", str(root)]) == 2
+    assert "--format on raypipe inspect" in capsys.readouterr().err
+    (tmp_path / "notes.txt").write_text("not data")
+    assert main(["inspect", str(tmp_path / "notes.txt")]) == 2
+    assert "cannot infer the format" in (err := capsys.readouterr().err) and "--format" in err
+    assert main(["inspect", str(root), "--storage-option", "anon=true"]) == 2
+    err = capsys.readouterr().err
+    assert "--storage-option on raypipe inspect) are for remote sources only" in err
+
+
 def test_inspect_names_the_columns_a_parquet_source_has(tmp_path, capsys):
     """Hugging Face shards whose image and label columns have other names: every sample is
     skipped, and the command says which options name the files' own columns, which work."""
