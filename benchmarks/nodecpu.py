@@ -1,9 +1,12 @@
-"""CPU seconds a process tree spends, counting children that start and end meanwhile.
+"""CPU seconds a process tree spends: each process's own, sampled until it ends.
 
 Ray's processes and a DataLoader's workers descend from the benchmark process, so the
-tree's CPU is what a path costs the node, whatever else runs on the machine. A Ray actor
-that is killed is not reaped into its parent's counters, so a thread samples
-``/proc`` and keeps each process's last value.
+tree's CPU is what a path costs the node, whatever else runs on the machine. A thread
+samples ``/proc`` and keeps each process's last value of its own user + system time. Not
+the children's time a parent reaps (``cutime``/``cstime``): a child sampled and then
+reaped within the block was counted twice that way (a driver run with ``subprocess.run``,
+and the GCS and raylet it reaps, two or three times). A process that starts and ends
+between two samples (``interval_s``) is missed.
 """
 
 from __future__ import annotations
@@ -17,12 +20,12 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 
 def _snapshot(root: int) -> dict[tuple[int, int], tuple[str, float]]:
-    """{(pid, start time): (name, CPU seconds incl. reaped children)} for ``root``'s tree.
+    """{(pid, start time): (name, its own user + system CPU seconds)} for ``root``'s tree.
 
     A Ray worker renames itself for each task, so the name is not part of the identity.
     """
     return {
-        (pid, int(fields[19])): (name, sum(int(f) for f in fields[11:15]) / _TICK)
+        (pid, int(fields[19])): (name, (int(fields[11]) + int(fields[12])) / _TICK)
         for pid, (name, fields) in process_tree(root).items()
     }
 
