@@ -2,7 +2,8 @@
 
 For --images photos of a corpus (ingest.py's small one, or --photo WxH as cache.py makes
 it), the steps a preprocessing worker runs per sample, each timed over all the photos
-(``time.process_time``, one thread) and repeated for --rounds rounds, alternating:
+(``time.process_time``, one thread) and repeated for --rounds rounds, the steps in the
+same order each round:
 
   uncached      read the file + `decode_crop` (the crop's region decoded, with DCT scaling
                 where the crop allows, + random-resized-crop 224 + flip): every epoch

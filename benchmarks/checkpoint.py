@@ -122,9 +122,12 @@ def resume_cost(config: PipelineConfig, repeats: int, tmp: str) -> dict:
     state.save(path)
     first_batch(config, None)  # warm-up: worker processes, imports
     fresh, resumed = [], []
-    for _ in range(repeats):
-        fresh.append(first_batch(config, None))
+    for i in range(repeats):  # the order alternating, as in `train_cost`
+        if i % 2 == 0:
+            fresh.append(first_batch(config, None))
         resumed.append(first_batch(config, path))
+        if i % 2 == 1:
+            fresh.append(first_batch(config, None))
     return {
         "samples": state.num_samples,
         "shards": len(list_shards(config).shards),
