@@ -21,10 +21,33 @@ state=${STATE:-${XDG_RUNTIME_DIR:-$HOME/.cache}/raypipe/local-cluster}
 here=$(cd "$(dirname "$0")" && pwd)
 me=$(id -u)
 
-is_ray() {  # a Ray program: a ray:: worker, or one run from an installed ray package
+is_ray() {  # a Ray program: a ray:: worker, or one run from the ray package's own folders
     local cmd
     cmd=$(tr '\0' ' ' < "$1/cmdline" 2>/dev/null) || return 1
-    [[ "$cmd" == ray::* || "$cmd" == */site-packages/ray/* || "$cmd" == */dist-packages/ray/* ]]
+    [[ "$cmd" == ray::* || "$cmd" == */site-packages/ray/* || "$cmd" == */dist-packages/ray/* \
+       || "$cmd" == */ray/_private/* || "$cmd" == */ray/dashboard/* \
+       || "$cmd" == */ray/autoscaler/* || "$cmd" == */ray/core/src/ray/* ]]
+}
+
+with_children() {  # the pids on stdin and every process of this user descending from them
+    local -A keep=() parent=()
+    local p pid ppid stat grew=1
+    while read -r p; do [ -n "$p" ] && keep[$p]=1; done
+    for p in /proc/[0-9]*; do
+        [ "$(stat -c %u "$p" 2>/dev/null)" = "$me" ] || continue
+        stat=$(< "$p/stat") 2>/dev/null || continue
+        read -r _ ppid _ <<< "${stat##*) }"  # after the name, which may hold spaces
+        parent[${p#/proc/}]=$ppid
+    done
+    while [ "$grew" = 1 ]; do  # a tool a task started, holding its worker's log: the cluster's
+        grew=0
+        for pid in "${!parent[@]}"; do
+            if [ -z "${keep[$pid]:-}" ] && [ -n "${keep[${parent[$pid]}]:-}" ] && [ "$pid" != "$$" ]; then
+                keep[$pid]=1 grew=1
+            fi
+        done
+    done
+    for p in "${!keep[@]}"; do echo "$p"; done
 }
 
 pids_in() {  # this user's processes of the Ray whose temp dir is $1: its own arguments name
@@ -99,7 +122,7 @@ down)
         kill -KILL -- "-$pid" 2> /dev/null || true
     fi
     for _ in $(seq 50); do  # the fake nodes, outside that session: by the dir they use
-        left=$(pids_in "$dir")
+        left=$(pids_in "$dir" | with_children)
         [ -z "$left" ] && break
         kill -KILL $left 2> /dev/null || true
         sleep 0.2

@@ -105,10 +105,14 @@ def private_token(home: Path | None = None) -> Path | None:
     except FileExistsError:
         mode = stat.S_IMODE(path.stat().st_mode)
         if mode & 0o077:
-            path.chmod(mode & 0o700)
+            try:
+                path.chmod(mode & 0o700)
+                done = f"made it {mode & 0o700:o}"
+            except OSError as e:  # a read-only home, another owner's file: Ray reads it still
+                done = f"could not make it {mode & 0o700:o} ({e.strerror}): chmod 600 it"
             log.warning("raypipe: %s, the token of the local Ray's job API, could be read by "
-                        "other users of this machine (mode %o); made it %o (docs/security.md)",
-                        path, mode, mode & 0o700)  # fmt: skip
+                        "other users of this machine (mode %o); %s (docs/security.md)",
+                        path, mode, done)  # fmt: skip
         return path
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))  # 256 bits, as Ray makes one

@@ -54,6 +54,22 @@ def test_local_cluster_up_grows_a_node_and_down_stops_it_all_by_pid(ray_session,
     assert ray.is_initialized() and ray.cluster_resources().get("CPU", 0) > 0  # ours lives on
 
 
+WORKER = "import subprocess, sys, time; f = open(sys.argv[1]); subprocess.Popen(['sleep', '60'])\n"
+WORKER += "time.sleep(60)"
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if entry.name.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -88,14 +104,22 @@ def test_down_stops_rays_processes_in_its_dir_and_no_other(tmp_path):
     state.write_text(f"999999999 {temp_dir}\n")
     tail = "/usr/bin/tail" if os.path.exists("/usr/bin/tail") else "/bin/tail"
     reader = subprocess.Popen([tail, "-f", str(log)])  # a user watching the log
-    worker = subprocess.Popen(["ray::IDLE", "-f", str(log)], executable=tail)  # Ray's
+    worker = subprocess.Popen(  # Ray's, and a tool its task started (holding nothing there)
+        ["ray::IDLE", "-c", WORKER, str(log)], executable=sys.executable, start_new_session=True
+    )
     try:
-        time.sleep(0.5)  # both have the log open
+        time.sleep(1.0)  # both have the log open, the tool started
+        tool = [p for p in _children(worker.pid) if b"sleep" in _cmdline(p)]
+        assert len(tool) == 1
         env = {**os.environ, "STATE": str(state)}
         done = subprocess.run([str(ROOT / "cluster" / "local.sh"), "down"], env=env,
                               capture_output=True, text=True, timeout=60)  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
         assert worker.wait(timeout=10) == -9  # SIGKILL, by pid
+        deadline = time.monotonic() + 10  # the tool, reparented once its worker went
+        while Path(f"/proc/{tool[0]}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not Path(f"/proc/{tool[0]}").exists() or b"sleep" not in _cmdline(tool[0])
         assert reader.poll() is None  # still watching
         assert not os.path.exists(temp_dir) and not state.exists()
     finally:

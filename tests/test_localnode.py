@@ -102,6 +102,17 @@ def test_the_token_a_new_local_ray_uses_is_this_users_alone(monkeypatch, tmp_pat
         localnode.private_token(tmp_path)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text() == token
     assert "could be read by other users" in caplog.text
+    path.chmod(0o644)
+    caplog.clear()
+
+    def refuse(self, mode):  # a read-only home, a file of root's: Ray still reads it
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(type(path), "chmod", refuse)
+    with caplog.at_level("WARNING", logger="raypipe.localnode"):
+        assert localnode.private_token(tmp_path) == path  # the local Ray starts all the same
+    assert "could not make it 600 (Operation not permitted): chmod 600 it" in caplog.text
+    monkeypatch.undo()
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "mine"))  # Ray reads that one
     assert localnode.private_token(tmp_path / "other") is None
     assert not (tmp_path / "other").exists()

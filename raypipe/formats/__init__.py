@@ -155,6 +155,14 @@ def _in_classes(raw: RawSample, n: int) -> RawSample:
                      f"classes (0..{n - 1})", "bad_label")  # fmt: skip
 
 
+def _tar_metadata(files: list[str]) -> bool:
+    """Whether every ``.parquet`` of ``files`` sits beside a ``.tar`` of its name
+    (``00000.parquet`` by ``00000.tar``: img2dataset's per-shard metadata, no images)."""
+    stems = {f[: -len(".tar")] for f in files if f.lower().endswith(".tar")}
+    tables = [f[: -len(".parquet")] for f in files if f.lower().endswith(".parquet")]
+    return bool(tables) and all(t in stems for t in tables)
+
+
 def infer_format(paths: list[str], storage: Storage | None = None) -> str:
     """The format of ``paths`` from the files' suffixes (a folder of images: imagefolder)."""
     storage = storage or Storage()
@@ -170,6 +178,8 @@ def infer_format(paths: list[str], storage: Storage | None = None) -> str:
     for f in files:
         if name := next((fmt.name for fmt in FORMATS.values() if fmt.matches(f)), None):
             found.setdefault(name, f)
+    if set(found) == {"webdataset", "parquet"} and _tar_metadata(files):
+        del found["parquet"]  # img2dataset's layout: a .parquet of each .tar's metadata
     if len(found) > 1:  # reading one would leave the others' samples out, unsaid
         kinds = ", ".join(f"{name} ({os.path.basename(f)})" for name, f in found.items())
         raise ValueError(f"{paths!r} holds shards of more than one format: {kinds}; set the "

@@ -60,9 +60,11 @@ def skip_limit(samples: int, max_skipped: float | None) -> int:
     """The most skips an epoch of ``samples`` may have: never all of them."""
     if max_skipped is None:
         return samples - 1
-    # the share as written (0.29 is 29/100), times the count, exactly: a float product is
-    # one short at billions of samples (0.29 * 3e9 = 869999999.99...)
-    return min(samples - 1, int(fractions.Fraction(str(float(max_skipped))) * samples))
+    # the share meant (0.29 is 29/100, 1/3 a third: the nearest fraction of denominator up
+    # to 10⁹), times the count, exactly: a float product is one short at billions of
+    # samples (0.29 * 3e9 = 869999999.99...), a decimal one for a third (3 * 0.333...)
+    share = fractions.Fraction(float(max_skipped)).limit_denominator(10**9)
+    return min(samples - 1, int(share * samples))
 
 
 def check_budget(total: int, *, epoch: int, samples: int, max_skipped: float | None,

@@ -358,6 +358,14 @@ def test_a_folder_of_two_formats_is_refused_not_read_as_one(tmp_path, capsys):
                                          "webdataset|webdataset.*parquet"):  # fmt: skip
         list_shards(PipelineConfig(source=str(root)))
     assert list_shards(PipelineConfig(source=str(root), format="parquet")).num_samples == 10
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    laion = make_webdataset(tmp_path / "laion", [3, 3])  # img2dataset: metadata beside each
+    for shard in laion.glob("*.tar"):
+        meta = pa.table({"url": ["u"], "caption": ["c"], "status": ["success"]})
+        pq.write_table(meta, shard.with_suffix(".parquet"))
+    assert list_shards(PipelineConfig(source=str(laion))).format == "webdataset"
     assert main(["inspect", str(root)]) == 2
     assert "--format on raypipe inspect" in capsys.readouterr().err
     (tmp_path / "notes.txt").write_text("not data")
