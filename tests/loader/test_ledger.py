@@ -145,10 +145,12 @@ def test_join_names_the_first_disagreement_and_fails_the_run():
     assert fresh.leave("c", 0) == 1 and fresh.leave("c", 0) == 1 and fresh.leave("c", 1) == 0
 
 
-def test_64_ranks_with_bad_samples_yield_equal_counts_each_key_once(ray_session):
+def test_64_ranks_with_bad_samples_yield_equal_counts(ray_session):
     """64 ranks, each reading its own keys in random blocks with some bad, each holding a
     random number of rows ahead (0 to 24 batches): the rarer reports still end every rank
-    at the same batch, and the batches hold each good key at most once."""
+    at the same batch, the fewest full batches any rank's good keys make. (Which keys a
+    batch holds is this test's own doing, not the ledger's: exactly once is the pipeline
+    tests' property, `tests/properties.py`.)"""
     world, batch_size, planned = 64, 4, 96
     rng = random.Random(32)
     bad = [set(rng.sample(range(planned), rng.choice([0, 0, 0, 1, 3, 9]))) for _ in range(world)]
@@ -183,6 +185,4 @@ def test_64_ranks_with_bad_samples_yield_equal_counts_each_key_once(ray_session)
     assert not any(t.is_alive() for t in threads), "a rank hung"
     n = min(planned - len(b) for b in bad) // batch_size
     assert [len(keys) for keys in out] == [n * batch_size] * world
-    every = [key for keys in out for key in keys]
-    assert len(every) == len(set(every))  # no key twice
-    assert all(key - r * planned not in bad[r] for r, keys in enumerate(out) for key in keys)
+    assert n < (planned - 1) // batch_size  # some rank lost a batch to its bad keys
