@@ -2,8 +2,10 @@
 sleep a random time before every decode, so that blocks finish in a different order on
 every run.
 
-``python -m tests.seed_driver SOURCE OUT``: for each run in RUNS (world size, actors, a
-slow rank), every epoch of every rank through `raypipe.Pipeline`; writes
+``python -m tests.seed_driver SOURCE OUT [defaults]``: for each run in RUNS (world size,
+actors, a slow rank), every epoch of every rank through `raypipe.Pipeline`, with small tasks
+and blocks (many of them to finish out of order), or with ``defaults`` every size setting
+at its default and the two-rank runs only; writes
 ``{run name: {"keys": [[keys of rank r in epoch e, in order] ...], "crcs": the same shape,
 each key's image's CRC-32, "stats": ...}}`` as JSON to OUT.
 """
@@ -57,16 +59,18 @@ def run(config: PipelineConfig, world: int, pauses: tuple[float, ...]) -> dict:
     return {"keys": keys, "crcs": crcs, "stats": stats}
 
 
-def main(source: str, out: str) -> None:
+def main(source: str, out: str, sizes: str = "small") -> None:
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              object_store_memory=256 << 20, configure_logging=False,
              runtime_env={"worker_process_setup_hook": jitter})  # fmt: skip
     ray.data.DataContext.get_current().enable_progress_bars = False
-    config = PipelineConfig(source=source, image_size=8, batch_size=BATCH, seed=7,
-                            files_per_task=6, rows_per_block=4, actor_cpus=0.5)  # fmt: skip
+    config = PipelineConfig(source=source, image_size=8, batch_size=BATCH, seed=7)
+    runs = {n: r for n, r in RUNS.items() if r[0] == 2}
+    if sizes != "defaults":
+        config, runs = config.replace(files_per_task=6, rows_per_block=4, actor_cpus=0.5), RUNS
     report = {}
     try:
-        for name, (world, actors, pauses) in RUNS.items():
+        for name, (world, actors, pauses) in runs.items():
             t0 = time.perf_counter()
             report[name] = run(config.replace(actors=actors), world, pauses)
             print(f"{name}: {time.perf_counter() - t0:.1f} s", flush=True)

@@ -22,9 +22,9 @@ from tests.seed_driver import EPOCHS, RUNS
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def drive(source: Path, out: Path) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "tests.seed_driver", str(source), str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+def drive(source: Path, out: Path, *sizes: str) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "tests.seed_driver", str(source), str(out),
+                           *sizes], cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, f"driver failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
     return json.loads(out.read_text())
 
@@ -63,3 +63,24 @@ def test_same_seed_same_keys_per_rank_whatever_the_timing(tmp_path):
               for e in range(EPOCHS)]  # fmt: skip
     both = set(by_key[0]) & set(by_key[1])
     assert sum(by_key[0][k] != by_key[1][k] for k in both) > len(both) // 2  # crops differ too
+
+
+@pytest.mark.slow
+def test_same_seed_same_keys_per_rank_whatever_the_timing_with_the_default_sizes(tmp_path):
+    """The same property with every size setting at its default (the test above sizes tasks
+    and blocks small, so that many finish out of order): a source of several default tasks
+    a rank, two ranks, each run with another rank slow and decodes jittered."""
+    from raypipe.plan.blocksize import MAX_FILES_PER_TASK
+    from tests.conftest import make_imagefolder
+
+    per_class = MAX_FILES_PER_TASK + 90  # each rank: more than one task's files at most
+    source = make_imagefolder(tmp_path / "data", {"a": per_class, "b": per_class}, seed=3)
+    report = drive(source, tmp_path / "report.json", "defaults")
+    assert sorted(report) == ["w2-a", "w2-c"]
+    first, other = report["w2-a"], report["w2-c"]
+    for epoch in range(EPOCHS):
+        keys = [k for r in range(2) for b in first["keys"][r][epoch] for k in b]
+        assert len(keys) == len(set(keys)) > 2 * per_class - 2 * 16  # equal full batches
+        for r in range(2):
+            assert other["keys"][r][epoch] == first["keys"][r][epoch], (r, epoch)
+            assert other["crcs"][r][epoch] == first["crcs"][r][epoch], (r, epoch)
