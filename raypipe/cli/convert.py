@@ -100,10 +100,8 @@ class ShardsConfig:
             raise ValueError(f"{path}: a convert config needs a 'convert' section")
         try:
             return cls.from_dict(raw[section])
-        except TypeError as e:
-            raise ValueError(f"{path}: {section}: {e}") from None
-        except ValueError as e:  # its own message names the section and the key
-            raise ValueError(f"{path}: {e}") from None
+        except (TypeError, ValueError) as e:  # a ValueError's own message names the section
+            raise ValueError(f"{path}: {f'{section}: ' * isinstance(e, TypeError)}{e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
