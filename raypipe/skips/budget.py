@@ -9,7 +9,6 @@ happens to be read early. An epoch with every sample bad always fails, whatever 
 
 from __future__ import annotations
 
-import fractions
 from typing import Any
 
 __all__ = ["SkipBudgetError", "check_budget", "skip_limit"]
@@ -60,11 +59,9 @@ def skip_limit(samples: int, max_skipped: float | None) -> int:
     """The most skips an epoch of ``samples`` may have: never all of them."""
     if max_skipped is None:
         return samples - 1
-    # the share meant (0.29 is 29/100, 1/3 a third: the nearest fraction of denominator up
-    # to 10⁹), times the count, exactly: a float product is one short at billions of
-    # samples (0.29 * 3e9 = 869999999.99...), a decimal one for a third (3 * 0.333...)
-    share = fractions.Fraction(float(max_skipped)).limit_denominator(10**9)
-    return min(samples - 1, int(share * samples))
+    # a float product falls just short of the whole number meant, by a relative 1e-16 or
+    # so: 0.29 * 3e9 = 869999999.99..., 3 * (1/3) = 0.99...; a relative 1e-12 allows it
+    return min(samples - 1, int(max_skipped * samples * (1 + 1e-12) + 1e-9))
 
 
 def check_budget(total: int, *, epoch: int, samples: int, max_skipped: float | None,

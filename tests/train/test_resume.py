@@ -91,6 +91,7 @@ def test_the_skip_budget_is_the_share_as_written_at_billions_of_samples():
     assert skip_limit(10, 1.0) == 9 and skip_limit(10, None) == 9 and skip_limit(10, 0) == 0
     assert skip_limit(3, 1 / 3) == 1 and skip_limit(3000, 1 / 3) == 1000  # a third, not 0.333
     assert skip_limit(3_000_000_000, 1 / 3) == 1_000_000_000 and skip_limit(7, 2 / 7) == 2
+    assert skip_limit(10_000_000_000, 3e-10) == 3  # a tiny share of a huge epoch, not 0
 
 
 def test_a_checkpoint_in_object_storage_is_read_through_its_filesystem(tmp_path, s3,  # noqa: F811
