@@ -114,7 +114,7 @@ def test_the_trainer_section_is_checked_before_a_rank_joins_anything(tmp_path):
     (tmp_path / "typo.yaml").write_text(yaml.safe_dump({**spec, "data": {"batchsize": 3}}))
     sci = {**spec, "trainer": {**spec["trainer"], "lr": "LR", "checkpoint_every": 0}}
     (tmp_path / "sci.yaml").write_text(yaml.safe_dump(sci).replace("LR", "2e-3"))  # a float
-    for name, said in (("missing", "config file not found"), ("empty", "expected a mapping"),
+    for name, said in (("missing", "config file not found"), ("empty", "the file is empty"),
                        ("nodata", "needs a data section"), ("typo", "did you mean 'batch_size'"),
                        ("sci", "--checkpoint needs trainer.checkpoint_every")):  # fmt: skip
         assert said in _refused(str(tmp_path / f"{name}.yaml"), "--checkpoint", str(tmp_path / "c"))
