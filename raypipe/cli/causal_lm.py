@@ -47,6 +47,8 @@ class ModelSettings:
 class TokenIdError(ValueError):
     """A token id the model has no embedding for: outside ``0..model.vocab_size - 1``."""
 
+    said_by_the_driver = True  # `run` raises it in one line: no rank logs its traceback
+
 
 def check_token_ids(tokens, vocab_size: int, field: str) -> None:
     """Raise `TokenIdError` where ``tokens`` hold an id the embedding has no row for (it

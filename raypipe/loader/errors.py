@@ -52,13 +52,15 @@ def quiet_data_errors(logger: logging.Logger) -> None:
     """Drop what ``logger`` logs while a data error (`data_errors`, itself: not one a
     user's error wraps) is being handled: Ray Train logs a rank's error with its
     traceback through raypipe's frames, and `raypipe.train_ddp` raises it on the driver
-    as itself, in one line."""
+    as itself, in one line. So too an error whose class says its job prints it on the
+    driver in one line (``said_by_the_driver``: the LM job's `TokenIdError`)."""
     if _no_data_error not in logger.filters:
         logger.addFilter(_no_data_error)
 
 
 def _no_data_error(record: logging.LogRecord) -> bool:
-    return not isinstance(sys.exc_info()[1], data_errors())
+    error = sys.exc_info()[1]
+    return not (isinstance(error, data_errors()) or getattr(error, "said_by_the_driver", False))
 
 
 def quiet_ray_data_aborts() -> None:

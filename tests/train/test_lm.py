@@ -94,6 +94,28 @@ def test_a_vocabulary_smaller_than_the_data_stops_the_run_in_one_line(ray_sessio
         run(path, epochs=1)
 
 
+def test_a_ranks_token_id_error_is_not_logged_with_its_traceback():
+    """Each rank logged "Error in training function" with a TokenIdError's traceback
+    before the job printed its one line: the rank's filter let only raypipe's data errors
+    go quiet."""
+    import logging
+    import sys
+
+    from raypipe.loader.errors import quiet_data_errors
+
+    logger = logging.getLogger("raypipe.tests.rank_errors")
+    quiet_data_errors(logger)
+    kept = []
+    logger.addHandler(handler := logging.Handler())
+    handler.emit = kept.append
+    for error in (TokenIdError("token id 63 outside model.vocab_size=32"), IndexError("x")):
+        try:
+            raise error
+        except Exception:
+            logger.error("Error in training function", exc_info=sys.exc_info())
+    assert [r.exc_info[1].__class__.__name__ for r in kept] == ["IndexError"]
+
+
 def test_train_lm_prints_a_data_error_in_one_line(monkeypatch, capsys, tmp_path):
     """train_ddp raises a rank's spent skip budget as itself (not inside Ray Train's
     WorkerGroupError), and the job prints it as its one error line, as raypipe run does."""
