@@ -122,12 +122,10 @@ def resume_cost(config: PipelineConfig, repeats: int, tmp: str) -> dict:
     state.save(path)
     first_batch(config, None)  # warm-up: worker processes, imports
     fresh, resumed = [], []
+    runs = [(fresh, None), (resumed, path)]
     for i in range(repeats):  # the order alternating, as in `train_cost`
-        if i % 2 == 0:
-            fresh.append(first_batch(config, None))
-        resumed.append(first_batch(config, path))
-        if i % 2 == 1:
-            fresh.append(first_batch(config, None))
+        for times, state in runs if i % 2 == 0 else runs[::-1]:
+            times.append(first_batch(config, state))
     return {
         "samples": state.num_samples,
         "shards": len(list_shards(config).shards),

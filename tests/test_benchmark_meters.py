@@ -36,10 +36,10 @@ def test_a_child_run_and_reaped_inside_the_meter_is_counted_once():
 
 def test_memorys_check_covers_every_epoch_and_samples_left_out():
     check = _load("memory").exactly_once
-    good = [[[[0, 1], [2, 3]], [[3, 2], [1, 0]]], [[[4, 5]], [[5, 4]]]]  # 2 ranks, 2 epochs
-    assert check(good, 6, batch=2) and check(good, 7, batch=2)  # 1 left out: under a batch
-    twice_later = [[[[0, 1], [2, 3]], [[3, 2], [1, 1]]], [[[4, 5]], [[5, 4]]]]
-    assert not check(twice_later, 6, batch=2)  # epoch 1's duplicate (it checked epoch 0)
-    lost = [[[[0, 1], [2, 3]], [[3, 2]]], [[[4, 5]], [[5, 4]]]]
-    assert not check(lost, 6, batch=1)  # epoch 1 left out two: a whole batch a rank
-    assert not check(good, 5, batch=2)  # key 5 is not one of 5 samples
+    good = [[[[0, 1], [2, 3]], [[3, 2], [1, 0]]], [[[4, 5], [6, 7]], [[5, 4], [7, 6]]]]  # 2 x 2
+    assert check(good, 8, batch=2) and check(good, 9, batch=2)  # 1 left out: under a batch
+    twice_later = [[[[0, 1], [2, 3]], [[3, 2], [1, 1]]], [[[4, 5], [6, 7]], [[5, 4], [7, 6]]]]
+    assert not check(twice_later, 8, batch=2)  # epoch 1's duplicate (it checked epoch 0)
+    lost = [[[[0, 1], [2, 3]], [[3, 2]]], [[[4, 5], [6, 7]], [[5, 4]]]]
+    assert not check(lost, 8, batch=2)  # epoch 1 left out four: a whole batch a rank
+    assert not check(good, 7, batch=2)  # key 7 is not one of 7 samples

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from raypipe.cli.localray import process_tree
 from tests.pool.test_elastic import BIN, ROOT, _env, _free_ports, _pids_naming
 
 pytestmark = pytest.mark.slow
@@ -58,18 +59,6 @@ WORKER = "import subprocess, sys, time; f = open(sys.argv[1]); subprocess.Popen(
 WORKER += "time.sleep(60)"
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if entry.name.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            found.append(int(entry.name))
-    return found
-
-
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -109,7 +98,7 @@ def test_down_stops_rays_processes_in_its_dir_and_no_other(tmp_path):
     )
     try:
         time.sleep(1.0)  # both have the log open, the tool started
-        tool = [p for p in _children(worker.pid) if b"sleep" in _cmdline(p)]
+        tool = [p for p in process_tree(worker.pid) if p != worker.pid and b"sleep" in _cmdline(p)]
         assert len(tool) == 1
         env = {**os.environ, "STATE": str(state)}
         done = subprocess.run([str(ROOT / "cluster" / "local.sh"), "down"], env=env,
