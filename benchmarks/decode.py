@@ -7,8 +7,11 @@ W×H, JPEG quality 90) are decoded and cropped to 224 by raypipe's fast path
 (`raypipe.preprocess.decode.decode_crop`, random-resized-crop with flips, seeded plans)
 three ways: ``full`` decodes every whole image at full size; ``scaled`` decodes at 1/2,
 1/4 or 1/8 DCT scale whenever the crop keeps 224 pixels across; ``region`` (as shipped,
-where `raypipe.preprocess.region` was built) also decodes only the crop's region. The
-three interleave over --rounds rounds on one thread, the order rotating; each round gives
+where `raypipe.preprocess.region` was built) also decodes only the crop's region;
+``restarts`` is ``region`` on the same photos as ``raypipe convert`` stores them by default,
+re-written losslessly with a restart marker after every MCU, so that only the crop's MCUs
+are entropy-decoded (``full`` decodes the photos as they were). The four interleave over
+--rounds rounds on one thread, the order rotating; each round gives
 CPU seconds per image (``time.process_time``), and the table shows medians. Also: how
 often a plan decodes scaled, and how far each output is from ``full``'s (grey levels:
 mean, 99th percentile and worst pixel).
@@ -66,7 +69,7 @@ def chooser(key: int):
                              ratio=(3 / 4, 4 / 3), flip=True)  # fmt: skip
 
 
-MODES = ("full", "scaled", "region")  # what decode_crop may do: cumulative
+MODES = ("full", "scaled", "region", "restarts")  # what decode_crop may do: cumulative
 
 
 def full_size(width: int, height: int, box, size: int) -> int:
@@ -79,7 +82,7 @@ def decode_all(images: list[bytes], mode: str) -> tuple[float, list[np.ndarray]]
     where the extension is built) decodes only the crop's region too."""
     shipped, built = decode._dct_reduction, region._jpegregion
     decode._dct_reduction = full_size if mode == "full" else shipped
-    region._jpegregion = built if mode == "region" else None
+    region._jpegregion = built if mode in ("region", "restarts") else None
     try:
         c0 = time.process_time()
         outs = [np.ascontiguousarray(decode.decode_crop(d, SIZE, chooser(k)))
@@ -109,16 +112,19 @@ def difference(a: list[np.ndarray], b: list[np.ndarray]) -> dict:
 
 def one_size(width: int, height: int, n: int, rounds: int, modes: tuple[str, ...]) -> dict:
     images = photos(width, height, n)
+    restarted = [region.with_restarts(d) for d in images] if "restarts" in modes else []
+    given = {m: restarted if m == "restarts" else images for m in modes}
     for mode in modes:
-        decode_all(images[:8], mode)  # imports, warm caches
+        decode_all(given[mode][:8], mode)  # imports, warm caches
     cpu: dict[str, list[float]] = {m: [] for m in modes}
     for r in range(rounds):  # interleaved, the order rotating
         for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
-            cpu[mode].append(decode_all(images, mode)[0])
-    outs = {m: decode_all(images, m)[1] for m in modes}
+            cpu[mode].append(decode_all(given[mode], mode)[0])
+    outs = {m: decode_all(given[m], m)[1] for m in modes}
     med = {m: statistics.median(v) for m, v in cpu.items()}
     return {
         "size": f"{width}x{height}", "images": n, "mean_jpeg_kib": sum(map(len, images)) / n / 1024,
+        "mean_restarted_jpeg_kib": sum(map(len, restarted)) / n / 1024 if restarted else None,
         "scaled_share": scaled_share(images),
         "cpu_ms": {m: v * 1e3 for m, v in med.items()},
         "speedup_vs_full": {m: med["full"] / v for m, v in med.items()},
@@ -126,6 +132,8 @@ def one_size(width: int, height: int, n: int, rounds: int, modes: tuple[str, ...
         "diff_vs_full": {m: difference(outs[m], outs["full"]) for m in modes if m != "full"},
         "diff_region_vs_scaled": (difference(outs["region"], outs["scaled"])
                                   if "region" in modes else None),
+        "diff_restarts_vs_region": (difference(outs["restarts"], outs["region"])
+                                    if "restarts" in modes else None),
     }  # fmt: skip
 
 
@@ -145,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
     import cv2
 
     cv2.setNumThreads(1)  # one thread, as in a pool actor
-    modes = MODES if region.available() else MODES[:2]
+    modes = MODES if region.available() else MODES[:2]  # the last two need the extension
     if not region.available():
         print(
             "region decoding was not built (no compiler or libjpeg headers): full and scaled only"

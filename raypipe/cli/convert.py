@@ -21,87 +21,18 @@ import json
 import os
 import sys
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 
-from raypipe.cli.jobspec import convert_section
-from raypipe.config import PipelineConfig, check_keys, load_yaml
+from raypipe.cli.convertconfig import ShardsConfig
+from raypipe.config import PipelineConfig
 from raypipe.formats import Reader
-from raypipe.formats.storage import is_remote
 from raypipe.formats.writer import EXTENSIONS, INDEX, Sample, Written, write_shard
 from raypipe.plan.shards import list_shards
 
 SPREAD_SEED = 0  # the one order a folder's samples are spread over its shards in
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardsConfig:
-    """What ``raypipe convert`` does (the ``convert`` section of a YAML config).
-
-    Args:
-        source: the image folder (class sub-folders).
-        out: the output folder for the shards and ``index.json``.
-        format: ``"webdataset"`` (tar), ``"parquet"`` or ``"tfrecord"``.
-        shards: number of shards; or leave it None and set ``samples_per_shard``.
-        samples_per_shard: samples per shard when ``shards`` is None.
-        prefix: shard name prefix, e.g. ``train`` → ``train-00000-of-00008.tar``.
-        cpus_per_task: logical CPUs each shard-writing Ray task reserves.
-    """
-
-    source: str
-    out: str
-    format: str = "webdataset"
-    shards: int | None = None
-    samples_per_shard: int = 1000
-    prefix: str = "train"
-    cpus_per_task: float = 1.0
-
-    def __post_init__(self) -> None:
-        def bad(field: str, why: str) -> ValueError:
-            return ValueError(f"convert.{field}={getattr(self, field)!r}: {why}")
-
-        for name in ("source", "out", "prefix"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise bad(name, "must be a non-empty string")
-        if remote := [name for name in ("source", "out") if is_remote(getattr(self, name))]:
-            raise bad(remote[0], "must be a local folder (convert reads and writes local files)")
-        if self.format not in EXTENSIONS:
-            raise bad("format", f"must be one of {sorted(EXTENSIONS)}")
-        if self.shards is not None and (not _is_int(self.shards) or self.shards < 1):
-            raise bad("shards", "must be an integer >= 1 (or left out)")
-        if not _is_int(self.samples_per_shard) or self.samples_per_shard < 1:
-            raise bad("samples_per_shard", "must be an integer >= 1")
-        if "/" in self.prefix or self.prefix.startswith("."):
-            raise bad("prefix", "must be a plain file name prefix")
-        cpus = self.cpus_per_task
-        if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not cpus > 0:
-            raise bad("cpus_per_task", "must be a number > 0")
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ShardsConfig:
-        if not isinstance(data, Mapping):
-            raise ValueError(f"convert config must be a mapping, got {type(data).__name__}")
-        check_keys(data, [f.name for f in dataclasses.fields(cls)], where="convert")
-        if missing := [k for k in ("source", "out") if k not in data]:
-            raise ValueError(f"convert: missing required key(s) {', '.join(missing)}")
-        if data.get("shards") is not None and "samples_per_shard" in data:  # one was ignored
-            raise ValueError("convert: shards and samples_per_shard are both set: set one")
-        return cls(**data)
-
-    @classmethod
-    def from_yaml(cls, path: str | Path, raw: dict | None = None) -> ShardsConfig:
-        raw = load_yaml(path) if raw is None else raw  # ``raw``: what was read of ``path``
-        section = convert_section(raw)
-        check_keys(raw, [section or "convert"], where=str(path))
-        if section is None:
-            raise ValueError(f"{path}: a convert config needs a 'convert' section")
-        try:
-            return cls.from_dict(raw[section])
-        except (TypeError, ValueError) as e:  # a ValueError's own message names the section
-            raise ValueError(f"{path}: {f'{section}: ' * isinstance(e, TypeError)}{e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +47,7 @@ class Summary:
     skipped: tuple[tuple[str, str], ...]
     seconds: float
     samples_written: int = 0  # the samples of the shards this run wrote
+    restarted: int = 0  # the JPEGs this run stored with restart markers
 
     @property
     def samples_per_s(self) -> float:
@@ -187,6 +119,7 @@ def convert(config: ShardsConfig, *, log: TextIO | None = None) -> Summary:
         "fingerprint": fingerprint,
         "num_shards": total,
         "num_samples": None,
+        "restart_markers": config.restart_markers,
         "complete": False,
         "shards": entries,
     }
@@ -195,8 +128,9 @@ def convert(config: ShardsConfig, *, log: TextIO | None = None) -> Summary:
 
     _check_cpus(config.cpus_per_task)
     task = ray.remote(num_cpus=config.cpus_per_task)(write_shard)
-    pending = {task.remote(parts[i], out, names[i], fmt): i for i in todo}
-    reused_ids, written = set(range(total)) - set(todo), 0
+    rewrite = _restarts() if config.restart_markers else None
+    pending = {task.remote(parts[i], out, names[i], fmt, rewrite): i for i in todo}
+    reused_ids, written, restarted = set(range(total)) - set(todo), 0, 0
     skipped = [(p, why) for i in sorted(reused_ids) for p, why in entries[i]["skipped"]]
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=1)
@@ -204,7 +138,7 @@ def convert(config: ShardsConfig, *, log: TextIO | None = None) -> Summary:
         w: Written = ray.get(ready[0])
         entries[i] = _entry(w, done=True)
         skipped.extend(w.skipped)
-        written += w.samples
+        written, restarted = written + w.samples, restarted + w.rewritten
         _save_index(out, index)
         done = total - len(pending)
         print(f"  [{done:>{len(str(total))}}/{total}] {w.name}: {w.samples} samples", file=log)
@@ -217,7 +151,15 @@ def convert(config: ShardsConfig, *, log: TextIO | None = None) -> Summary:
     for path, reason in skipped:
         print(f"convert: skipped {path}: {reason}", file=log)
     return Summary(out, total, len(todo), reused, index["num_samples"], tuple(skipped),
-                   time.perf_counter() - t0, written)  # fmt: skip
+                   time.perf_counter() - t0, written, restarted)  # fmt: skip
+
+
+def _restarts():
+    """What re-writes a JPEG with restart markers; None where region decoding was not built
+    (no compiler or libjpeg headers), which decodes whole images whatever the file."""
+    from raypipe.preprocess import region
+
+    return region.with_restarts if region.available() else None
 
 
 def _check_cpus(cpus: float) -> None:
@@ -256,7 +198,8 @@ def _finished(out: str, entry: dict[str, Any], fmt: str) -> bool:
 
 
 def _fingerprint(config: ShardsConfig, parts: list[list[Sample]]) -> str:
-    h = hashlib.sha256(f"{config.format}|{config.prefix}|{len(parts)}".encode())
+    restarts = "|restart_markers" * config.restart_markers  # a plan's without: as before
+    h = hashlib.sha256(f"{config.format}|{config.prefix}|{len(parts)}{restarts}".encode())
     for part in parts:
         h.update(b"|shard|")
         for s in part:
@@ -291,10 +234,6 @@ def _save_index(out: str, index: dict[str, Any]) -> None:
     tmp = os.path.join(out, f".{INDEX}.{os.getpid()}.tmp")
     Path(tmp).write_text(json.dumps(index, indent=1) + "\n")
     os.replace(tmp, os.path.join(out, INDEX))
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 preprocess = convert  # its name in raypipe 0.1

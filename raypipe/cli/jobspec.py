@@ -53,7 +53,7 @@ def check(path: str | Path, root: str | Path = ".") -> Kind:
     """Load and validate the config fully, its relative paths joined onto ``root`` as the
     job's are (a relative ``cache_dir`` is one); returns its kind. Errors are ValueErrors."""
     from raypipe.cli.classify import RunConfig
-    from raypipe.cli.convert import ShardsConfig
+    from raypipe.cli.convertconfig import ShardsConfig
 
     kind = kind_of(path)
     try:

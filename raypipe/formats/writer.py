@@ -7,11 +7,12 @@ a final name always means a finished, verified shard.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from raypipe.formats import FORMATS, Reader, get_format
@@ -41,19 +42,29 @@ class Written:
     first_key: int
     bytes: int
     skipped: tuple[tuple[str, str], ...]  # (path, reason) of each sample left out
+    rewritten: int = 0  # JPEGs stored as ``rewrite`` gave them
 
 
-def write_shard(samples: list[Sample], out: str, name: str, fmt: str) -> Written:
-    """Write ``samples`` in order into ``out/name``; unreadable images are skipped."""
+def write_shard(
+    samples: list[Sample], out: str, name: str, fmt: str,
+    rewrite: Callable[[bytes], bytes] | None = None,
+) -> Written:  # fmt: skip
+    """Write ``samples`` in order into ``out/name``; unreadable images are skipped.
+
+    ``rewrite``, where given, re-writes each JPEG's bytes (losslessly: convert's restart
+    markers); a JPEG it raises ValueError for is stored as it is."""
     if fmt not in EXTENSIONS:
         raise ValueError(f"{fmt=} must be one of {sorted(EXTENSIONS)}")
     write = get_format(fmt).write
-    kept, skipped = [], []
+    kept, skipped, rewritten = [], [], 0
     for sample, data, ext in _load(samples):
         if data is None:
             skipped.append((sample.path, ext))  # ext carries the reason here
-        else:
-            kept.append((sample, data, ext))
+            continue
+        if rewrite is not None and ext in ("jpg", "jpeg"):
+            with contextlib.suppress(ValueError):  # one libjpeg is strict about: as it is
+                data, rewritten = rewrite(data), rewritten + 1
+        kept.append((sample, data, ext))
     final = os.path.join(out, name)
     tmp = os.path.join(out, f".{name}.{os.getpid()}.tmp")
     try:
@@ -64,7 +75,8 @@ def write_shard(samples: list[Sample], out: str, name: str, fmt: str) -> Written
         if os.path.exists(tmp):
             os.unlink(tmp)
     first_key = kept[0][0].key if kept else -1
-    return Written(name, len(kept), first_key, os.path.getsize(final), tuple(skipped))
+    size = os.path.getsize(final)
+    return Written(name, len(kept), first_key, size, tuple(skipped), rewritten)
 
 
 def _load(samples: list[Sample]) -> Iterator[tuple[Sample, bytes | None, str]]:

@@ -7,6 +7,14 @@ are not transformed, and the rows below it are never read. raypipe's small C ext
 libjpeg-turbo headers are found) calls those functions; without it, `available()` is
 False and the fast path decodes the whole image, as before. The pixels of the region
 are the ones a whole decode gives (`tests/preprocess/test_region.py` checks it).
+
+A JPEG with a restart marker after every MCU (16×16 pixels of a 4:2:0 photo; what
+`with_restarts` writes, and ``raypipe convert`` by default) lets it leave out the rows
+above the crop as well: each MCU's entropy-coded bytes stand alone, so the MCUs under the
+crop, cut out with their restart markers renumbered, are a JPEG of their own, and the rest
+of the file is never entropy-decoded. The same pixels again; damage to the bytes of an
+MCU outside the crop goes unseen by that crop (a marker missing or out of place is
+refused whatever the crop).
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ try:
 except ImportError:  # built without a compiler or libjpeg's headers
     _jpegregion = None
 
-__all__ = ["MARGIN", "available", "decode_box", "fits", "window"]
+__all__ = ["MARGIN", "available", "decode_box", "fits", "window", "with_restarts"]
 assert __all__ == sorted(__all__)
 
 MARGIN = 3  # source pixels kept around the box for the resize's low-pass and warp
@@ -68,3 +76,14 @@ def decode_box(data: bytes, k: int, width: int, height: int, box: Box) -> tuple[
     buf, xs, cols = _jpegregion.decode(data, k, a, y0, b - a, y1 - y0)
     rgb = np.frombuffer(buf, dtype=np.uint8).reshape(y1 - y0, cols, 3)[:, x0 - xs : x1 - xs]
     return rgb, Box(scaled.left - x0, scaled.top - y0, scaled.width, scaled.height)
+
+
+def with_restarts(data: bytes) -> bytes:
+    """The JPEG ``data`` re-written losslessly (the same DCT coefficients, quantisation
+    tables and APP/COM markers; Huffman tables made optimal for it) as one baseline scan with
+    a restart marker after every MCU, which `decode_box` reads a crop's MCUs of alone. Every
+    decoder gives the same pixels for it as for ``data``; it is a few per cent larger
+    (2–5 % on quality-90 photos). Call it only where `available`.
+
+    Raises ValueError for data libjpeg-turbo refuses or warns about."""
+    return _jpegregion.restart(data)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import tarfile
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from raypipe.cli.convert import INDEX, ShardsConfig, convert, plan, preprocess, 
 from raypipe.formats import Reader
 from raypipe.plan.shards import list_shards
 from tests.conftest import make_imagefolder
+from tests.preprocess.test_restarts import DRI_ONE
 
 COUNTS = {"ant": 11, "bee": 7, "cow": 9}  # 27 samples: no shard count divides it evenly
 
@@ -127,6 +130,49 @@ def test_unreadable_and_odd_formats(ray_session, tmp_path):
     assert sorted(keys) == list(range(8))
 
 
+@pytest.mark.parametrize("restart_markers", [True, False])
+def test_jpegs_are_stored_with_restart_markers_and_their_pixels(
+    ray_session, tmp_path, restart_markers
+):
+    """By default each JPEG is re-written with a restart marker after every MCU (region
+    decoding then reads a crop's MCUs alone), its pixels unchanged; with the switch off,
+    or for a JPEG libjpeg refuses (cut short here), its bytes are stored as they are."""
+    from PIL import Image
+
+    from raypipe.preprocess import region
+
+    root = make_imagefolder(tmp_path / "f", {"a": 5, "b": 4})
+    cut = root / "b" / "0001.jpg"
+    cut.write_bytes(cut.read_bytes()[:-40])
+    out = tmp_path / "o"
+    config = ShardsConfig(source=str(root), out=str(out), shards=2,
+                          restart_markers=restart_markers)  # fmt: skip
+    summary = convert(config)
+    stored = {}  # the name each sample keeps → its image's bytes
+    for tar_name in (n for n in os.listdir(out) if n.endswith(".tar")):
+        with tarfile.open(out / tar_name) as tar:
+            members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+        for member, data in members.items():
+            stem, ext = member.split(".")
+            if ext in ("jpg", "png"):
+                stored[members[f"{stem}.txt"].decode()] = data
+    jpegs = sorted(n for n in stored if n.endswith(".jpg"))
+    assert len(stored) == 9 and len(jpegs) == 5
+    restarted = 4 if restart_markers and region.available() else 0  # all but the cut one
+    assert summary.restarted == restarted
+    assert json.loads((out / INDEX).read_text())["restart_markers"] is restart_markers
+    for name in jpegs:
+        source = (root / name).read_bytes()
+        if restarted and name != "b/0001.jpg":
+            assert DRI_ONE in stored[name] and stored[name] != source
+            with Image.open(root / name) as a, Image.open(io.BytesIO(stored[name])) as b:
+                assert np.array_equal(np.asarray(a), np.asarray(b))
+        else:
+            assert stored[name] == source, name
+    with pytest.raises(ValueError, match="another source or plan"):  # not mixed in one folder
+        convert(config.__class__(**{**config.__dict__, "restart_markers": not restart_markers}))
+
+
 @pytest.mark.parametrize(
     "changes, field",
     [
@@ -137,6 +183,7 @@ def test_unreadable_and_odd_formats(ray_session, tmp_path):
         ({"cpus_per_task": 0}, "cpus_per_task"),
         ({"source": "s3://bucket/imgs"}, "source"),
         ({"out": "memory://shards"}, "out"),
+        ({"restart_markers": "yes"}, "restart_markers"),
     ],
 )
 def test_config_names_the_bad_value(changes, field):

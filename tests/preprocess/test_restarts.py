@@ -1,0 +1,189 @@
+"""JPEGs with a restart marker after every MCU (`raypipe.preprocess.region.with_restarts`,
+what ``raypipe convert`` writes): re-written without changing a pixel, and a crop's region
+decoded from its own MCUs alone, to the same pixels, at every scale and layout."""
+
+import io
+
+import numpy as np
+import pytest
+import simplejpeg
+from PIL import Image
+
+from raypipe.preprocess import decode, region
+from raypipe.preprocess.augment import Box, plan, sample_rng
+from tests.preprocess.test_region import needs_region, photo, whole
+
+LAYOUTS = {
+    "420": {"quality": 90},
+    "444": {"quality": 95, "subsampling": 0},
+    "422": {"quality": 85, "subsampling": 1},
+    "progressive": {"quality": 90, "progressive": True},
+}
+DRI_ONE = b"\xff\xdd\x00\x04\x00\x01"  # define restart interval: one MCU
+
+
+def grey(width: int, height: int) -> bytes:
+    buf = io.BytesIO()
+    pixels = np.random.default_rng(0).integers(0, 256, (height, width), dtype=np.uint8)
+    Image.fromarray(pixels).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def pixels(data: bytes) -> np.ndarray:
+    with Image.open(io.BytesIO(data)) as img:
+        return np.asarray(img)
+
+
+def markers(data: bytes) -> list[bytes]:
+    """The APPn and COM segments before the scan, in order."""
+    out, i = [], 2
+    while data[i + 1] != 0xDA:
+        n = int.from_bytes(data[i + 2 : i + 4], "big")
+        if 0xE0 <= data[i + 1] <= 0xEF or data[i + 1] == 0xFE:
+            out.append(data[i : i + 2 + n])
+        i += 2 + n
+    return out
+
+
+@needs_region
+@pytest.mark.parametrize("layout", [*LAYOUTS, "grey"])
+def test_a_restarted_jpeg_has_the_same_pixels_in_every_decoder(layout):
+    data = grey(203, 117) if layout == "grey" else photo(437, 301, seed=1, **LAYOUTS[layout])
+    again = region.with_restarts(data)
+    assert DRI_ONE in again and DRI_ONE not in data
+    assert again[:2] == b"\xff\xd8" and b"\xff\xc2" not in again[: again.index(b"\xff\xda")]
+    assert np.array_equal(pixels(again), pixels(data))
+    if layout != "grey":
+        for k in (1, 2, 4, 8):
+            assert np.array_equal(whole(again, k), whole(data, k)), k
+
+
+@needs_region
+def test_a_restarted_jpeg_keeps_its_exif_and_comment():
+    img = Image.fromarray(np.zeros((40, 60, 3), np.uint8))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", exif=exif.tobytes(), comment=b"from the camera")
+    data = buf.getvalue()
+    again = region.with_restarts(data)
+    kept = [m for m in markers(data) if m[4:9] != b"JFIF\0"]
+    assert markers(again)[-len(kept) :] == kept
+    assert decode.exif_orientation(again) == decode.exif_orientation(data) == 6
+
+
+def mcu_edges(size: int, step: int) -> list[int]:
+    """Offsets on and beside the edges of MCUs ``step`` pixels apart."""
+    return sorted({min(max(0, e + d), size - 1) for e in range(0, size, step) for d in (-1, 0, 1)})
+
+
+@needs_region
+@pytest.mark.parametrize("layout", [*LAYOUTS, "grey"])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_a_region_of_a_restarted_jpeg_is_the_one_the_original_gives(layout, k):
+    """Regions starting and ending on, before and after every MCU edge, and random ones:
+    the restarted file's decode of each is the original's, byte for byte (its pixels, and
+    the columns the decoder widened it to); and `decode_box` gives the whole decode's."""
+    width, height = (203, 117) if layout == "grey" else (437, 301)
+    data = grey(width, height) if layout == "grey" else photo(width, height, seed=k,
+                                                              **LAYOUTS[layout])  # fmt: skip
+    again = region.with_restarts(data)
+    sw, sh = -(-width // k), -(-height // k)
+    step = max(1, 16 // k)  # an MCU of 4:2:0 at this scale; finer layouts' edges among them
+    rng = np.random.default_rng(k)
+    regions = [(x, y, min(sw - x, 1 + (x * 7) % 40), min(sh - y, 1 + (y * 5) % 30))
+               for x in mcu_edges(sw, step)[::2] for y in mcu_edges(sh, step)[::3]]  # fmt: skip
+    regions += [(0, 0, sw, sh), (sw - 1, sh - 1, 1, 1)]
+    for _ in range(60):
+        w, h = int(rng.integers(1, sw + 1)), int(rng.integers(1, sh + 1))
+        regions.append((int(rng.integers(0, sw - w + 1)), int(rng.integers(0, sh - h + 1)), w, h))
+    for r in regions:
+        assert region._jpegregion.decode(again, k, *r) == region._jpegregion.decode(data, k, *r), r
+    full = simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=sw, min_height=sh)
+    for x, y, w, h in regions[::7]:
+        box = Box(x * width / sw, y * height / sh, w * width / sw, h * height / sh)
+        rgb, _ = region.decode_box(again, k, width, height, box)
+        x0, y0, x1, y1 = region.window(box.scaled(sw / width, sh / height), sw, sh)
+        assert np.array_equal(rgb, full[y0:y1, x0:x1]), (x, y, w, h)
+
+
+@needs_region
+def test_a_restarted_jpegs_crop_reads_only_its_own_mcus():
+    """Bytes of the top-left MCU overwritten (no marker touched): a crop of the bottom
+    rows still decodes to the clean file's pixels, where the file without restart markers
+    entropy-decodes every row above its crop, and a crop over that MCU does not."""
+    data = region.with_restarts(photo(320, 240, seed=5, quality=90))
+    scan = data.index(b"\xff\xda")
+    scan += 2 + int.from_bytes(data[scan + 2 : scan + 4], "big")
+    first = data.index(b"\xff\xd0", scan)  # the end of the first MCU's bytes
+    damaged = data[:scan] + bytes([0x55]) * (first - scan) + data[first:]
+    clean = whole(data, 1)
+    rgb, _ = region.decode_box(damaged, 1, 320, 240, Box(100, 160, 200, 70))
+    expect, _ = region.decode_box(data, 1, 320, 240, Box(100, 160, 200, 70))
+    assert np.array_equal(rgb, expect)
+    try:
+        top_left, _ = region.decode_box(damaged, 1, 320, 240, Box(0, 0, 40, 40))
+    except ValueError:
+        return
+    assert not np.array_equal(top_left, clean[: top_left.shape[0], : top_left.shape[1]])
+
+
+@needs_region
+@pytest.mark.parametrize("cut", ["marker_dropped", "marker_renumbered", "truncated"])
+def test_restart_markers_out_of_place_are_refused_whatever_the_crop(cut):
+    data = region.with_restarts(photo(320, 240, seed=6, quality=90))
+    at = data.index(b"\xff\xd3")
+    bad = {"marker_dropped": data[:at] + data[at + 2 :],
+           "marker_renumbered": data[:at] + b"\xff\xd4" + data[at + 2 :],
+           "truncated": data[: len(data) * 3 // 4] + b"\xff\xd9"}[cut]  # fmt: skip
+    for box in (Box(0, 0, 20, 20), Box(250, 200, 60, 30)):
+        with pytest.raises(ValueError):
+            region.decode_box(bad, 1, 320, 240, box)
+
+
+@needs_region
+def test_decode_crop_of_a_restarted_jpeg_is_the_originals():
+    datas = [photo(500, 375, seed=s, quality=90) for s in range(3)]
+    again = [region.with_restarts(d) for d in datas]
+    for key in range(30):
+        rngs = [sample_rng(0, 0, key) for _ in range(2)]
+        outs = [
+            decode.decode_crop(src[key % 3], 224, lambda w, h, r=r: plan(
+                w, h, train=True, rng=r, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip=True))
+            for src, r in zip((datas, again), rngs, strict=True)
+        ]  # fmt: skip
+        assert np.array_equal(outs[0], outs[1]), key
+
+
+@needs_region
+def test_mutated_restarted_jpegs_are_decoded_or_refused_never_crash_the_process():
+    rng = np.random.default_rng(8)
+    bases = [region.with_restarts(photo(300, 200, seed=s, **LAYOUTS[lay]))
+             for s, lay in enumerate(("420", "444", "422"))]  # fmt: skip
+    outcomes = {"decoded": 0, "refused": 0}
+    for n in range(2000):
+        data = bytearray(bases[n % 3])
+        for _ in range(rng.integers(1, 8)):
+            data[rng.integers(0, len(data))] = rng.integers(0, 256)
+        if rng.random() < 0.2:
+            data = data[: rng.integers(2, len(data))] + b"\xff\xd9"
+        k = int(rng.choice([1, 2, 4, 8]))
+        w, h = rng.uniform(10, 300), rng.uniform(10, 200)
+        box = Box(rng.uniform(0, 300 - w), rng.uniform(0, 200 - h), w, h)
+        try:
+            rgb, _ = region.decode_box(bytes(data), k, 300, 200, box)
+        except ValueError:
+            outcomes["refused"] += 1
+        else:
+            assert rgb.ndim == 3 and rgb.shape[2] == 3 and rgb.dtype == np.uint8
+            outcomes["decoded"] += 1
+    assert min(outcomes.values()) > 200, outcomes
+
+
+@needs_region
+def test_a_jpeg_libjpeg_refuses_is_not_re_written():
+    data = photo(120, 80, seed=9, quality=90)
+    with pytest.raises(ValueError, match="libjpeg"):
+        region.with_restarts(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="libjpeg"):
+        region.with_restarts(b"not a jpeg")
