@@ -10,7 +10,9 @@ three ways: ``full`` decodes every whole image at full size; ``scaled`` decodes 
 where `raypipe.preprocess.region` was built) also decodes only the crop's region;
 ``restarts`` is ``region`` on the same photos as ``raypipe convert`` stores them by default,
 re-written losslessly with a restart marker after every MCU, so that only the crop's MCUs
-are entropy-decoded (``full`` decodes the photos as they were). The four interleave over
+are entropy-decoded (``full`` decodes the photos as they were), and ``full_restarts``
+decodes those re-written photos whole (what a whole decode, such as the decoded cache's
+first epoch, pays for the markers). The five interleave over
 --rounds rounds on one thread, the order rotating; each round gives
 CPU seconds per image (``time.process_time``), and the table shows medians. Also: how
 often a plan decodes scaled, and how far each output is from ``full``'s (grey levels:
@@ -69,7 +71,7 @@ def chooser(key: int):
                              ratio=(3 / 4, 4 / 3), flip=True)  # fmt: skip
 
 
-MODES = ("full", "scaled", "region", "restarts")  # what decode_crop may do: cumulative
+MODES = ("full", "scaled", "region", "restarts", "full_restarts")
 
 
 def full_size(width: int, height: int, box, size: int) -> int:
@@ -81,7 +83,7 @@ def decode_all(images: list[bytes], mode: str) -> tuple[float, list[np.ndarray]]
     size (before scaled decoding), ``scaled`` adds the DCT scaling, ``region`` (as shipped
     where the extension is built) decodes only the crop's region too."""
     shipped, built = decode._dct_reduction, region._jpegregion
-    decode._dct_reduction = full_size if mode == "full" else shipped
+    decode._dct_reduction = full_size if mode.startswith("full") else shipped
     region._jpegregion = built if mode in ("region", "restarts") else None
     try:
         c0 = time.process_time()
@@ -113,7 +115,7 @@ def difference(a: list[np.ndarray], b: list[np.ndarray]) -> dict:
 def one_size(width: int, height: int, n: int, rounds: int, modes: tuple[str, ...]) -> dict:
     images = photos(width, height, n)
     restarted = [region.with_restarts(d) for d in images] if "restarts" in modes else []
-    given = {m: restarted if m == "restarts" else images for m in modes}
+    given = {m: restarted if m.endswith("restarts") else images for m in modes}
     for mode in modes:
         decode_all(given[mode][:8], mode)  # imports, warm caches
     cpu: dict[str, list[float]] = {m: [] for m in modes}
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
     import cv2
 
     cv2.setNumThreads(1)  # one thread, as in a pool actor
-    modes = MODES if region.available() else MODES[:2]  # the last two need the extension
+    modes = MODES if region.available() else MODES[:2]  # the last three need the extension
     if not region.available():
         print(
             "region decoding was not built (no compiler or libjpeg headers): full and scaled only"
