@@ -16,8 +16,8 @@ from typing import TypeVar
 
 from raypipe import rayapi
 
-__all__ = ["collect_failed", "data_errors", "quiet_data_errors", "quiet_ray_data_aborts",
-           "raising_ours", "unwrapped"]  # fmt: skip
+__all__ = ["collect_failed", "data_errors", "is_data_error", "quiet_data_errors",
+           "quiet_ray_data_aborts", "raising_ours", "unwrapped"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 T = TypeVar("T")
@@ -58,9 +58,14 @@ def quiet_data_errors(logger: logging.Logger) -> None:
         logger.addFilter(_no_data_error)
 
 
+def is_data_error(error: BaseException | None) -> bool:
+    """``error`` is one of `data_errors` (itself: not one a user's error wraps), or an
+    error whose class says its job prints it on the driver (``said_by_the_driver``)."""
+    return isinstance(error, data_errors()) or getattr(error, "said_by_the_driver", False)
+
+
 def _no_data_error(record: logging.LogRecord) -> bool:
-    error = sys.exc_info()[1]
-    return not (isinstance(error, data_errors()) or getattr(error, "said_by_the_driver", False))
+    return not is_data_error(sys.exc_info()[1])
 
 
 def quiet_ray_data_aborts() -> None:

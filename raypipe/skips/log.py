@@ -45,6 +45,14 @@ class SkipStore:
         self._runs: collections.OrderedDict[str, _Run] = collections.OrderedDict()
         self._max_runs, self._records_kept = max_runs, records_kept
         self._records = 0  # held over all runs
+        self._stops: dict[str, bytes] = {}  # run → the pickled data error that ended it
+
+    def stop(self, run: str, error: bytes) -> None:
+        """Keep ``run``'s first error that no retry can mend (`SkipLog.stop_with`)."""
+        self._stops.setdefault(run, error)
+
+    def stopped(self, run: str) -> bytes | None:
+        return self._stops.get(run)
 
     def add(self, run: str, max_records: int, records: list[tuple[int, str, str, str]]) -> int:
         """Record ``(key, where, reason, detail)`` tuples; returns the run's total so far."""
@@ -202,6 +210,23 @@ class SkipLog:
 
         rows = [dataclasses.astuple(r) for r in records]
         return ray.get(self._handle.add.remote(self.run, self.max_records, rows))
+
+    def stop_with(self, error: BaseException) -> None:
+        """Record ``error``, a data error that fails every attempt alike, as what ended
+        the run (the first one recorded stays): a rank of a run restarted after it reads
+        it (`stopped_by`) and ends at once, and the driver raises it."""
+        import ray
+        import ray.cloudpickle
+
+        ray.get(self._handle.stop.remote(self.run, ray.cloudpickle.dumps(error)))
+
+    def stopped_by(self) -> BaseException | None:
+        """The error `stop_with` recorded for this run; None when there is none."""
+        import ray
+        import ray.cloudpickle
+
+        blob = ray.get(self._handle.stopped.remote(self.run))
+        return None if blob is None else ray.cloudpickle.loads(blob)
 
     def counts(self) -> dict[str, int]:
         """Skipped samples per reason (reasons with none are left out)."""

@@ -21,14 +21,14 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from raypipe import localnode, rayapi
+from raypipe import localnode
 from raypipe.config import PipelineConfig, rank_loader
 from raypipe.config.checks import check_share, is_num
-from raypipe.loader.errors import data_errors, quiet_data_errors
 from raypipe.loader.ledger import create_ledger
 from raypipe.plan.rankplan import rank_pool
 from raypipe.plan.shards import Listing, list_shards
 from raypipe.skips.log import SkipLog, write_reports
+from raypipe.train.attempt import fit, rank_attempt
 from raypipe.train.checkpoint import (
     RunPosition,
     latest_state,
@@ -175,7 +175,9 @@ def train_ddp(
     Returns Ray Train's ``Result`` (metrics, checkpoint, error). Checkpoints go under
     ``storage_path`` (default: Ray's ``~/ray_results``). ``max_failures`` is Ray Train's
     ``FailureConfig``: a dead worker restarts the group, which resumes from the run's
-    latest checkpoint. ``checkpoint_every`` steps (and at each epoch's end), a checkpoint
+    latest checkpoint; a data error (`raypipe.SkipBudgetError`, `raypipe.SampleError`, a
+    transform's output), which would fail every attempt alike, is not retried: the group
+    restarted after it ends at once, and it is raised. ``checkpoint_every`` steps (and at each epoch's end), a checkpoint
     holds the pipeline's position and rank 0's ``state()`` given to ``ctx.epochs``; the
     latest ``keep_checkpoints`` are kept (None: every one, Ray Train's default).
     ``resume_from`` (a checkpoint folder, or a run folder for its latest checkpoint: a
@@ -229,16 +231,8 @@ def train_ddp(
                        skips=skips, ledger=ledger, eval_listing=eval_listing,
                        eval_skips=eval_skips)  # fmt: skip
 
-    def per_worker(_: dict) -> None:
-        quiet_data_errors(logging.getLogger(rayapi.TRAIN_ERROR_LOGGER))  # raised here, by _fit
-        try:
-            ctx.start()  # the pool starts while the loop builds its model
-            train_loop(ctx)
-        finally:
-            ctx.close()
-
     trainer = TorchTrainer(
-        per_worker,
+        rank_attempt(ctx, train_loop, skips),
         train_loop_config={},
         torch_config=rendezvous.BoundStoreTorchConfig(),  # the store on the node's address
         scaling_config=ray.train.ScalingConfig(
@@ -255,38 +249,10 @@ def train_ddp(
             logging_config=ray.train.LoggingConfig(log_level=ray_log_level),
         ),
     )
-    result = _fit(trainer)
+    result = fit(trainer)
     path, skipped = write_reports(skip_logs, result.path, result.filesystem)
     if skipped:
         log.warning("raypipe: skipped %d bad samples; the list is in %s", skipped, path)
+    if (stopped := skips.stopped_by()) is not None:  # it ended an attempt, not retried
+        raise stopped
     return result
-
-
-def _fit(trainer):
-    """``trainer.fit()``, where a Ctrl-C stops the run with `KeyboardInterrupt` and a
-    failure of the ranks' that is all data errors (`raypipe.SkipBudgetError`,
-    `raypipe.SampleError`, a transform's output) is raised as the first rank's error,
-    not inside Ray Train's ``WorkerGroupError``.
-
-    Ray Train answers a SIGINT in the driver by aborting the run, and the driver's wait
-    then ends in ``SystemExit(1)`` with no message (``raypipe run`` exited 1, silently);
-    its handler also stayed installed after the run. Here the run is aborted as Ray Train
-    does it, then `KeyboardInterrupt` is raised, as a Ctrl-C anywhere else in Python, and
-    the SIGINT handler from before the run is put back."""
-    import signal
-    import threading
-
-    main = threading.current_thread() is threading.main_thread()  # else Ray sets none
-    before = signal.getsignal(signal.SIGINT) if main else None
-    try:
-        return trainer.fit()
-    except SystemExit as e:  # from a signal handler during the wait: Ray Train's Ctrl-C
-        raise KeyboardInterrupt("the training run was stopped (Ctrl-C)") from e
-    except Exception as e:  # the ranks' data errors, raised as themselves, not in Ray's wrapper
-        failures = [f for _, f in sorted((getattr(e, "worker_failures", None) or {}).items())]
-        if not failures or not all(isinstance(f, data_errors()) for f in failures):
-            raise  # another failure too: Ray's error names every rank's
-        raise failures[0] from e
-    finally:
-        if before is not None:
-            signal.signal(signal.SIGINT, before)

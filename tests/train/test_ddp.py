@@ -465,7 +465,7 @@ def test_the_ranks_data_errors_are_raised_as_themselves_and_nothing_else_is():
     from ray.train.v2.api.exceptions import WorkerGroupError
 
     from raypipe import SkipBudgetError
-    from raypipe.train.ddp import _fit
+    from raypipe.train.attempt import fit as _fit
 
     class Failing:
         def __init__(self, failures):
@@ -484,3 +484,30 @@ def test_the_ranks_data_errors_are_raised_as_themselves_and_nothing_else_is():
     wrapped.__cause__ = spent[0]
     with pytest.raises(WorkerGroupError):  # the user's error, as they raised it
         _fit(Failing({0: wrapped}))
+
+
+@pytest.mark.slow
+def test_a_data_error_is_not_retried_under_max_failures(ray_session, tmp_path):
+    """A spent skip budget (a file no decoder reads, none may be skipped) fails every
+    attempt alike: under ``max_failures`` Ray Train restarted the group that many times
+    (without end at -1), each attempt reading the data again. The group restarted after
+    it now ends at once, and `train_ddp` raises the error as itself."""
+    from raypipe import SkipBudgetError
+    from tests.conftest import make_imagefolder
+
+    source = make_imagefolder(tmp_path / "data", {"a": 6, "b": 6}, seed=4)
+    (source / "a" / "0001.jpg").write_bytes(b"no image at all")
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=4, max_skipped=0.0)
+    attempts = tmp_path / "attempts"
+
+    def loop(ctx) -> None:
+        with open(attempts, "a") as f:
+            f.write("attempt\n")
+        for _, batches in ctx.epochs():
+            for _ in batches:
+                pass
+
+    with pytest.raises(SkipBudgetError):
+        train_ddp(config, loop, num_workers=1, cpus_per_worker=0.5, max_failures=2,
+                  storage_path=str(tmp_path / "runs"))  # fmt: skip
+    assert attempts.read_text().count("attempt") == 1
