@@ -150,8 +150,12 @@ def lm_loop(ctx: TrainContext) -> None:
     field, m = ctx.config.pack, ctx.loop_config["model"]
     model = ctx.prepare_model(tiny_lm(seq_len=ctx.config.seq_len, **m))
     opt = torch.optim.AdamW(model.parameters(), lr=ctx.loop_config["lr"])
-    state = resumed(ctx, model, opt)
-    first = None
+    saved = resumed(ctx, model, opt)
+    first = (ctx.restored() or {}).get("first_loss")  # the run's first epoch's, if resumed
+
+    def state() -> dict:  # what each checkpoint saves: the first epoch's loss too
+        return {**saved(), "first_loss": first}
+
     for epoch, batches in ctx.epochs(state=state):  # with checkpoint_every: mid-epoch ones
         model.train()
         loss_sum, steps, t0 = 0.0, 0, time.perf_counter()

@@ -136,3 +136,29 @@ def test_train_lm_prints_a_data_error_in_one_line(monkeypatch, capsys, tmp_path)
     assert capsys.readouterr().err == (
         "train_lm: error: epoch 0: 9 of its 10 samples skipped as bad so far\n"
     )
+
+
+@pytest.mark.slow
+def test_a_resumed_lm_run_keeps_its_first_epochs_loss(ray_session, tmp_path):
+    """``first_loss`` (the job's "loss A → B" line) was the first epoch this attempt ran:
+    a group restarted under ``max_failures``, or a rerun into the run's folder, reported
+    the resumed epoch's loss as the first. It is saved with the checkpoint now."""
+    import dataclasses
+
+    from raypipe import train_ddp
+    from raypipe.cli.causal_lm import lm_loop
+
+    make_tokens(tmp_path / "tokens", documents=400, files=2)
+    raw = yaml.safe_load((ROOT / "jobs/configs/tokens-lm.yaml").read_text())
+    raw["data"]["source"] = str(tmp_path / "tokens")
+    path = tmp_path / "lm.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    cfg = LMConfig.from_yaml(path)
+    t = cfg.trainer
+    kw = dict(num_workers=t.num_workers, cpus_per_worker=t.cpus_per_worker, name="lm",
+              storage_path=str(tmp_path / "runs"),
+              loop_config={"lr": t.lr, "model": dataclasses.asdict(cfg.model)})  # fmt: skip
+    first = train_ddp(cfg.data, lm_loop, epochs=1, **kw).metrics
+    again = train_ddp(cfg.data, lm_loop, epochs=2, **kw).metrics  # resumes after epoch 0
+    assert again["epoch"] == 1 and again["loss"] != first["loss"]
+    assert again["first_loss"] == first["first_loss"] == first["loss"]
