@@ -37,7 +37,10 @@ def survey(config: PipelineConfig, *, samples: int = 32) -> dict[str, Any]:
     sizes: collections.Counter[str] = collections.Counter()
     labels: collections.Counter[int] = collections.Counter()
     skipped: list[dict[str, Any]] = []
+    jpegs = by_mcu = 0  # the JPEGs looked at, and those region decoding reads by MCU
     for raw in looked:
+        if config.image_column is not None and raw.data and raw.data[:2] == b"\xff\xd8":
+            jpegs, by_mcu = jpegs + 1, by_mcu + region.by_mcu(raw.data)
         try:
             item = pre._decode(raw, 0)
         except Exception as e:
@@ -65,6 +68,7 @@ def survey(config: PipelineConfig, *, samples: int = 32) -> dict[str, Any]:
         "skipped": skipped,
         "skipped_by_reason": dict(collections.Counter(s["reason"] for s in skipped)),
         "jpeg_decoding": "region" if region.available() else "whole",
+        "jpegs_by_mcu": (by_mcu, jpegs),
         "crop_plans": "compiled" if plans_compiled() else "numpy",
         "hint": _column_hint(listing, config)
         if any(s["reason"] == "missing_column" for s in skipped)
@@ -88,7 +92,7 @@ def format_survey(report: dict[str, Any]) -> list[tuple[str, str]]:
             f"{report['looked_at']} samples: {report['good']} good, "
             f"{report['looked_at'] - report['good']} would be skipped",
         ),  # fmt: skip
-        ("jpeg decoding", _DECODING[report["jpeg_decoding"]]),
+        ("jpeg decoding", _DECODING[report["jpeg_decoding"]] + _by_mcu(report)),
         ("crop plans", _PLANS[report["crop_plans"]]),
     ]
     if report["sizes"]:
@@ -165,6 +169,14 @@ def _column_hint(listing: Listing, config: PipelineConfig) -> str | None:
             options.append("--image-column none")
             why.append("no column holds images: samples of the other columns")
     return f"{' '.join(options)} ({'; '.join(dict.fromkeys(why))})" if options else None
+
+
+def _by_mcu(report: dict[str, Any]) -> str:
+    by_mcu, jpegs = report.get("jpegs_by_mcu", (0, 0))
+    if report["jpeg_decoding"] != "region" or not jpegs:
+        return ""
+    return (f"; {by_mcu} of the {jpegs} JPEGs looked at by MCU (restart markers, as raypipe "
+            "convert writes: only the crop's MCUs decoded)")  # fmt: skip
 
 
 def _fields(item: dict) -> str:

@@ -348,7 +348,20 @@ static PyObject *restart(PyObject *self, PyObject *args) {
     return result;
 }
 
+static PyObject *by_mcu(PyObject *self, PyObject *args) {
+    Py_buffer src;
+    struct layout L = {0};
+    if (!PyArg_ParseTuple(args, "y*", &src)) return NULL;
+    int yes = restart_layout((const unsigned char *)src.buf, (size_t)src.len, &L);
+    PyBuffer_Release(&src);
+    return PyBool_FromLong(yes);
+}
+
 static PyMethodDef methods[] = {
+    {"by_mcu", by_mcu, METH_VARARGS,
+     "by_mcu(data) -> bool\n\n"
+     "Whether decode() reads a region of this JPEG's MCUs alone: a baseline JPEG of one\n"
+     "scan with a restart marker after every MCU (its headers only are read)."},
     {"restart", restart, METH_VARARGS,
      "restart(data) -> bytes\n\n"
      "The JPEG re-written losslessly (the same coefficients) as one baseline scan with a\n"

@@ -30,7 +30,7 @@ try:
 except ImportError:  # built without a compiler or libjpeg's headers
     _jpegregion = None
 
-__all__ = ["MARGIN", "available", "decode_box", "fits", "window", "with_restarts"]
+__all__ = ["MARGIN", "available", "by_mcu", "decode_box", "fits", "window", "with_restarts"]
 assert __all__ == sorted(__all__)
 
 MARGIN = 3  # source pixels kept around the box for the resize's low-pass and warp
@@ -48,6 +48,12 @@ def fits(data) -> bool:
     a file cut short; such a file is decoded whole, which refuses it whatever the crop, so
     a bad sample does not come and go with its crops."""
     return _jpegregion is not None and data[-2:] == _EOI
+
+
+def by_mcu(data) -> bool:
+    """Whether `decode_box` reads only the crop's MCUs of the JPEG ``data`` (a restart
+    marker after every MCU, as `with_restarts` writes), where region decoding was built."""
+    return _jpegregion is not None and _jpegregion.by_mcu(data)
 
 
 def window(box: Box, width: int, height: int) -> tuple[int, int, int, int]:

@@ -20,6 +20,7 @@ from raypipe import Pipeline, PipelineConfig, SkipBudgetError
 from raypipe.cli import main
 from raypipe.plan.shards import list_shards
 from tests.conftest import image_bytes
+from tests.preprocess.test_region import needs_region
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -328,6 +329,24 @@ def test_inspect_says_how_jpegs_are_decoded_and_plans_drawn(tmp_path, capsys, mo
     out = capsys.readouterr().out
     assert "whole images: region decoding was not built" in out
     assert "drawn through NumPy: the compiled plans were not built" in out
+
+
+@needs_region
+def test_inspect_counts_the_jpegs_read_by_mcu(tmp_path, capsys):
+    """Which JPEGs take region decoding's MCU path (restart markers, as convert writes
+    them): a folder of plain JPEGs says none, until some are re-written."""
+    from raypipe.preprocess import region
+    from tests.conftest import make_imagefolder
+
+    root = make_imagefolder(tmp_path / "f", {"a": 6, "b": 6}, seed=2)  # 8 JPEGs, 4 PNGs
+    assert main(["inspect", str(root), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["jpegs_by_mcu"] == [0, 8]
+    for path in sorted(root.glob("a/*.jpg")):
+        path.write_bytes(region.with_restarts(path.read_bytes()))
+    assert main(["inspect", str(root), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["jpegs_by_mcu"] == [4, 8]
+    assert main(["inspect", str(root)]) == 0
+    assert "4 of the 8 JPEGs looked at by MCU" in capsys.readouterr().out
 
 
 def test_inspect_reports_format_labels_and_skips(tmp_path, capsys):
