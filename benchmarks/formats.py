@@ -9,6 +9,9 @@ One corpus of ~400×300 photo JPEGs (``ingest.make_corpus``) is written once per
   lmdb            one environment, pickled ``(jpeg bytes, label)`` per key
   hdf5            4 files, ``images`` variable-length uint8 (the JPEG bytes), ``labels``
   hdf5-pixels     4 files, ``images`` raw uint8 N×H×W×3 pixels (center 256×256 crops)
+  imagefolder-restarts  the same folder, each JPEG re-written losslessly with a restart
+                  marker after every MCU (as ``raypipe convert`` stores them), which region
+                  decoding reads only the crop's MCUs of
 
 Each format is read by a warm ``Pipeline`` (``--actors`` actors, random-resized-crop(224) +
 flip, uint8 batches of 256 on the host, no consumer work) for ``--epochs`` epochs; its rate
@@ -48,7 +51,7 @@ from raypipe.formats.tfexample import encode_example, frame
 from raypipe.plan.shards import list_shards
 
 BATCH, IMAGE, SEED, SHARDS = 256, 224, 0, 4
-FORMATS = ("imagefolder", "tfrecord", "lmdb", "hdf5", "hdf5-pixels")
+FORMATS = ("imagefolder", "tfrecord", "lmdb", "hdf5", "hdf5-pixels", "imagefolder-restarts")
 
 
 def write_formats(corpus: Path, out: Path) -> dict[str, Path]:
@@ -65,7 +68,20 @@ def write_formats(corpus: Path, out: Path) -> dict[str, Path]:
             write(root, samples, parts)
             (root / ".done").write_text("")
         roots[name] = root
+    roots["imagefolder-restarts"] = _restarted(corpus, out / f"{corpus.parent.name}-restarts")
     return roots
+
+
+def _restarted(corpus: Path, root: Path) -> Path:
+    """``corpus`` with every JPEG re-written with restart markers (the same pixels)."""
+    from raypipe.preprocess import region
+
+    if not (root / ".done").exists():
+        for path in sorted(corpus.rglob("*.jpg")):
+            (root / path.relative_to(corpus)).parent.mkdir(parents=True, exist_ok=True)
+            (root / path.relative_to(corpus)).write_bytes(region.with_restarts(path.read_bytes()))
+        (root / ".done").write_text("")
+    return root
 
 
 def _tfrecord(root: Path, samples, parts) -> None:
