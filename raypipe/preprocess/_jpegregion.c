@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include <jpeglib.h>
+#include <jerror.h>
 
 #define ROWS_PER_READ 16 /* whole row groups, never a row the upsampler must buffer */
 
@@ -78,7 +79,7 @@ static int restart_layout(const unsigned char *p, size_t n, struct layout *L) {
             interval = be16(p + seg);
         } else if (m == 0xDA) {
             if (!L->sof || interval != 1 || hmax == 0 || vmax == 0) return 0;
-            if (p[seg] != comps) return 0; /* one scan holding every component */
+            if (len < 6 + 2 * (size_t)comps || p[seg] != comps) return 0; /* one scan, all */
             L->mcu_w = comps == 1 ? 8 : 8 * hmax;
             L->mcu_h = comps == 1 ? 8 : 8 * vmax;
             L->cols = (L->width + L->mcu_w - 1) / L->mcu_w;
@@ -170,7 +171,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     /* the MCUs under the region, and the one beside where the region starts (or ends)
      * on an MCU's edge: the chroma upsampling reads one chroma sample past each side */
     unsigned bw = L.mcu_w / (unsigned)denom, bh = L.mcu_h / (unsigned)denom;
-    unsigned right = (unsigned)(left + width), bottom = (unsigned)(top + height);
+    unsigned right = (unsigned)left + (unsigned)width, bottom = (unsigned)top + (unsigned)height;
     unsigned c0 = (unsigned)left / bw, c1 = (right - 1) / bw;
     unsigned r0 = (unsigned)top / bh, r1 = (bottom - 1) / bh;
     if (c0 > 0 && (unsigned)left % bw == 0) c0--;
@@ -191,6 +192,12 @@ static PyObject *decode(PyObject *self, PyObject *args) {
             || c0 > c1 || r0 > r1) /* outside the image: the plain path says so */
         return decode_plain(&src, p, (size_t)src.len, denom, left, top, width, height);
     size_t total = (size_t)L.cols * L.rows, size = 0;
+    if (total == 0 || total - 1 > ((size_t)src.len - L.scan) / 2) { /* MCUs but the last: RSTn */
+        PyBuffer_Release(&src);
+        return PyErr_Format(PyExc_ValueError,
+                            "libjpeg: %zu MCUs and their restart markers cannot fit in %zd bytes",
+                            total, src.len);
+    }
     size_t *starts = malloc(2 * total * sizeof(size_t));
     if (starts == NULL) { PyBuffer_Release(&src); return PyErr_NoMemory(); }
     unsigned char *cut = NULL;
@@ -286,6 +293,37 @@ static PyObject *decode_plain(Py_buffer *src, const unsigned char *data, size_t 
     return Py_BuildValue("(NII)", out, (unsigned int)x0, (unsigned int)cols);
 }
 
+/* A destination that grows its own buffer (libjpeg's memory destination frees a buffer
+ * it outgrew and says where the new one is only when done: on an error in between, the
+ * caller's pointer is stale). Heap-held, so its fields are sound after a longjmp. */
+struct grown {
+    struct jpeg_destination_mgr pub;
+    unsigned char *buf;
+    size_t size;
+};
+
+static void grown_init(j_compress_ptr c) {
+    struct grown *d = (struct grown *)c->dest;
+    d->pub.next_output_byte = d->buf;
+    d->pub.free_in_buffer = d->size;
+}
+
+static boolean grown_empty(j_compress_ptr c) { /* the buffer is full: double it */
+    struct grown *d = (struct grown *)c->dest;
+    unsigned char *more = realloc(d->buf, 2 * d->size);
+    if (more == NULL) ERREXIT1(c, JERR_OUT_OF_MEMORY, 10);
+    d->pub.next_output_byte = more + d->size;
+    d->pub.free_in_buffer = d->size;
+    d->buf = more;
+    d->size *= 2;
+    return TRUE;
+}
+
+static void grown_term(j_compress_ptr c) {
+    struct grown *d = (struct grown *)c->dest;
+    d->size -= d->pub.free_in_buffer;
+}
+
 /* The same JPEG, losslessly: its DCT coefficients, quantisation tables and markers as
  * they are, Huffman-coded again (optimal tables) as one baseline scan with a restart
  * marker after every MCU, so that decode() reads a region's MCUs alone. */
@@ -296,9 +334,14 @@ static PyObject *restart(PyObject *self, PyObject *args) {
     struct jpeg_compress_struct out;
     struct strict_error err;
     volatile int made_in = 0, made_out = 0;
-    unsigned char *volatile buf = NULL;
-    unsigned long size = 0;
     PyThreadState *volatile released = NULL;
+    struct grown *const dest = calloc(1, sizeof(struct grown));
+    if (dest != NULL) dest->buf = malloc(dest->size = (size_t)src.len + 4096);
+    if (dest == NULL || dest->buf == NULL) {
+        if (dest) free(dest);
+        PyBuffer_Release(&src);
+        return PyErr_NoMemory();
+    }
 
     in.err = out.err = jpeg_std_error(&err.pub);
     err.pub.error_exit = on_error;
@@ -308,7 +351,8 @@ static PyObject *restart(PyObject *self, PyObject *args) {
         if (released) PyEval_RestoreThread(released);
         if (made_out) jpeg_destroy_compress(&out);
         if (made_in) jpeg_destroy_decompress(&in);
-        free(buf);
+        free(dest->buf);
+        free(dest);
         PyBuffer_Release(&src);
         return PyErr_Format(PyExc_ValueError, "libjpeg: %s", err.message);
     }
@@ -325,7 +369,11 @@ static PyObject *restart(PyObject *self, PyObject *args) {
     jpeg_copy_critical_parameters(&in, &out);
     out.optimize_coding = TRUE;
     out.restart_interval = 1;
-    jpeg_mem_dest(&out, (unsigned char **)&buf, &size);
+    out.write_JFIF_header = in.saw_JFIF_marker; /* none added where the file had none */
+    dest->pub.init_destination = grown_init;
+    dest->pub.empty_output_buffer = grown_empty;
+    dest->pub.term_destination = grown_term;
+    out.dest = &dest->pub;
     jpeg_write_coefficients(&out, coefs);
     for (jpeg_saved_marker_ptr m = in.marker_list; m != NULL; m = m->next) {
         if (out.write_JFIF_header && m->marker == JPEG_APP0 && m->data_length >= 5
@@ -343,8 +391,9 @@ static PyObject *restart(PyObject *self, PyObject *args) {
     jpeg_destroy_compress(&out);
     jpeg_destroy_decompress(&in);
     PyBuffer_Release(&src);
-    PyObject *result = PyBytes_FromStringAndSize((const char *)buf, (Py_ssize_t)size);
-    free(buf);
+    PyObject *result = PyBytes_FromStringAndSize((const char *)dest->buf, (Py_ssize_t)dest->size);
+    free(dest->buf);
+    free(dest);
     return result;
 }
 

@@ -3,6 +3,9 @@ what ``raypipe convert`` writes): re-written without changing a pixel, and a cro
 decoded from its own MCUs alone, to the same pixels, at every scale and layout."""
 
 import io
+import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -187,3 +190,70 @@ def test_a_jpeg_libjpeg_refuses_is_not_re_written():
         region.with_restarts(data[: len(data) // 2])
     with pytest.raises(ValueError, match="libjpeg"):
         region.with_restarts(b"not a jpeg")
+
+
+def _segment(marker: int, body: bytes) -> bytes:
+    return bytes([0xFF, marker]) + struct.pack(">H", len(body) + 2) + body
+
+
+def grey_blocks(blocks: int, *, app1: int = 0, dri: int = 0) -> bytes:
+    """A grey JPEG ``blocks`` 8×8 blocks wide whose every block adds 2047 to the DC (a
+    file libjpeg decodes, no warning, and whose DC no JPEG can hold once restarts write
+    it whole), behind an APP1 of ``app1`` bytes."""
+    out = b"\xff\xd8" + (_segment(0xE1, b"Exif\0\0" + b"A" * (app1 - 6)) if app1 else b"")
+    one = bytes([1] + [0] * 15)  # one Huffman code, of length 1
+    out += _segment(0xDB, b"\x00" + bytes([1] * 64))
+    out += _segment(0xC0, b"\x08" + struct.pack(">HH", 8, 8 * blocks) + b"\x01\x01\x11\x00")
+    out += _segment(0xC4, b"\x00" + one + bytes([11])) + _segment(0xC4, b"\x10" + one + b"\x00")
+    out += _segment(0xDD, struct.pack(">H", dri)) if dri else b""
+    out += _segment(0xDA, b"\x01\x01\x00\x00\x3f\x00")
+    bits = ("0" + "1" * 11 + "0") * blocks
+    bits += "1" * (-len(bits) % 8)
+    data = bytearray()
+    for i in range(0, len(bits), 8):
+        data.append(int(bits[i : i + 8], 2))
+        if data[-1] == 0xFF:
+            data.append(0)
+    return out + bytes(data) + b"\xff\xd9"
+
+
+@needs_region
+def test_a_re_write_libjpeg_refuses_late_is_a_value_error_not_a_crash(tmp_path):
+    """The re-write fails once the output buffer has grown (a 10 kB APP1 is written
+    first): libjpeg's memory destination had freed the buffer it outgrew, and the error
+    path freed it again (the process aborted: "double free"). In a child process."""
+    path = tmp_path / "drift.jpg"
+    path.write_bytes(grey_blocks(4, app1=10_000))
+    code = ("import sys; from raypipe.preprocess import region\n"
+            "data = open(sys.argv[1], 'rb').read()\n"
+            "try:\n    region.with_restarts(data)\nexcept ValueError as e:\n    print('refused', e)\n")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused libjpeg: DCT coefficient out of range" in done.stdout
+
+
+@needs_region
+def test_headers_that_lie_are_refused_before_any_work():
+    """A scan header cut short at the file's end was read one byte past it; a 150-byte
+    file claiming 65535×65535 pixels of restart intervals had 1 GiB allocated for its
+    MCU index before its bytes were looked at."""
+    start = grey_blocks(2, dri=1)
+    head = start[: start.index(b"\xff\xda")] + b"\xff\xda\x00\x02"
+    beyond = bytearray(head + b"\x01")  # the byte past the header: the scan's component count
+    assert not region.by_mcu(memoryview(beyond)[: len(head)])
+    huge = start.replace(struct.pack(">HH", 8, 16), struct.pack(">HH", 65535, 65535), 1)
+    assert len(huge) < 200
+    with pytest.raises(ValueError, match="cannot fit in"):
+        region._jpegregion.decode(huge, 1, 0, 0, 8, 8)
+
+
+@needs_region
+def test_a_jpeg_without_a_jfif_header_gets_none():
+    """A camera's file (EXIF first, no JFIF APP0) keeps its markers as they were."""
+    data = photo(64, 48, seed=3, quality=90)
+    jfif = data.index(b"\xff\xe0")
+    bare = data[:jfif] + data[jfif + 2 + int.from_bytes(data[jfif + 2 : jfif + 4], "big") :]
+    assert b"JFIF" not in bare and markers(bare) == []
+    again = region.with_restarts(bare)
+    assert markers(again) == [] and np.array_equal(pixels(again), pixels(bare))
