@@ -99,8 +99,10 @@ def convert(config: ShardsConfig, *, log: TextIO | None = None) -> Summary:
     out, total, fmt = os.path.abspath(config.out), len(parts), config.format
     os.makedirs(out, exist_ok=True)
     names = [shard_name(config.prefix, i, total, fmt) for i in range(total)]
+    rewrite = _restarts() if config.restart_markers else None
+    config = dataclasses.replace(config, restart_markers=rewrite is not None)  # as written
     fingerprint = _fingerprint(config, parts)
-    index = _load_index(out, fingerprint)
+    index = _load_index(out, fingerprint, _fingerprint(_other_markers(config), parts))
     if index is None and (present := _foreign(out)):
         raise ValueError(
             f"convert.out {out!r} holds files and no {INDEX} of a convert ({', '.join(present[:3])}"
@@ -128,7 +130,6 @@ def convert(config: ShardsConfig, *, log: TextIO | None = None) -> Summary:
 
     _check_cpus(config.cpus_per_task)
     task = ray.remote(num_cpus=config.cpus_per_task)(write_shard)
-    rewrite = _restarts() if config.restart_markers else None
     pending = {task.remote(parts[i], out, names[i], fmt, rewrite): i for i in todo}
     reused_ids, written, restarted = set(range(total)) - set(todo), 0, 0
     skipped = [(p, why) for i in sorted(reused_ids) for p, why in entries[i]["skipped"]]
@@ -214,7 +215,13 @@ def _foreign(out: str) -> list[str]:
     return sorted(n for n in os.listdir(out) if not n.startswith(".") and n != "lost+found")
 
 
-def _load_index(out: str, fingerprint: str) -> dict[str, Any] | None:
+def _other_markers(config: ShardsConfig) -> ShardsConfig:
+    return dataclasses.replace(config, restart_markers=not config.restart_markers)
+
+
+def _load_index(out: str, fingerprint: str, other_markers: str) -> dict[str, Any] | None:
+    """The index of an earlier convert of this plan in ``out``; None where there is none.
+    ``other_markers``: the plan's fingerprint with the other ``restart_markers``."""
     path = os.path.join(out, INDEX)
     if not os.path.exists(path):
         return None
@@ -222,6 +229,14 @@ def _load_index(out: str, fingerprint: str) -> dict[str, Any] | None:
         index = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: unreadable index ({e}); remove it to start over") from None
+    if index.get("fingerprint") == other_markers:
+        was = bool(index.get("restart_markers"))  # an index from before the setting: False
+        raise ValueError(
+            f"{out} holds shards of this plan written with restart_markers: "
+            f"{str(was).lower()}: set that to go on with them, or use a new output folder"
+            + (" (region decoding was not built here, which writes them)"
+               if was and _restarts() is None else "")
+        )  # fmt: skip
     if index.get("fingerprint") != fingerprint:
         raise ValueError(
             f"{out} holds shards of another source or plan (index fingerprint differs); "

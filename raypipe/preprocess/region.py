@@ -46,7 +46,9 @@ def fits(data) -> bool:
     """Whether ``data`` (a JPEG the fast path takes) may be region-decoded: built, and the
     file ends with its end marker. A region decode stops below the crop, so it cannot see
     a file cut short; such a file is decoded whole, which refuses it whatever the crop, so
-    a bad sample does not come and go with its crops."""
+    a file cut short does not come and go with its crops. (Damage inside the entropy-coded
+    bytes is seen only by the crops that decode them: below a plain JPEG's crop, or
+    outside a restart-marked one's MCUs, it goes unseen.)"""
     return _jpegregion is not None and data[-2:] == _EOI
 
 

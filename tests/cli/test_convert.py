@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -169,8 +170,28 @@ def test_jpegs_are_stored_with_restart_markers_and_their_pixels(
                 assert np.array_equal(np.asarray(a), np.asarray(b))
         else:
             assert stored[name] == source, name
-    with pytest.raises(ValueError, match="another source or plan"):  # not mixed in one folder
-        convert(config.__class__(**{**config.__dict__, "restart_markers": not restart_markers}))
+    if region.available():  # not mixed in one folder; the message says how to go on
+        was = f"written with restart_markers: {str(restart_markers).lower()}: set that"
+        with pytest.raises(ValueError, match=was):
+            convert(dataclasses.replace(config, restart_markers=not restart_markers))
+
+
+def test_a_folder_an_older_convert_wrote_goes_on_with_restart_markers_off(ray_session, tmp_path):
+    """An index from before the setting (no markers written, none in its fingerprint): the
+    new default is refused with what to set, and that setting goes on with its shards."""
+    from raypipe.cli import convert as convert_module
+
+    root = make_imagefolder(tmp_path / "f", {"a": 4, "b": 4})
+    out = tmp_path / "o"
+    config = ShardsConfig(source=str(root), out=str(out), shards=2, restart_markers=False)
+    convert(config)
+    index = json.loads((out / INDEX).read_text())
+    del index["restart_markers"]  # as an older convert wrote it
+    (out / INDEX).write_text(json.dumps(index))
+    if convert_module._restarts() is not None:
+        with pytest.raises(ValueError, match="written with restart_markers: false: set that"):
+            convert(dataclasses.replace(config, restart_markers=True))
+    assert convert(config).reused == 2
 
 
 @pytest.mark.parametrize(
