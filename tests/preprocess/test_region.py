@@ -159,16 +159,24 @@ def test_mutated_jpegs_are_decoded_or_refused_never_crash_the_process():
     """2,000 seeded mutations (bytes overwritten, files cut) of three layouts at every
     scale: each region decodes to an H×W×3 array or raises ValueError; a crash in the C
     code would take the test process down."""
-    rng = np.random.default_rng(7)
     bases = [photo(300, 200, seed=0, quality=90), photo(300, 200, seed=1, quality=95,
              subsampling=0), photo(300, 200, seed=2, quality=85, progressive=True)]  # fmt: skip
+    outcomes = mutated_regions(bases, seed=7)
+    assert min(outcomes.values()) > 200, outcomes  # both paths were exercised
+
+
+def mutated_regions(bases: list[bytes], *, seed: int, end: bytes = b"") -> dict[str, int]:
+    """2,000 seeded mutations of the 300×200 JPEGs ``bases`` (bytes overwritten; files
+    cut, ``end`` put after the cut) decoded by region at every scale: each an H×W×3 array
+    or a ValueError. How many of each."""
+    rng = np.random.default_rng(seed)
     outcomes = {"decoded": 0, "refused": 0}
     for n in range(2000):
-        data = bytearray(bases[n % 3])
+        data = bytearray(bases[n % len(bases)])
         for _ in range(rng.integers(1, 8)):
             data[rng.integers(0, len(data))] = rng.integers(0, 256)
         if rng.random() < 0.2:
-            data = data[: rng.integers(2, len(data))]
+            data = data[: rng.integers(2, len(data))] + end
         w, h = rng.uniform(10, 300), rng.uniform(10, 200)
         box = Box(rng.uniform(0, 300 - w), rng.uniform(0, 200 - h), w, h)
         try:
@@ -178,4 +186,4 @@ def test_mutated_jpegs_are_decoded_or_refused_never_crash_the_process():
         else:
             assert rgb.ndim == 3 and rgb.shape[2] == 3 and rgb.dtype == np.uint8
             outcomes["decoded"] += 1
-    assert min(outcomes.values()) > 200, outcomes  # both paths were exercised
+    return outcomes
