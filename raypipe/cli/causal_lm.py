@@ -150,8 +150,9 @@ def lm_loop(ctx: TrainContext) -> None:
     field, m = ctx.config.pack, ctx.loop_config["model"]
     model = ctx.prepare_model(tiny_lm(seq_len=ctx.config.seq_len, **m))
     opt = torch.optim.AdamW(model.parameters(), lr=ctx.loop_config["lr"])
-    saved = resumed(ctx, model, opt)
-    first = (ctx.restored() or {}).get("first_loss")  # the run's first epoch's, if resumed
+    restored = ctx.restored()  # read once: a checkpoint in object storage is downloaded
+    saved = resumed(ctx, model, opt, restored)
+    first = (restored or {}).get("first_loss")  # the run's first epoch's, if resumed
 
     def state() -> dict:  # what each checkpoint saves: the first epoch's loss too
         return {**saved(), "first_loss": first}

@@ -178,11 +178,12 @@ def _unwrap(model):
     return getattr(model, "module", model)
 
 
-def resumed(ctx: TrainContext, model, opt):
+def resumed(ctx: TrainContext, model, opt, saved: dict[str, Any] | None = None):
     """Load the checkpoint this run resumes from (a restart under ``max_failures``, a rerun,
-    ``resume_from``) into ``model`` and ``opt``, where there is one; returns the ``state``
-    that saves them, for ``ctx.epochs(state=...)`` and ``ctx.report``."""
-    if (saved := ctx.restored()) is not None:
+    ``resume_from``) into ``model`` and ``opt``, where there is one (``saved``: its state,
+    read already); returns the ``state`` that saves them, for ``ctx.epochs(state=...)`` and
+    ``ctx.report``."""
+    if (saved := saved or ctx.restored()) is not None:
         _unwrap(model).load_state_dict(saved["model"])
         if "optimizer" in saved:  # a checkpoint of an older version may hold none
             opt.load_state_dict(saved["optimizer"])

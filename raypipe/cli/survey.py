@@ -18,7 +18,7 @@ from raypipe.config import PipelineConfig
 from raypipe.formats.parquet import is_image_type, label_kind
 from raypipe.formats.pieces import split_piece
 from raypipe.plan.shards import Listing, list_shards
-from raypipe.preprocess import region
+from raypipe.preprocess import decode, region
 from raypipe.preprocess.actor import Preprocessor
 from raypipe.preprocess.augment import plans_compiled
 from raypipe.skips.records import detail_of, reason_of
@@ -37,10 +37,11 @@ def survey(config: PipelineConfig, *, samples: int = 32) -> dict[str, Any]:
     sizes: collections.Counter[str] = collections.Counter()
     labels: collections.Counter[int] = collections.Counter()
     skipped: list[dict[str, Any]] = []
-    jpegs = by_mcu = 0  # the JPEGs looked at, and those region decoding reads by MCU
+    jpegs = by_mcu = 0  # the JPEGs looked at, and those the built-in crop reads by MCU
+    crop = pre.cache is None and pre.usermap is None and config.decode != "gpu"
     for raw in looked:
-        if config.image_column is not None and raw.data and raw.data[:2] == b"\xff\xd8":
-            jpegs, by_mcu = jpegs + 1, by_mcu + region.by_mcu(raw.data)
+        if crop and config.image_column is not None and (raw.data or b"")[:2] == b"\xff\xd8":
+            jpegs, by_mcu = jpegs + 1, by_mcu + decode.by_mcu(raw.data)
         try:
             item = pre._decode(raw, 0)
         except Exception as e:
@@ -177,6 +178,8 @@ def _by_mcu(report: dict[str, Any]) -> str:
         return ""
     return (f"; {by_mcu} of the {jpegs} JPEGs looked at by MCU (restart markers, as raypipe "
             "convert writes: only the crop's MCUs decoded)")  # fmt: skip
+    # (counted for the built-in crop alone: a transform, the decoded cache or decode="gpu"
+    # decodes whole images)
 
 
 def _fields(item: dict) -> str:

@@ -27,8 +27,8 @@ from raypipe.preprocess import region
 from raypipe.preprocess.augment import Box, Plan
 from raypipe.preprocess.pillow import pillow_decode_crop
 
-__all__ = ["crop_chw", "crop_resize", "decode_around", "decode_crop", "decode_scaled",
-           "exif_orientation", "fast_decodable", "jpeg_size", "put_chw"]  # fmt: skip
+__all__ = ["by_mcu", "crop_chw", "crop_resize", "decode_around", "decode_crop",
+           "decode_scaled", "exif_orientation", "fast_decodable", "jpeg_size", "put_chw"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 _FAST_COLORSPACES = ("YCbCr", "Gray", "RGB")
@@ -188,6 +188,12 @@ def _tiff_orientation(tiff: bytes) -> int:
         if int.from_bytes(tiff[at : at + 2], order) == 0x0112:
             return int.from_bytes(tiff[at + 8 : at + 10], order)
     return 1
+
+
+def by_mcu(data: bytes) -> bool:
+    """Whether `decode_crop` decodes only a crop's MCUs of ``data``: a JPEG the fast path
+    takes, whole (`region.fits`), with a restart marker after every MCU (`region.by_mcu`)."""
+    return jpeg_size(data) is not None and region.fits(data) and region.by_mcu(data)
 
 
 def jpeg_size(data: bytes) -> tuple[int, int] | None:

@@ -45,14 +45,20 @@ class SkipStore:
         self._runs: collections.OrderedDict[str, _Run] = collections.OrderedDict()
         self._max_runs, self._records_kept = max_runs, records_kept
         self._records = 0  # held over all runs
-        self._stops: dict[str, bytes] = {}  # run → the pickled data error that ended it
+        # run → the data error that ended it: pickled, and its text (`SkipLog.stop_with`)
+        self._stops: collections.OrderedDict[str, tuple[bytes, str]] = collections.OrderedDict()
 
-    def stop(self, run: str, error: bytes) -> None:
-        """Keep ``run``'s first error that no retry can mend (`SkipLog.stop_with`)."""
-        self._stops.setdefault(run, error)
+    def stop(self, run: str, error: bytes, text: str) -> None:
+        """Keep ``run``'s first error that no retry can mend (the last `MAX_RUNS` runs')."""
+        self._stops.setdefault(run, (error, text))
+        while len(self._stops) > self._max_runs:
+            self._stops.popitem(last=False)
 
-    def stopped(self, run: str) -> bytes | None:
+    def stopped(self, run: str) -> tuple[bytes, str] | None:
         return self._stops.get(run)
+
+    def is_stopped(self, run: str) -> bool:
+        return run in self._stops
 
     def add(self, run: str, max_records: int, records: list[tuple[int, str, str, str]]) -> int:
         """Record ``(key, where, reason, detail)`` tuples; returns the run's total so far."""
@@ -213,20 +219,36 @@ class SkipLog:
 
     def stop_with(self, error: BaseException) -> None:
         """Record ``error``, a data error that fails every attempt alike, as what ended
-        the run (the first one recorded stays): a rank of a run restarted after it reads
-        it (`stopped_by`) and ends at once, and the driver raises it."""
+        the run (the first one recorded stays): a rank of a run restarted after it ends at
+        once (`is_stopped`), and the driver raises it (`stopped_by`). An error that does
+        not pickle is kept as its text."""
         import ray
         import ray.cloudpickle
 
-        ray.get(self._handle.stop.remote(self.run, ray.cloudpickle.dumps(error)))
+        try:
+            blob = ray.cloudpickle.dumps(error)
+        except Exception:  # noqa: BLE001  (its text is what the driver can still raise)
+            blob = b""
+        ray.get(self._handle.stop.remote(self.run, blob, f"{type(error).__name__}: {error}"))
+
+    def is_stopped(self) -> bool:
+        """Whether `stop_with` recorded an error for this run."""
+        import ray
+
+        return ray.get(self._handle.is_stopped.remote(self.run))
 
     def stopped_by(self) -> BaseException | None:
-        """The error `stop_with` recorded for this run; None when there is none."""
+        """The error `stop_with` recorded for this run (a RuntimeError of its text where
+        it does not unpickle here); None when there is none."""
         import ray
         import ray.cloudpickle
 
-        blob = ray.get(self._handle.stopped.remote(self.run))
-        return None if blob is None else ray.cloudpickle.loads(blob)
+        if (stopped := ray.get(self._handle.stopped.remote(self.run))) is None:
+            return None
+        try:
+            return ray.cloudpickle.loads(stopped[0])
+        except Exception:  # noqa: BLE001
+            return RuntimeError(stopped[1])
 
     def counts(self) -> dict[str, int]:
         """Skipped samples per reason (reasons with none are left out)."""

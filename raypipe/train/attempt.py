@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 
 from raypipe import rayapi
-from raypipe.loader.errors import data_errors, is_data_error, quiet_data_errors
+from raypipe.loader.errors import is_data_error, quiet_data_errors
 from raypipe.skips.log import SkipLog
 from raypipe.train.context import TrainContext
 
 __all__ = ["fit", "rank_attempt"]
+
+log = logging.getLogger(__name__)
 
 
 def rank_attempt(ctx: TrainContext, train_loop, skips: SkipLog):
@@ -26,14 +28,17 @@ def rank_attempt(ctx: TrainContext, train_loop, skips: SkipLog):
 
     def per_worker(_: dict) -> None:
         quiet_data_errors(logging.getLogger(rayapi.TRAIN_ERROR_LOGGER))  # raised by fit
-        if skips.stopped_by() is not None:  # a group restarted after a data error: no retry
-            return  # mends it (the same data fails alike); the driver raises it
+        if skips.is_stopped():  # a group restarted after a data error: no retry mends it
+            return  # (the same data fails alike); the driver raises it
         try:
             ctx.start()  # the pool starts while the loop builds its model
             train_loop(ctx)
         except Exception as e:
             if is_data_error(e):
-                skips.stop_with(e)
+                try:
+                    skips.stop_with(e)
+                except Exception as why:  # noqa: BLE001  (the data error is what to raise)
+                    log.warning("raypipe: could not record %s as the run's end: %s", e, why)
             raise
         finally:
             ctx.close()
@@ -41,17 +46,19 @@ def rank_attempt(ctx: TrainContext, train_loop, skips: SkipLog):
     return per_worker
 
 
-def fit(trainer):
+def fit(trainer, skips: SkipLog | None = None):
     """``trainer.fit()``, where a Ctrl-C stops the run with `KeyboardInterrupt` and a
-    failure of the ranks' that is all data errors (`raypipe.SkipBudgetError`,
-    `raypipe.SampleError`, a transform's output) is raised as the first rank's error,
-    not inside Ray Train's ``WorkerGroupError``.
+    failure of the ranks' that is all data errors (`is_data_error`: `raypipe.SkipBudgetError`,
+    `raypipe.SampleError`, a transform's output, the LM job's token ids) is raised as the
+    first rank's error, not inside Ray Train's ``WorkerGroupError``.
 
     Ray Train answers a SIGINT in the driver by aborting the run, and the driver's wait
     then ends in ``SystemExit(1)`` with no message (``raypipe run`` exited 1, silently);
     its handler also stayed installed after the run. Here the run is aborted as Ray Train
     does it, then `KeyboardInterrupt` is raised, as a Ctrl-C anywhere else in Python, and
-    the SIGINT handler from before the run is put back."""
+    the SIGINT handler from before the run is put back. With ``skips``, a failure after a
+    rank recorded a data error (`rank_attempt`; its restarted group could not start) is
+    raised as that data error."""
     import signal
     import threading
 
@@ -63,9 +70,11 @@ def fit(trainer):
         raise KeyboardInterrupt("the training run was stopped (Ctrl-C)") from e
     except Exception as e:  # the ranks' data errors, raised as themselves, not in Ray's wrapper
         failures = [f for _, f in sorted((getattr(e, "worker_failures", None) or {}).items())]
-        if not failures or not all(isinstance(f, data_errors()) for f in failures):
+        if failures and all(is_data_error(f) for f in failures):
+            raise failures[0] from e
+        if failures or skips is None or (stopped := skips.stopped_by()) is None:
             raise  # another failure too: Ray's error names every rank's
-        raise failures[0] from e
+        raise stopped from e  # the group restarted after a data error could not start
     finally:
         if before is not None:
             signal.signal(signal.SIGINT, before)

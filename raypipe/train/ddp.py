@@ -176,8 +176,8 @@ def train_ddp(
     ``storage_path`` (default: Ray's ``~/ray_results``). ``max_failures`` is Ray Train's
     ``FailureConfig``: a dead worker restarts the group, which resumes from the run's
     latest checkpoint; a data error (`raypipe.SkipBudgetError`, `raypipe.SampleError`, a
-    transform's output), which would fail every attempt alike, is not retried: the group
-    restarted after it ends at once, and it is raised. ``checkpoint_every`` steps (and at each epoch's end), a checkpoint
+    transform's output, the LM job's token ids), which would fail every attempt alike, is
+    not retried: the group restarted after it ends at once, and it is raised. ``checkpoint_every`` steps (and at each epoch's end), a checkpoint
     holds the pipeline's position and rank 0's ``state()`` given to ``ctx.epochs``; the
     latest ``keep_checkpoints`` are kept (None: every one, Ray Train's default).
     ``resume_from`` (a checkpoint folder, or a run folder for its latest checkpoint: a
@@ -249,7 +249,7 @@ def train_ddp(
             logging_config=ray.train.LoggingConfig(log_level=ray_log_level),
         ),
     )
-    result = fit(trainer)
+    result = fit(trainer, skips)
     path, skipped = write_reports(skip_logs, result.path, result.filesystem)
     if skipped:
         log.warning("raypipe: skipped %d bad samples; the list is in %s", skipped, path)

@@ -343,6 +343,11 @@ def test_inspect_counts_the_jpegs_read_by_mcu(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["jpegs_by_mcu"] == [0, 8]
     for path in sorted(root.glob("a/*.jpg")):
         path.write_bytes(region.with_restarts(path.read_bytes()))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # a rotated photo: decoded whole (Pillow turns it), markers or not
+    rotated = io.BytesIO()
+    Image.new("RGB", (40, 30), (9, 90, 200)).save(rotated, format="JPEG", exif=exif.tobytes())
+    (root / "b" / "0001.jpg").write_bytes(region.with_restarts(rotated.getvalue()))
     assert main(["inspect", str(root), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["jpegs_by_mcu"] == [4, 8]
     assert main(["inspect", str(root)]) == 0

@@ -511,3 +511,81 @@ def test_a_data_error_is_not_retried_under_max_failures(ray_session, tmp_path):
         train_ddp(config, loop, num_workers=1, cpus_per_worker=0.5, max_failures=2,
                   storage_path=str(tmp_path / "runs"))  # fmt: skip
     assert attempts.read_text().count("attempt") == 1
+
+
+class _NeedsTwo(Exception):
+    """An error that pickles but does not unpickle (its args are not its __init__'s)."""
+
+    def __init__(self, a, b):
+        super().__init__(f"{a} and {b}")
+
+
+class _HoldsALock(Exception):
+    def __init__(self, message):
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+def test_a_recorded_data_error_is_raised_as_itself_or_at_least_its_text(ray_session):
+    """The run's first data error stays; one that does not unpickle on the driver (or
+    does not pickle on the rank) comes back as a RuntimeError of its text, where a rank
+    restarted after it would have failed unpickling it before any work, again and again."""
+    from raypipe import SampleError
+    from raypipe.skips.log import SkipLog, SkipStore
+
+    log = SkipLog.create()
+    assert not log.is_stopped() and log.stopped_by() is None
+    log.stop_with(SampleError("f.jpg", 3, "unreadable", "gone"))
+    log.stop_with(SampleError("g.jpg", 4, "unreadable", "gone"))
+    first = log.stopped_by()
+    assert log.is_stopped() and type(first) is SampleError and first.where == "f.jpg"
+    assert not SkipLog.create().is_stopped()  # another run's log
+    for error, text in (
+        (_NeedsTwo(1, 2), "_NeedsTwo: 1 and 2"),
+        (_HoldsALock("x"), "_HoldsALock: x"),
+    ):
+        other = SkipLog.create()
+        other.stop_with(error)
+        back = other.stopped_by()
+        assert type(back) is RuntimeError and str(back) == text
+    store = SkipStore(max_runs=2)
+    for name in "abc":
+        store.stop(name, b"", name)
+    assert [store.is_stopped(r) for r in "abc"] == [False, True, True]
+
+
+def test_fit_raises_a_recorded_data_error_when_the_restart_after_it_fails():
+    """The group restarted after a data error could not start (Ray's controller error, no
+    rank's failures): the data error, not Ray's; a rank's error the LM job says on the
+    driver (``said_by_the_driver``) is raised as itself too, as at max_failures=0."""
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from raypipe import SkipBudgetError
+    from raypipe.train.attempt import fit
+
+    class Failing:
+        def __init__(self, error):
+            self.error = error
+
+        def fit(self):
+            raise self.error
+
+    class Recorded:
+        def __init__(self, error):
+            self.error = error
+
+        def stopped_by(self):
+            return self.error
+
+    spent = SkipBudgetError("epoch 0: 9 of its 10 samples skipped", 9)
+    with pytest.raises(SkipBudgetError, match="9 of its 10") as e:
+        fit(Failing(RuntimeError("worker group startup timed out")), Recorded(spent))
+    assert "timed out" in str(e.value.__cause__)
+    with pytest.raises(RuntimeError, match="timed out"):  # nothing recorded: Ray's error
+        fit(Failing(RuntimeError("worker group startup timed out")), Recorded(None))
+
+    class TokenIds(ValueError):
+        said_by_the_driver = True
+
+    with pytest.raises(TokenIds):
+        fit(Failing(WorkerGroupError("snippets", {0: TokenIds("token id 70")})))
