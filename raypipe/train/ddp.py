@@ -249,10 +249,29 @@ def train_ddp(
             logging_config=ray.train.LoggingConfig(log_level=ray_log_level),
         ),
     )
-    result = fit(trainer, skips)
-    path, skipped = write_reports(skip_logs, result.path, result.filesystem)
-    if skipped:
-        log.warning("raypipe: skipped %d bad samples; the list is in %s", skipped, path)
+    try:
+        result = fit(trainer, skips)
+    except Exception:  # a spent skip budget among them: its list is what the user needs
+        _report_skips(skip_logs, run_folder(storage, name), None)
+        raise
+    _report_skips(skip_logs, result.path, result.filesystem)
     if (stopped := skips.stopped_by()) is not None:  # it ended an attempt, not retried
         raise stopped
     return result
+
+
+def _report_skips(skip_logs: dict[str, SkipLog], folder: str, filesystem) -> None:
+    """``skipped_samples.json`` in the run's ``folder`` (a path or storage URI, when no
+    ``filesystem`` is given: a failed run's), and one line saying where, if any were."""
+    import pyarrow.fs
+
+    try:
+        if filesystem is None:
+            filesystem, folder = pyarrow.fs.FileSystem.from_uri(folder)
+            filesystem.create_dir(folder, recursive=True)
+        path, skipped = write_reports(skip_logs, folder, filesystem)
+    except Exception as e:  # noqa: BLE001  (a failed run's own error is what to raise)
+        log.warning("raypipe: the list of skipped samples was not written to %s: %s", folder, e)
+        return
+    if skipped:
+        log.warning("raypipe: skipped %d bad samples; the list is in %s", skipped, path)

@@ -589,3 +589,29 @@ def test_fit_raises_a_recorded_data_error_when_the_restart_after_it_fails():
 
     with pytest.raises(TokenIds):
         fit(Failing(WorkerGroupError("snippets", {0: TokenIds("token id 70")})))
+
+
+@pytest.mark.slow
+def test_a_run_a_spent_skip_budget_ends_leaves_the_list_of_skipped_samples(ray_session, tmp_path):
+    """The list was written only after a run that returned: the one run whose error points
+    at it (a spent skip budget) left none."""
+    import json
+
+    from raypipe import SkipBudgetError
+    from tests.conftest import make_imagefolder
+
+    source = make_imagefolder(tmp_path / "data", {"a": 6, "b": 6}, seed=4)
+    (source / "a" / "0001.jpg").write_bytes(b"no image at all")
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=4, max_skipped=0.0)
+
+    def loop(ctx) -> None:
+        for _, batches in ctx.epochs():
+            for _ in batches:
+                pass
+
+    with pytest.raises(SkipBudgetError):
+        train_ddp(config, loop, num_workers=1, cpus_per_worker=0.5, name="spent",
+                  storage_path=str(tmp_path / "runs"))  # fmt: skip
+    report = json.loads((tmp_path / "runs" / "spent" / "skipped_samples.json").read_text())
+    wheres = [r["where"] for epoch in report.values() for r in epoch["records"]]
+    assert len(wheres) == 1 and wheres[0].endswith("0001.jpg"), report
