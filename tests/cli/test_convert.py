@@ -282,3 +282,18 @@ def test_the_old_names_still_work(tmp_path):
     cfg.write_text(f"preprocess:\n  source: {tmp_path}\n  out: o\n")
     assert jobspec.kind_of(cfg) == "convert"
     assert ShardsConfig.from_yaml(cfg).out == "o"
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "tfrecord"])
+def test_every_shard_format_stores_jpegs_with_restart_markers(ray_session, tmp_path, fmt):
+    from raypipe.preprocess import region
+
+    root = make_imagefolder(tmp_path / "f", {"a": 3, "b": 3})  # 4 JPEGs, 2 PNGs
+    out = tmp_path / "o"
+    summary = convert(ShardsConfig(source=str(root), out=str(out), format=fmt, shards=2))
+    datas = [raw.data for name in sorted(os.listdir(out)) if not name.endswith(".json")
+             for raw in Reader(fmt).read(str(out / name), 0, -1)]  # fmt: skip
+    jpegs = [d for d in datas if d[:2] == b"\xff\xd8"]
+    assert len(datas) == 6 and len(jpegs) == 4
+    if region.available():
+        assert summary.restarted == 4 and all(DRI_ONE in d for d in jpegs)
