@@ -106,7 +106,7 @@ def _convert(args: argparse.Namespace) -> int:
             ("shards", f"{s.shards} in {s.out} ({s.written} written, {s.reused} already done)"),
             ("samples", str(s.samples)),
             ("samples/s", f"{s.samples_per_s:.1f}" if s.written else "- (nothing to write)"),
-            ("restart markers", f"{s.restarted} JPEGs" if cfg.restart_markers else "off"),
+            ("restart markers", s.markers),
             ("skipped", f"{len(s.skipped)}" + (" (listed above)" if s.skipped else "")),
             ("time", f"{s.seconds:.1f} s"),
         ],

@@ -48,6 +48,7 @@ class Summary:
     seconds: float
     samples_written: int = 0  # the samples of the shards this run wrote
     restarted: int = 0  # the JPEGs this run stored with restart markers
+    markers: str = "off"  # restart markers, in words: how many, or why none
 
     @property
     def samples_per_s(self) -> float:
@@ -99,7 +100,7 @@ def convert(config: ShardsConfig, *, log: TextIO | None = None) -> Summary:
     out, total, fmt = os.path.abspath(config.out), len(parts), config.format
     os.makedirs(out, exist_ok=True)
     names = [shard_name(config.prefix, i, total, fmt) for i in range(total)]
-    rewrite = _restarts() if config.restart_markers else None
+    asked, rewrite = config.restart_markers, _restarts() if config.restart_markers else None
     config = dataclasses.replace(config, restart_markers=rewrite is not None)  # as written
     fingerprint = _fingerprint(config, parts)
     index = _load_index(out, fingerprint, _fingerprint(_other_markers(config), parts))
@@ -152,7 +153,9 @@ def convert(config: ShardsConfig, *, log: TextIO | None = None) -> Summary:
     for path, reason in skipped:
         print(f"convert: skipped {path}: {reason}", file=log)
     return Summary(out, total, len(todo), reused, index["num_samples"], tuple(skipped),
-                   time.perf_counter() - t0, written, restarted)  # fmt: skip
+                   time.perf_counter() - t0, written, restarted,
+                   f"{restarted} JPEGs" if rewrite else
+                   "off (region decoding was not built)" if asked else "off")  # fmt: skip
 
 
 def _restarts():

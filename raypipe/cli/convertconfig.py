@@ -29,7 +29,7 @@ class ShardsConfig:
         cpus_per_task: logical CPUs each shard-writing Ray task reserves.
         restart_markers: store each JPEG re-written losslessly with a restart marker after
             every MCU, so that raypipe decodes only the MCUs a crop needs (the same
-            pixels; files 3–7 % larger); False stores the bytes as they are.
+            pixels; files 2–7 % larger); False stores the bytes as they are.
     """
 
     source: str

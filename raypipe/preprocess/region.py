@@ -91,7 +91,7 @@ def with_restarts(data: bytes) -> bytes:
     tables and APP/COM markers; Huffman tables made optimal for it) as one baseline scan with
     a restart marker after every MCU, which `decode_box` reads a crop's MCUs of alone. Every
     decoder gives the same pixels for it as for ``data``; it is a few per cent larger
-    (3–7 % on quality-90 photos). Call it only where `available`.
+    (2–7 % on quality-90 photos). Call it only where `available`.
 
     Raises ValueError for data libjpeg-turbo refuses or warns about."""
     return _jpegregion.restart(data)

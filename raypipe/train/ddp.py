@@ -187,7 +187,8 @@ def train_ddp(
     samples and seed).
     ``callbacks`` are ``ray.train.UserCallback`` objects run on the Train controller.
     The samples each dataset skipped (``on_error="skip"``) are written to
-    ``skipped_samples.json`` in the run's folder (``result.path``). ``ray_log_level`` is
+    ``skipped_samples.json`` in the run's folder (``result.path``; after a failed run, not
+    one stopped with Ctrl-C, ``storage_path/name``). ``ray_log_level`` is
     Ray Train's own (``ray.train.LoggingConfig``): ``raypipe run`` passes ``"WARNING"``.
     """
     import ray

@@ -161,6 +161,7 @@ def test_jpegs_are_stored_with_restart_markers_and_their_pixels(
     assert len(stored) == 9 and len(jpegs) == 5
     restarted = 4 if restart_markers and region.available() else 0  # all but the cut one
     assert summary.restarted == restarted
+    assert summary.markers == (f"{restarted} JPEGs" if restarted else "off")
     assert json.loads((out / INDEX).read_text())["restart_markers"] is restart_markers
     for name in jpegs:
         source = (root / name).read_bytes()
@@ -297,3 +298,22 @@ def test_every_shard_format_stores_jpegs_with_restart_markers(ray_session, tmp_p
     assert len(datas) == 6 and len(jpegs) == 4
     if region.available():
         assert summary.restarted == 4 and all(DRI_ONE in d for d in jpegs)
+
+
+def test_where_region_decoding_was_not_built_no_jpeg_is_re_written(ray_session, tmp_path,
+                                                                  monkeypatch):  # fmt: skip
+    """The default asks for restart markers; without the extension none are written, and
+    the index and summary say so (the index claimed them, and a later run on a machine
+    with the extension would have written the rest of the folder with them)."""
+    from raypipe.preprocess import region
+
+    monkeypatch.setattr(region, "_jpegregion", None)
+    root = make_imagefolder(tmp_path / "f", {"a": 3, "b": 3})
+    out = tmp_path / "o"
+    summary = convert(ShardsConfig(source=str(root), out=str(out), shards=1))
+    assert (summary.restarted, summary.markers) == (0, "off (region decoding was not built)")
+    assert json.loads((out / INDEX).read_text())["restart_markers"] is False
+    with tarfile.open(next(out.glob("*.tar"))) as tar:
+        stored = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    sources = {p.read_bytes() for p in root.rglob("*.jpg")}
+    assert {d for n, d in stored.items() if n.endswith(".jpg")} == sources
