@@ -173,13 +173,13 @@ def _column_hint(listing: Listing, config: PipelineConfig) -> str | None:
 
 
 def _by_mcu(report: dict[str, Any]) -> str:
+    """How many JPEGs looked at the built-in crop decodes by MCU (a transform, the decoded
+    cache or ``decode="gpu"`` decodes whole images: none counted then)."""
     by_mcu, jpegs = report.get("jpegs_by_mcu", (0, 0))
     if report["jpeg_decoding"] != "region" or not jpegs:
         return ""
     return (f"; {by_mcu} of the {jpegs} JPEGs looked at by MCU (restart markers, as raypipe "
             "convert writes: only the crop's MCUs decoded)")  # fmt: skip
-    # (counted for the built-in crop alone: a transform, the decoded cache or decode="gpu"
-    # decodes whole images)
 
 
 def _fields(item: dict) -> str:

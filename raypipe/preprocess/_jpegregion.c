@@ -152,7 +152,7 @@ static unsigned char *cut_mcus(const unsigned char *p, const struct layout *L,
 }
 
 static PyObject *decode_plain(Py_buffer *src, const unsigned char *data, size_t size, int denom,
-                              int left, int top, int width, int height);
+                              int left, int top, int width, int height, unsigned x_shift);
 
 static PyObject *decode(PyObject *self, PyObject *args) {
     Py_buffer src;
@@ -167,7 +167,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     struct layout L = {0};
     if (!restart_layout(p, (size_t)src.len, &L) || left < 0 || top < 0 || width <= 0
             || height <= 0)
-        return decode_plain(&src, p, (size_t)src.len, denom, left, top, width, height);
+        return decode_plain(&src, p, (size_t)src.len, denom, left, top, width, height, 0);
     /* the MCUs under the region, and the one beside where the region starts (or ends)
      * on an MCU's edge: the chroma upsampling reads one chroma sample past each side */
     unsigned bw = L.mcu_w / (unsigned)denom, bh = L.mcu_h / (unsigned)denom;
@@ -188,9 +188,8 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     }
     unsigned sw = (L.width + (unsigned)denom - 1) / (unsigned)denom;
     unsigned sh = (L.height + (unsigned)denom - 1) / (unsigned)denom;
-    if ((unsigned)left + (unsigned)width > sw || (unsigned)top + (unsigned)height > sh
-            || c0 > c1 || r0 > r1) /* outside the image: the plain path says so */
-        return decode_plain(&src, p, (size_t)src.len, denom, left, top, width, height);
+    if (right > sw || bottom > sh || c0 > c1 || r0 > r1) /* outside: the plain path says so */
+        return decode_plain(&src, p, (size_t)src.len, denom, left, top, width, height, 0);
     size_t total = (size_t)L.cols * L.rows, size = 0;
     if (total == 0 || total - 1 > ((size_t)src.len - L.scan) / 2) { /* MCUs but the last: RSTn */
         PyBuffer_Release(&src);
@@ -211,21 +210,16 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     }
     if (cut == NULL) { PyBuffer_Release(&src); return PyErr_NoMemory(); }
     PyObject *got = decode_plain(NULL, cut, size, denom, left - (int)(c0 * bw),
-                                 top - (int)(r0 * bh), width, height);
+                                 top - (int)(r0 * bh), width, height, c0 * bw);
     free(cut);
     PyBuffer_Release(&src);
-    if (got == NULL) return NULL;
-    PyObject *out = Py_BuildValue("(OII)", PyTuple_GET_ITEM(got, 0),
-                                  (unsigned)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(got, 1))
-                                      + c0 * bw,
-                                  (unsigned)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(got, 2)));
-    Py_DECREF(got);
-    return out;
+    return got;
 }
 
-/* src (released here) owns data where given; NULL where the caller owns it. */
+/* src (released here) owns data where given; NULL where the caller owns it. The columns
+ * returned are shifted by x_shift: the cut's first column in the whole image. */
 static PyObject *decode_plain(Py_buffer *src, const unsigned char *data, size_t size, int denom,
-                              int left, int top, int width, int height) {
+                              int left, int top, int width, int height, unsigned x_shift) {
     struct jpeg_decompress_struct cinfo;
     struct strict_error err;
     PyObject *volatile out = NULL;
@@ -290,7 +284,7 @@ static PyObject *decode_plain(Py_buffer *src, const unsigned char *data, size_t 
     released = NULL;
     jpeg_destroy_decompress(&cinfo);
     if (src) PyBuffer_Release(src);
-    return Py_BuildValue("(NII)", out, (unsigned int)x0, (unsigned int)cols);
+    return Py_BuildValue("(NII)", out, (unsigned int)x0 + x_shift, (unsigned int)cols);
 }
 
 /* A destination that grows its own buffer (libjpeg's memory destination frees a buffer

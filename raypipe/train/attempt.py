@@ -56,16 +56,16 @@ def fit(trainer, skips: SkipLog | None = None):
     then ends in ``SystemExit(1)`` with no message (``raypipe run`` exited 1, silently);
     its handler also stayed installed after the run. Here the run is aborted as Ray Train
     does it, then `KeyboardInterrupt` is raised, as a Ctrl-C anywhere else in Python, and
-    the SIGINT handler from before the run is put back. With ``skips``, a failure after a
-    rank recorded a data error (`rank_attempt`; its restarted group could not start) is
-    raised as that data error."""
+    the SIGINT handler from before the run is put back. With ``skips``, a run in which a
+    rank recorded a data error (`rank_attempt`) raises it: its restarted group returned at
+    once, or could not start."""
     import signal
     import threading
 
     main = threading.current_thread() is threading.main_thread()  # else Ray sets none
     before = signal.getsignal(signal.SIGINT) if main else None
     try:
-        return trainer.fit()
+        result = trainer.fit()
     except SystemExit as e:  # from a signal handler during the wait: Ray Train's Ctrl-C
         raise KeyboardInterrupt("the training run was stopped (Ctrl-C)") from e
     except Exception as e:  # the ranks' data errors, raised as themselves, not in Ray's wrapper
@@ -75,6 +75,10 @@ def fit(trainer, skips: SkipLog | None = None):
         if failures or skips is None or (stopped := skips.stopped_by()) is None:
             raise  # another failure too: Ray's error names every rank's
         raise stopped from e  # the group restarted after a data error could not start
+    else:
+        if skips is not None and (stopped := skips.stopped_by()) is not None:
+            raise stopped  # the group restarted after it returned at once
+        return result
     finally:
         if before is not None:
             signal.signal(signal.SIGINT, before)

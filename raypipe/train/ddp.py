@@ -177,7 +177,8 @@ def train_ddp(
     ``FailureConfig``: a dead worker restarts the group, which resumes from the run's
     latest checkpoint; a data error (`raypipe.SkipBudgetError`, `raypipe.SampleError`, a
     transform's output, the LM job's token ids), which would fail every attempt alike, is
-    not retried: the group restarted after it ends at once, and it is raised. ``checkpoint_every`` steps (and at each epoch's end), a checkpoint
+    not retried: the group restarted after it ends at once, and it is raised.
+    ``checkpoint_every`` steps (and at each epoch's end), a checkpoint
     holds the pipeline's position and rank 0's ``state()`` given to ``ctx.epochs``; the
     latest ``keep_checkpoints`` are kept (None: every one, Ray Train's default).
     ``resume_from`` (a checkpoint folder, or a run folder for its latest checkpoint: a
@@ -256,8 +257,6 @@ def train_ddp(
         _report_skips(skip_logs, run_folder(storage, name), None)
         raise
     _report_skips(skip_logs, result.path, result.filesystem)
-    if (stopped := skips.stopped_by()) is not None:  # it ended an attempt, not retried
-        raise stopped
     return result
 
 
