@@ -147,7 +147,7 @@ def decode_rgb(data: bytes) -> np.ndarray:
     try:
         return simplejpeg.decode_jpeg(data, colorspace="RGB")
     except ValueError:
-        from raypipe.preprocess.pillow import open_image, to_rgb
+        from raypipe.formats.pixels import open_image, to_rgb
 
         with open_image(data) as img:
             return np.asarray(to_rgb(img))

@@ -29,8 +29,8 @@ import numpy as np
 
 from raypipe.config import resolve_callable
 from raypipe.formats.imagefolder import IMAGE_EXTS
+from raypipe.formats.pixels import open_image, to_rgb
 from raypipe.preprocess.augment import sample_rng
-from raypipe.preprocess.pillow import open_image, to_rgb
 
 __all__ = ["SampleMap", "TransformOutputError", "resolve_callable", "seed_globals"]
 assert __all__ == sorted(__all__)

@@ -317,3 +317,45 @@ def test_where_region_decoding_was_not_built_no_jpeg_is_re_written(ray_session, 
         stored = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
     sources = {p.read_bytes() for p in root.rglob("*.jpg")}
     assert {d for n, d in stored.items() if n.endswith(".jpg")} == sources
+
+
+def _odd_images(root) -> list[str]:
+    """Images convert stores as PNG whose pixels need more than Pillow's plain RGB (a
+    transparent GIF, an RGBA TIFF, a 16-bit grey TIFF), and a TIFF its EXIF tag turns."""
+    from PIL import Image
+
+    root.mkdir()
+    gif = Image.new("P", (12, 9), 0)
+    gif.putpalette([255, 255, 255, 200, 30, 40] + [0] * 762)
+    gif.paste(1, (3, 2, 9, 7))
+    gif.save(root / "clear.gif", transparency=0)
+    rgba = np.zeros((9, 12, 4), dtype=np.uint8)
+    rgba[..., :3], rgba[2:7, 3:9, 3] = (250, 240, 230), 255
+    Image.fromarray(rgba, "RGBA").save(root / "rgba.tiff")
+    grey = (np.arange(9 * 12, dtype=np.uint16).reshape(9, 12) * 600).astype(np.uint16)
+    Image.fromarray(grey).save(root / "deep.tiff")  # mode I;16
+    turned = Image.fromarray(np.arange(9 * 12 * 3, dtype=np.uint8).reshape(9, 12, 3))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotated 90° clockwise to show it upright
+    turned.save(root / "turned.tiff", exif=exif)
+    return [str(root / n) for n in ("clear.gif", "rgba.tiff", "deep.tiff", "turned.tiff")]
+
+
+@pytest.mark.parametrize("fmt", ["webdataset", "parquet", "tfrecord"])
+def test_images_convert_stores_as_png_keep_the_pixels_the_folder_gives(tmp_path, fmt):
+    """What the pipeline decodes from a converted shard equals what it decodes from the
+    folder's file: convert's PNG dropped transparency (the hidden colour showed: white
+    where the folder gives black) and clipped 16-bit grey to white."""
+    from raypipe.formats.writer import Sample, write_shard
+    from raypipe.preprocess.cache.capped import decode_capped
+
+    paths = _odd_images(tmp_path / "src")
+    samples = [Sample(k, 0, p, os.path.basename(p)) for k, p in enumerate(paths)]
+    (tmp_path / "out").mkdir()
+    written = write_shard(samples, str(tmp_path / "out"), shard_name("s", 0, 1, fmt), fmt)
+    stored = [raw.data for raw in Reader(fmt).read(str(tmp_path / "out" / written.name), 0, -1)]
+    assert len(stored) == len(paths)
+    for path, data in zip(paths, stored, strict=True):
+        with open(path, "rb") as f:
+            want = decode_capped(f.read(), 4096, None)
+        np.testing.assert_array_equal(decode_capped(data, 4096, None), want, err_msg=path)

@@ -20,9 +20,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from raypipe.formats.pixels import open_image, to_rgb
 from raypipe.preprocess.augment import Box, Plan
 from raypipe.preprocess.decode import crop_resize, decode_around, decode_scaled, jpeg_size
-from raypipe.preprocess.pillow import open_image, to_rgb
 from raypipe.skips.records import BadSample
 
 __all__ = ["JPEG_MAX_SIDE", "JPEG_QUALITY", "Stored", "decode_capped", "decode_stored",
