@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 __all__ = ["BadSample", "DECODE_REASONS", "REASONS", "SampleError", "SkipRecord", "detail_of",
-           "reason_of"]  # fmt: skip
+           "out_of_memory", "reason_of"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 # Why a sample was dropped: the keys of ``counts()``.
@@ -94,6 +94,15 @@ def reason_of(error: BaseException, data: bytes | None = None) -> str:
     if "truncated" in message or "premature end" in message:
         return "truncated_image"
     return "decode_error"
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` says the process ran out of memory, which says nothing about the
+    sample: Python's ``MemoryError`` (NumPy's too), or OpenCV's error -4 ("Insufficient
+    memory"), which `reason_of` would call a ``decode_error``."""
+    if isinstance(error, MemoryError):
+        return True
+    return type(error).__module__.startswith("cv2") and getattr(error, "code", None) == -4
 
 
 def detail_of(error: BaseException, data: bytes | None = None) -> str:

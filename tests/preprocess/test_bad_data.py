@@ -1006,3 +1006,30 @@ def test_a_skip_log_needs_a_running_ray():
     code = "from raypipe import SkipLog; SkipLog.create()"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "needs a running Ray" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_running_out_of_memory_is_told_from_damage():
+    """`out_of_memory` knows OpenCV's own allocation failure (a real one, in a child
+    process limited to 2 GiB of address space) and Python's, and nothing else: the
+    decoded cache remembers no sample as bad for either."""
+    from raypipe.skips.records import out_of_memory
+
+    child = (
+        "import resource, numpy as np, cv2\n"
+        "from raypipe.skips.records import out_of_memory, reason_of\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+        "try:\n"
+        "    cv2.resize(np.zeros((8, 8, 3), np.uint8), (40000, 40000))\n"
+        "except cv2.error as e:\n"
+        "    print(out_of_memory(e), reason_of(e))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                          timeout=60, check=True)  # fmt: skip
+    assert done.stdout.split() == ["True", "decode_error"]
+    import cv2
+
+    with pytest.raises(cv2.error) as bad_arguments:  # OpenCV's error, not of memory
+        cv2.resize(np.zeros((8, 8, 3), np.uint8), (0, 0))
+    assert not out_of_memory(bad_arguments.value)
+    assert out_of_memory(MemoryError())
+    assert not out_of_memory(ValueError("Insufficient memory"))

@@ -191,8 +191,21 @@ def test_a_failed_write_gives_the_store_up_for_that_task_only(tmp_path, monkeypa
     assert all(np.array_equal(h, f) for h, f in zip(hits[:2], fresh, strict=True))
 
 
-def test_a_worker_out_of_memory_is_not_the_samples_verdict(tmp_path, monkeypatch):
-    """A decode that ran out of memory fails that sample for that task, and is not kept as
+def _opencv_out_of_memory():
+    """OpenCV's error as its resize raises it when an allocation fails (code -4;
+    `tests/preprocess/test_bad_data.py` makes a real one)."""
+    import cv2
+
+    error = cv2.error("OpenCV(5.0.0) alloc.cpp:73: error: (-4:Insufficient memory) Failed "
+                      "to allocate 4800000000 bytes in function 'OutOfMemoryError'")  # fmt: skip
+    error.code = -4
+    return error
+
+
+@pytest.mark.parametrize("error", [MemoryError, _opencv_out_of_memory])
+def test_a_worker_out_of_memory_is_not_the_samples_verdict(tmp_path, monkeypatch, error):
+    """A decode that ran out of memory (Python's MemoryError, or OpenCV's own error when
+    the cap's resize cannot allocate) fails that sample for that task, and is not kept as
     its "decode_error": a later task decodes it (it was kept, and skipped in every later
     run while the file stayed the same)."""
     cache = disk_cache(tmp_path, monkeypatch, whole_rows=True)
@@ -203,10 +216,10 @@ def test_a_worker_out_of_memory_is_not_the_samples_verdict(tmp_path, monkeypatch
     real = reuse.decode_capped
 
     def out_of_memory(*args):
-        raise MemoryError()
+        raise error()
 
     monkeypatch.setattr(reuse, "decode_capped", out_of_memory)
-    with pytest.raises(MemoryError):
+    with pytest.raises(Exception, match="(?s)^$|Insufficient memory"):
         task(cache, rows, read)
     cache.flush()
     decodes = []

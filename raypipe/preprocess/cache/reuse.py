@@ -35,7 +35,13 @@ from raypipe.preprocess.cache import node
 from raypipe.preprocess.cache.capped import Stored, decode_capped, encode_stored, region_of
 from raypipe.preprocess.cache.disk import DiskStore
 from raypipe.preprocess.cache.store import Entry, Tally
-from raypipe.skips.records import DECODE_REASONS, BadSample, detail_of, reason_of
+from raypipe.skips.records import (
+    DECODE_REASONS,
+    BadSample,
+    detail_of,
+    out_of_memory,
+    reason_of,
+)
 
 __all__ = ["SampleCache"]
 assert __all__ == sorted(__all__)
@@ -212,7 +218,7 @@ class SampleCache:
             reason = reason_of(e, raw.data)
             # only decoding's verdict on the data is kept: a reader's reasons are others, and
             # it says them again; a worker out of memory says nothing about the sample
-            if (i is not None and reason in DECODE_REASONS and not isinstance(e, MemoryError)
+            if (i is not None and reason in DECODE_REASONS and not out_of_memory(e)
                     and self._keeping()):  # fmt: skip
                 seconds = read_s + time.perf_counter() - t0
                 self._keep(
