@@ -36,6 +36,7 @@ DECODE = ("cpu", "gpu")
 CACHE = ("memory", "disk")  # or None: no decoded cache
 CACHE_BLOCK = 4096  # a cache entry's file takes whole pages of shared memory, or disk blocks
 CACHE_HEADER = 512  # an entry's header before its pixels (about 240 bytes with a short path)
+DISK_BUDGET = 2 << 30  # bytes per node under cache_dir, by default
 
 
 def validate(c: PipelineConfig) -> None:
@@ -174,8 +175,11 @@ def _check_cache_size(c: PipelineConfig, bad: _Bad) -> None:
                       f"{c.image_size}: every crop, a held-out center crop too, is scaled up "
                       "from the capped image", stacklevel=6)  # fmt: skip
     rows, side, block = c.rows_per_block or c.batch_size, c.cache_max_side, cache_block(c)
-    if c.cache_budget is not None and c.cache_budget < block:
-        raise bad("cache_budget", f"is below one block: {rows} rows of {side}x{side}x3 "
+    budget, default = c.cache_budget, ""
+    if budget is None and c.cache == "disk":  # a memory cache's default: checked on the node
+        budget, default = DISK_BUDGET, f"the default, {DISK_BUDGET} bytes with cache='disk', "
+    if budget is not None and budget < block:
+        raise bad("cache_budget", f"{default}is below one block: {rows} rows of {side}x{side}x3 "
                   f"bytes in {CACHE_BLOCK}-byte pages = {block} bytes")  # fmt: skip
 
 

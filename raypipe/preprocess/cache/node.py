@@ -29,7 +29,7 @@ import hashlib
 import os
 import threading
 
-from raypipe.config.validate import cache_block
+from raypipe.config.validate import DISK_BUDGET, cache_block
 from raypipe.preprocess.cache import shm
 from raypipe.preprocess.cache.disk import DiskStore
 from raypipe.preprocess.cache.store import Tally
@@ -39,7 +39,6 @@ __all__ = ["NodeCache", "budget", "cache_root", "decoders", "digest", "ensure", 
            "stats"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
-DISK_BUDGET = 2 << 30  # bytes per node under cache_dir, by default
 CACHE_VERSION = 2  # changes when the capped pixels of the same bytes would (2: no area resize)
 _HELD: dict[tuple[str, str], object] = {}  # (job id, actor name) -> handle: an actor
 _HELD_LOCK = threading.Lock()  # dies with its last handle; ranks in threads share this
