@@ -33,6 +33,7 @@ from raypipe.formats.writer import EXTENSIONS, INDEX, Sample, Written, write_sha
 from raypipe.plan.shards import list_shards
 
 SPREAD_SEED = 0  # the one order a folder's samples are spread over its shards in
+LEFTOVER_S = 600.0  # a shard's temporary file untouched this long is a killed write's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +114,7 @@ def convert(config: ShardsConfig, *, log: TextIO | None = None) -> Summary:
         index["shards"] if index else [_planned(nm, p) for nm, p in zip(names, parts, strict=True)]
     )
     todo = [i for i, e in enumerate(entries) if not _finished(out, e, fmt)]
+    _drop_leftovers(out, names, log)
     reused = total - len(todo)
     index = {
         "format": fmt,
@@ -210,6 +212,29 @@ def _fingerprint(config: ShardsConfig, parts: list[list[Sample]]) -> str:
             size = os.path.getsize(s.path) if os.path.isfile(s.path) else -1
             h.update(f"{s.name}:{s.label}:{size};".encode())
     return h.hexdigest()
+
+
+def _drop_leftovers(out: str, names: list[str], log: TextIO) -> None:
+    """Remove the temporary files (``.NAME.PID.tmp``) of this plan's shards and index that
+    killed writes left: a task out of memory or on a lost node, whose rerun writes under
+    another process id. Only those untouched for `LEFTOVER_S`: a write under way keeps
+    its file's time fresh."""
+    ours, now, removed, size = {*names, INDEX}, time.time(), 0, 0
+    for entry in os.scandir(out):
+        stem, _, pid = entry.name[1:].removesuffix(".tmp").rpartition(".")
+        if not (entry.name.startswith(".") and entry.name.endswith(".tmp") and stem in ours
+                and pid.isdigit()):  # fmt: skip
+            continue
+        try:
+            st = entry.stat()
+            if now - st.st_mtime > LEFTOVER_S:
+                os.remove(entry.path)
+                removed, size = removed + 1, size + st.st_size
+        except FileNotFoundError:  # another convert's cleanup got there first
+            continue
+    if removed:
+        print(f"convert: removed {removed} temporary files interrupted writes left "
+              f"({size / 2**20:.1f} MiB)", file=log)  # fmt: skip
 
 
 def _foreign(out: str) -> list[str]:

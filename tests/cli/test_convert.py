@@ -359,3 +359,31 @@ def test_images_convert_stores_as_png_keep_the_pixels_the_folder_gives(tmp_path,
         with open(path, "rb") as f:
             want = decode_capped(f.read(), 4096, None)
         np.testing.assert_array_equal(decode_capped(data, 4096, None), want, err_msg=path)
+
+
+def test_a_rerun_removes_what_interrupted_writes_left(ray_session, folder, tmp_path, capsys):
+    """A task killed mid-write (out of memory, its node lost) leaves its shard's hidden
+    temporary file, and each rerun writes under another process id: those of this plan's
+    shards untouched for `LEFTOVER_S` are removed; a fresh one (a write under way) and
+    other hidden files stay."""
+    import time
+
+    from raypipe.cli.convert import LEFTOVER_S
+
+    out = tmp_path / "out"
+    config = ShardsConfig(source=str(folder), out=str(out), format="webdataset", shards=3)
+    convert(config)
+    (out / shard_name("train", 1, 3, "webdataset")).unlink()
+    stale = [out / f".{shard_name('train', i, 3, 'webdataset')}.{4000 + i}.tmp" for i in (0, 1)]
+    fresh = out / f".{shard_name('train', 2, 3, 'webdataset')}.4002.tmp"
+    others = [out / ".DS_Store", out / ".other-00000-of-00003.tar.4003.tmp"]
+    for path in [*stale, fresh, *others]:
+        path.write_bytes(b"\0" * 4096)
+    past = time.time() - LEFTOVER_S - 60
+    for path in [*stale, *others]:
+        os.utime(path, (past, past))
+    capsys.readouterr()
+    assert convert(config).written == 1
+    assert [p.exists() for p in stale] == [False, False]
+    assert fresh.exists() and all(p.exists() for p in others)
+    assert "removed 2 temporary files interrupted writes left (0.0 MiB)" in capsys.readouterr().err

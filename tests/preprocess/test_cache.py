@@ -706,8 +706,8 @@ def test_bad_cache_settings_fail_in_one_line(tmp_path):
         ),  # fmt: skip
         "must be a node-local directory": dict(cache="disk"),
         "the default, 2147483648 bytes with cache='disk', is below one block": dict(
-            cache="disk", cache_dir=src, cache_max_side=4096  # 12.9 GB a block of 256
-        ),  # fmt: skip
+            cache="disk", cache_dir=src, cache_max_side=4096
+        ),  # 12.9 GB a block of 256 rows
         "is not a directory": dict(cache="disk", cache_dir=str(tmp_path / "file" / "sub")),
         "cache_max_side=0": dict(cache="memory", cache_max_side=0),
         "cache_encoding='png'": dict(cache="memory", cache_encoding="png"),
