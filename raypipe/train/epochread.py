@@ -1,17 +1,22 @@
 """What `raypipe.train.loader.Loader` keeps of the epoch it reads (`EpochRead`), where it
 starts (`start_point`, which the ranks compare), and the ``sampler`` it shows Lightning
-(`EpochSampler`)."""
+(`EpochSampler`); its arguments, checked when it is made (`check_arguments`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 from typing import Any
 
 import numpy as np
 
-__all__ = ["EpochRead", "EpochSampler", "MISUSE", "held", "set_within", "start_point",
-           "state_bytes", "state_tensor", "stop_reading"]  # fmt: skip
+from raypipe.config import LoaderConfig, PipelineConfig, rank_loader
+from raypipe.loader.args import check_options
+from raypipe.loader.pipeline import Pipeline
+
+__all__ = ["EpochRead", "EpochSampler", "MISUSE", "called_within", "check_arguments", "held",
+           "start_point", "state_bytes", "state_tensor", "stop_reading"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 MISUSE = (
@@ -41,13 +46,33 @@ def stop_reading(run: EpochRead | None, why: str) -> None:
         run.stale = why
 
 
-def set_within(epoch: int, run: EpochRead | None) -> str:
-    """Why a loop ends that a `set_epoch` within it restarted (an epoch's loop that set
-    its own epoch at every step was told of nested or zipped loops)."""
+def called_within(call: str, run: EpochRead | None) -> str:
+    """Why a loop ends that a ``set_epoch`` or ``load_state_dict`` within it restarted (an
+    epoch's loop that set its own epoch at every step was told of nested or zipped loops)."""
     reading = f"epoch {run.epoch}" if run is not None else "an epoch"
-    return (f"set_epoch({epoch}) was called while {reading} was being read: it starts the "
-            "pool anew, and ends this loop; set the epoch before the loop (for e in "
-            "range(E): loader.set_epoch(e); for batch in loader: ...)")  # fmt: skip
+    then = ("set the epoch before the loop (for e in range(E): loader.set_epoch(e); for batch "
+            "in loader: ...)" if call.startswith("set_epoch") else "the next iter() resumes "
+            "where the state says")  # fmt: skip
+    return (f"{call} was called while {reading} was being read: it starts the pool anew, "
+            f"and ends this loop; {then}")  # fmt: skip
+
+
+def check_arguments(config: PipelineConfig, epochs: int, options: dict[str, Any]) -> None:
+    """A `Loader`'s arguments, checked when it is made, as a `raypipe.Pipeline` checks its
+    own; ``options`` are the Pipeline's keywords the Loader passes on."""
+    if not isinstance(config, PipelineConfig):
+        raise TypeError(f"config must be a PipelineConfig, got {type(config).__name__}")
+    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+        raise ValueError(f"{epochs=} must be an integer >= 1")
+    for name in ("rank", "world_size", "ledger", "group", "start", "listing", "epochs"):
+        if name in options:
+            raise TypeError(f"Loader() sets {name}= itself")
+    if unknown := sorted(set(options) - set(inspect.signature(Pipeline).parameters)):
+        raise TypeError(f"Loader() got {unknown}, which raypipe.Pipeline does not take")
+    fields = {f.name for f in dataclasses.fields(LoaderConfig)}  # checked now, as by a Pipeline
+    rank_loader(config, **{k: v for k, v in options.items() if k in fields})
+    checked = ("progress_s", "skips", "drop_last")  # drop_last=None too: rank_loader's unset
+    check_options(**{k: options[k] for k in checked if k in options})
 
 
 def held(run: EpochRead | None) -> EpochRead | None:

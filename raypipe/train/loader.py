@@ -17,16 +17,13 @@ with its world size and settings, and a rank that disagrees stops them all in on
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from raypipe.config import LoaderConfig, PipelineConfig, rank_loader
+from raypipe.config import PipelineConfig
 from raypipe.config.checks import check_share, is_int
-from raypipe.loader.args import check_options
 from raypipe.loader.pipeline import Pipeline, rank_batches, rank_plan
 from raypipe.plan.rankplan import RankPlan
 from raypipe.plan.shards import Listing, list_shards
@@ -62,19 +59,7 @@ class Loader:
     def __init__(self, config: PipelineConfig, *, epochs: int, rank: int | None = None,
                  world_size: int | None = None, ledger: Any = None, group: str = "",
                  join_timeout_s: float = 300.0, **options: Any):  # fmt: skip
-        if not isinstance(config, PipelineConfig):
-            raise TypeError(f"config must be a PipelineConfig, got {type(config).__name__}")
-        if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
-            raise ValueError(f"{epochs=} must be an integer >= 1")
-        for name in ("rank", "world_size", "ledger", "group", "start", "listing", "epochs"):
-            if name in options:
-                raise TypeError(f"Loader() sets {name}= itself")
-        if unknown := sorted(set(options) - set(inspect.signature(Pipeline).parameters)):
-            raise TypeError(f"Loader() got {unknown}, which raypipe.Pipeline does not take")
-        fields = {f.name for f in dataclasses.fields(LoaderConfig)}  # checked now, as by a Pipeline
-        rank_loader(config, **{k: v for k, v in options.items() if k in fields})
-        checked = ("progress_s", "skips", "drop_last")  # drop_last=None too: rank_loader's unset
-        check_options(**{k: options[k] for k in checked if k in options})
+        epochread.check_arguments(config, epochs, options)
         self.config, self.num_epochs = config, epochs
         self._asked = (rank, world_size, ledger)
         self._group, self._join_timeout_s, self._options = group, join_timeout_s, options
@@ -111,7 +96,11 @@ class Loader:
             raise RuntimeError(f"the Loader's epochs={self.num_epochs} were all read")
         if self._epochs is None:
             self._build()
-        epoch, batches = next(self._epochs)
+        try:
+            epoch, batches = next(self._epochs)
+        except BaseException:  # the pipeline failed: the next iter() gets a new one
+            self._stop_pipeline()
+            raise
         assert epoch == self._next, (epoch, self._next)
         most = rank_batches(self.config, self.listing, self._pipeline.plan, epoch, self._drop_last)
         run = EpochRead(epoch, batches, self._base, most)  # Lightning stops at len(), not the end
@@ -132,6 +121,9 @@ class Loader:
                     batch = next(it)
                 except StopIteration:
                     return
+                except BaseException:  # a data error: the pool is done (its feeder ended)
+                    self._stop_pipeline()
+                    raise
                 run.count += 1
                 run.over = run.most is not None and run.count >= run.most
                 yield batch
@@ -155,7 +147,8 @@ class Loader:
         if not is_int(epoch) or not 0 <= epoch < self.num_epochs:
             raise ValueError(f"{epoch=} must be an integer in 0..{self.num_epochs - 1}")
         if epoch != self._next:
-            epochread.stop_reading(self._running, epochread.set_within(epoch, self._running))
+            why = epochread.called_within(f"set_epoch({epoch})", self._running)
+            epochread.stop_reading(self._running, why)
             latest = self._latest
             self._restart(epoch, None)
             self._latest = latest  # a started one is stale: its epoch is no longer running
@@ -202,6 +195,9 @@ class Loader:
         resumed.check(self.listing, self.config.seed)
         if not 0 <= resumed.epoch <= self.num_epochs:
             raise ValueError(f"the state is at epoch {resumed.epoch}: epochs={self.num_epochs}")
+        epochread.stop_reading(
+            self._running, epochread.called_within("load_state_dict()", self._running)
+        )
         self._restart(resumed.epoch, resumed.consumed)
 
     # -- the pipeline underneath -------------------------------------------------------

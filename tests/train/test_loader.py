@@ -394,3 +394,38 @@ def test_world_size_without_rank_is_refused_and_a_damaged_state_is_one_line(data
     for data in ("abc", torch.zeros(3), [1, 300]):  # "invalid literal for int()", or bytes made
         with pytest.raises(ValueError, match=r"^not a Loader.state_dict\(\): its 'state' is \w+"):
             loader.load_state_dict({"state": data})
+
+
+def test_after_a_data_error_each_iter_reads_the_next_epoch_and_says_its_own(ray_session,
+                                                                            tmp_path):  # fmt: skip
+    """A data error (a file no decoder reads, ``on_error="raise"``) ends the epoch's loop
+    as itself; the next ``iter()`` reads the next epoch from a new pool, as a DataLoader's
+    next iterator would. The pipeline's failed epochs generator was kept: the next
+    ``iter()`` raised from it, the one after ``generator raised StopIteration``."""
+    from raypipe import SampleError
+    from tests.conftest import make_imagefolder
+
+    source = make_imagefolder(tmp_path / "data", {"a": 6, "b": 6}, seed=4)
+    (source / "a" / "0001.jpg").write_bytes(b"no image at all")
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=2, on_error="raise",
+                            actors=(1, 1))  # fmt: skip
+    with Loader(config, epochs=3, rank=0, world_size=1, device="cpu") as loader:
+        for epoch in range(3):
+            with pytest.raises(SampleError, match="0001.jpg"):
+                for _ in loader:
+                    pass
+            assert loader.epoch == epoch + 1
+        with pytest.raises(RuntimeError, match="epochs=3 were all read"):
+            iter(loader)
+
+
+def test_load_state_dict_within_an_epochs_loop_ends_it_saying_why(ray_session, datasets):
+    """``load_state_dict`` during an epoch's loop ends that loop (the next ``iter()``
+    resumes at the state), and says so, where it blamed nested or zipped loops."""
+    with Loader(_config(datasets), epochs=2, rank=0, world_size=1, device="cpu") as loader:
+        state = loader.state_dict()
+        with pytest.raises(RuntimeError, match=r"^load_state_dict\(\) was called while "
+                           r"epoch 0 was being read"):  # fmt: skip
+            for _ in loader:
+                loader.load_state_dict(state)
+        assert sum(len(keys_of(b)) for b in loader) == 60 and loader.epoch == 1
