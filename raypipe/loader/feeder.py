@@ -21,7 +21,6 @@ ranks, on its own conversion, or on the trainer.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import queue
 import threading
@@ -33,31 +32,17 @@ import numpy as np
 from raypipe.loader.demand import Demand
 from raypipe.loader.errors import collect_failed, unwrapped
 from raypipe.loader.ledger import Gate, GateClosed
-from raypipe.loader.rebatch import rebatch
+from raypipe.loader.rebatch import held_ahead, rebatch
 from raypipe.loader.shuffle import shuffled
 from raypipe.plan.rankplan import RankPlan
 
-__all__ = ["Feeder", "held_ahead"]
+__all__ = ["Feeder"]
 assert __all__ == sorted(__all__)
 
 Columns = dict[str, np.ndarray]
 _END, _BATCH, _FAIL = "end", "batch", "fail"
 _POLL_S = 0.05  # how often a blocked put checks for close()
 STAGES = ("ray_s", "peers_s", "iterator_s", "trainer_s")
-
-
-def held_ahead(blocks: Iterator[Columns], rows: int) -> Iterator[Columns]:
-    """``blocks`` in order, each once ``rows`` more rows were pulled after it (or the blocks
-    ended): what a rank tells its gate runs ``rows`` ahead of the batches it forms."""
-    held: collections.deque[Columns] = collections.deque()
-    count = 0
-    for block in blocks:
-        held.append(block)
-        count += len(block["key"])
-        while held and count - len(held[0]["key"]) >= rows:
-            count -= len(held[0]["key"])
-            yield held.popleft()
-    yield from held
 
 
 class _Closed(Exception):
@@ -102,6 +87,7 @@ class Feeder:
         self._counts: dict[int, dict[str, int]] = {}
         self._next = epochs.start
         self._open: Iterator[Columns] | None = None  # the epoch being read, not yet ended
+        self._ended: tuple[int, BaseException] | None = None  # the error its reader was given
         self._draining = False  # `finish` reads the epoch's rest: rows no one is handed
         self._current = dict.fromkeys(STAGES, 0.0)
         self.demand = demand if demand is not None else Demand()  # for raypipe.pool.follow
@@ -113,6 +99,12 @@ class Feeder:
         """This rank's batches of ``epoch``; epochs are read in order, each at most once."""
         if epoch != self._next:
             raise ValueError(f"epoch {epoch} asked for, but the next one is {self._next}")
+        if self._ended is not None:  # the thread is gone: no batch of any epoch comes
+            at, error = self._ended
+            raise RuntimeError(
+                f"the pipeline stopped in epoch {at} with {type(error).__name__}: {error}; it "
+                "reads no later epoch: make a new Pipeline (start= a checkpoint's state resumes)"
+            ) from error
         self.finish(epoch - 1)
         self._next += 1
         self._open = self._read(epoch)
@@ -145,7 +137,7 @@ class Feeder:
             finally:
                 demand.waited_s += time.perf_counter() - t0  # a drain's too: the loop waits
             if kind == _FAIL:
-                self._open = None
+                self._open, self._ended = None, (epoch, item)
                 raise item
             assert at == epoch, (at, epoch)
             if kind == _END:

@@ -8,6 +8,7 @@ issue 66085). Cutting batches here makes every rank's batch count ``rows // batc
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -78,3 +79,19 @@ def concat_column(parts: list[np.ndarray]) -> np.ndarray:
     out = np.empty(len(rows), dtype=object)
     out[:] = rows
     return out
+
+
+def held_ahead(
+    blocks: Iterator[dict[str, np.ndarray]], rows: int
+) -> Iterator[dict[str, np.ndarray]]:
+    """``blocks`` in order, each once ``rows`` more rows were pulled after it (or the blocks
+    ended): what a rank tells its gate runs ``rows`` ahead of the batches it forms."""
+    held: collections.deque[dict[str, np.ndarray]] = collections.deque()
+    count = 0
+    for block in blocks:
+        held.append(block)
+        count += len(block["key"])
+        while held and count - len(held[0]["key"]) >= rows:
+            count -= len(held[0]["key"])
+            yield held.popleft()
+    yield from held

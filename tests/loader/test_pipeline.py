@@ -70,7 +70,7 @@ def test_a_lead_of_rows_keeps_epochs_exactly_once_and_equal_with_skips(ray_sessi
 
 
 def test_held_ahead_yields_every_block_in_order_once_rows_ran_ahead():
-    from raypipe.loader.feeder import held_ahead
+    from raypipe.loader.rebatch import held_ahead
 
     sizes, pulled = [3, 1, 4, 1, 5], []
 
@@ -305,3 +305,28 @@ def test_an_epochs_batches_name_their_epoch_before_the_first_batch(ray_session, 
         assert batches.stats()["epoch"] == state["epoch"] == epoch and len(state["keys"]) == 0
         assert sum(1 for _ in batches) == 8
         assert batches.stats()["epoch"] == batches.state_dict()["epoch"] == epoch
+
+
+@pytest.mark.timeout(180)
+def test_after_a_data_error_the_next_epoch_says_the_pipeline_stopped(ray_session, tmp_path):
+    """A data error (``on_error="raise"``) ends its epoch's loop as itself; a loop that
+    caught it and asked for the next epoch waited for ever on the pool that had stopped.
+    It is told at once why, and what goes on instead."""
+    from raypipe import SampleError
+    from tests.conftest import make_imagefolder
+
+    source = make_imagefolder(tmp_path / "data", {"a": 6, "b": 6}, seed=4)
+    (source / "a" / "0001.jpg").write_bytes(b"no image at all")
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=2, on_error="raise",
+                            actors=(1, 1))  # fmt: skip
+    with Pipeline(config, epochs=3, device="cpu") as pipe:
+        epochs = pipe.epochs()
+        _, batches = next(epochs)
+        with pytest.raises(SampleError, match="0001.jpg"):
+            for _ in batches:
+                pass
+        _, batches = next(epochs)
+        with pytest.raises(RuntimeError, match=r"^the pipeline stopped in epoch 0 with "
+                           r"SampleError: .*make a new Pipeline") as stopped:  # fmt: skip
+            next(iter(batches))
+        assert isinstance(stopped.value.__cause__, SampleError)
