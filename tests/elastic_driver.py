@@ -112,7 +112,7 @@ def node_loss(data: str, out: str, temp_dir: str, port: str, kill_after: list[in
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
-    # README "Running at scale": actors only on preprocess nodes, never on the head
+    # docs/scale.md "Keeping preprocessing actors off GPU nodes": actors only on preprocess nodes, never on the head
     context.execution_options.label_selector = {"raypipe-role": "preprocess"}
     config = PipelineConfig(
         source=data,

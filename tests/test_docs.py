@@ -113,3 +113,24 @@ def test_the_layout_sections_match_the_tree():
 
 
 OUTSIDE = {"raypipe", "samples", "cache"}  # the package itself; preprocess/samples/, cache/
+
+
+def test_pointers_to_a_section_from_code_and_configs_find_it():
+    """``README "Running at scale"`` in a comment or a docstring (what ``help()`` shows)
+    names a heading of the README, or ``docs/page.md`` "Title" one of that page: three
+    pointed at README sections that had moved to docs/ pages."""
+    files = [p for p in ROOT.rglob("*") if p.suffix in (".py", ".yaml", ".sh")
+             and not {".venv", ".git", "build"} & set(p.relative_to(ROOT).parts)
+             and p != Path(__file__).resolve()]  # fmt: skip
+    titles = {
+        page: {t.strip() for t in re.findall(r"^#{1,6} (.+)$", page.read_text(), re.MULTILINE)}
+        for page in [ROOT / "README.md", *DOCS]
+    }  # fmt: skip
+    dead = []
+    for path in files:
+        text = re.sub(r"\n\s*#\s*", " ", path.read_text())  # a comment's lines as one
+        for page, title in re.findall(r"(README|docs/[\w-]+\.md) \"([^\"]+)\"", text):
+            target = ROOT / ("README.md" if page == "README" else page)
+            if title not in titles.get(target, ()):
+                dead.append(f'{path.relative_to(ROOT)}: {page} "{title}"')
+    assert files and not dead, dead

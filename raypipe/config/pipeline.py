@@ -86,7 +86,7 @@ class PipelineConfig:
             dict: ``image`` (as ``transform_input`` says), ``label``, ``key`` and the sample's
             other WebDataset members or Parquet columns; it returns a dict of fields. Python's
             ``random``, NumPy's global generator and torch's are seeded per sample from
-            ``(seed, epoch, key)``. See README "Your own transform".
+            ``(seed, epoch, key)``. See docs/transforms.md "Your own transform".
         transform_input: the image the transform gets: ``"numpy"`` (H×W×3 uint8),
             ``"pil"`` (RGB) or ``"torch"`` (3×H×W uint8 tensor).
         transform_batch: the transform takes a batch (a dict of lists, ``rows_per_block``
