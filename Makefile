@@ -1,14 +1,16 @@
 # Everything starts from a fresh machine: `make demo` and `make test` build the
 # virtualenv first. torch is installed before anything else, so that no other package
-# pulls a torch of its own: TORCH_SPEC, whose default takes the CPU build where the index
-# has it (this project's machines: a wheel on disk). On plain PyPI, Linux's torch is the
-# multi-GB CUDA build: choose the CPU one, or a CUDA one for GPU machines:
-#   make test TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+# pulls a torch of its own, and by default its CPU build: torch==VERSION+cpu where the
+# package index has it (a wheel on disk, a mirror), else from PyTorch's CPU index (on
+# plain PyPI, Linux's torch is the multi-GB CUDA build). TORCH_SPEC, where set, is
+# installed instead, e.g. for a GPU machine:
 #   make test TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 PYTHON ?= python3
 VENV ?= .venv
-TORCH_SPEC ?= torch==2.13.0
-DEMO_DIR ?= demo-data
+TORCH_VERSION ?= 2.13.0
+TORCH_SPEC ?=
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+DEMO_DIR := demo-data# jobs/configs/digits.yaml reads it there
 BIN := $(VENV)/bin
 # raypipe's own local Ray listens on 127.0.0.1 with nothing set; the tests' `ray start`
 # heads and the benchmarks that call ray.init themselves need Ray's switch for that
@@ -22,7 +24,13 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml setup.py raypipe/preprocess/_jpegregion.c raypipe/preprocess/_draws.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+ifeq ($(strip $(TORCH_SPEC)),)
+	$(BIN)/pip install --quiet "torch==$(TORCH_VERSION)+cpu" 2> /dev/null || { \
+	    echo "make: no CPU build of torch $(TORCH_VERSION) on the package index: from $(TORCH_CPU_INDEX)"; \
+	    $(BIN)/pip install --quiet "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX); }
+else
 	$(BIN)/pip install --quiet $(TORCH_SPEC)
+endif
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 
@@ -43,7 +51,7 @@ test: lint  # on a failure, Ray's fatal log lines, then pytest's verdict again, 
 	rm -f .pytest.current; touch .pytest.start; RAYPIPE_TEST_CURRENT=.pytest.current $(BIN)/python -m pytest -q -rsfE --durations=15 2>&1 \
 	    | tee .pytest.log || { status=$$?; bash .ci/ray-logs .pytest.log; exit $$status; }
 
-bench: $(STAMP) $(DEMO_DIR)/.done
+bench: $(STAMP)
 	$(BIN)/python benchmarks/ingest.py --size small
 
 clean:
