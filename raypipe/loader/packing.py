@@ -87,11 +87,12 @@ class Packing:
 
 def documents(blocks: Iterable[Columns], field: str, lengths: np.ndarray | None = None):
     """``(key, tokens)`` of every row of ``blocks``; a value that is not a 1-D integer
-    sequence, or not as long as listed (a transform changed it), raises ValueError."""
+    sequence (an empty one of any type: a transform's ``[]`` is float64), or not as long as
+    listed (a transform changed it), raises ValueError."""
     for block in blocks:
         for key, value in zip(block["key"], block[field], strict=True):
             doc, key = np.asarray(value), int(key)
-            if doc.ndim != 1 or doc.dtype.kind not in "iu":
+            if doc.ndim != 1 or (doc.dtype.kind not in "iu" and doc.size):
                 raise ValueError(f"pack={field!r}: key {key} holds {doc.dtype} with "
                                  f"{doc.ndim} dims, not a 1-D sequence of integers")  # fmt: skip
             if lengths is not None and len(doc) != lengths[key]:

@@ -72,6 +72,24 @@ def test_documents_of_two_token_types_are_packed_into_the_type_that_holds_both()
     assert out[2]["tokens"].dtype == np.uint16  # a batch of one type keeps it
 
 
+def test_an_empty_document_from_a_transforms_list_is_packed_as_empty():
+    """A transform that returns Python lists makes an empty document a float64 array
+    (numpy's type of ``[]``): it takes the others' type, as padding gives it, where it
+    stopped the rank's run as "not a sequence of integers"."""
+    from raypipe.loader.packing import documents
+    from raypipe.preprocess.usermap import _to_numpy
+
+    rows = np.empty(3, dtype=object)
+    rows[:] = [_to_numpy([5, 6, 7]), _to_numpy([]), _to_numpy([8])]
+    block = {"key": np.arange(3), "tokens": rows}
+    out = list(pack(documents([block], "tokens"), "tokens", seq_len=4, batch_size=1, rows=1,
+                    counts={}))  # fmt: skip
+    assert out[0]["tokens"].tolist() == [[5, 6, 7, 8]] and list(out[0]["key"]) == [0, 1, 2]
+    with pytest.raises(ValueError, match="key 1 holds float64 with 1 dims"):
+        list(documents([{"key": np.arange(2), "tokens": [np.array([1]), np.array([0.5])]}],
+                       "tokens"))  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory):
     root = tmp_path_factory.mktemp("packed")
