@@ -113,8 +113,9 @@ class SampleMap:
         """A per-batch transform: lists of each field in, arrays with one row each out;
         ``samples``: the raws' transform inputs (`sample`, each made and checked alone)."""
         seed = seed_globals(self.seed, epoch, raws[0].key)
+        fields = dict.fromkeys(k for s in samples for k in s)  # every member any sample has
         try:
-            out = self._apply({k: [s[k] for s in samples] for k in samples[0]}, seed)
+            out = self._apply({k: [s.get(k) for s in samples] for k in fields}, seed)
         except Exception as e:
             from raypipe.skips.records import BadSample
 
@@ -123,11 +124,15 @@ class SampleMap:
             raise TransformOutputError(f"the transform returned {type(out).__name__}, not a dict")
         rows: list[dict[str, Any]] = [{} for _ in raws]
         for field, values in out.items():
+            where = (
+                f"for a batch of {len(raws)} (keys {raws[0].key}..{raws[-1].key}, {raws[0].where})"
+            )
+            if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or (
+                    isinstance(values, np.ndarray) and values.ndim == 0):  # fmt: skip
+                raise TransformOutputError(f"field {field!r} is {type(values).__name__}, not "
+                                           f"one value a row, {where}")  # fmt: skip
             if len(values) != len(raws):
-                raise TransformOutputError(
-                    f"field {field!r} has {len(values)} rows for a batch of {len(raws)} "
-                    f"(keys {raws[0].key}..{raws[-1].key}, {raws[0].where})"
-                )
+                raise TransformOutputError(f"field {field!r} has {len(values)} rows {where}")
             for row, value in zip(rows, values, strict=True):
                 row[field] = value
         return [_as_row(row, raw) for row, raw in zip(rows, raws, strict=True)]
@@ -225,20 +230,30 @@ def _as_row(out: Any, raw) -> dict[str, Any]:
             f"the transform returned {type(out).__name__} for key {raw.key} ({raw.where}): "
             "it must return a non-empty dict of fields"
         )
-    row = {str(k): _to_numpy(v) for k, v in out.items() if k != "key"}
+    row = {str(k): _to_numpy(v, k, raw) for k, v in out.items() if k != "key"}
     row["key"] = np.int64(raw.key)
     return row
 
 
-def _to_numpy(value: Any) -> Any:
+def _to_numpy(value: Any, field: Any = None, raw=None) -> Any:
+    """A field's value as NumPy holds it: tensors, images and lists of numbers (Python's
+    or NumPy's) as arrays; strings, bytes, dicts as the objects they are."""
     if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch tensor
-        return value.detach().cpu().numpy()
+        try:
+            return value.detach().cpu().numpy()
+        except (TypeError, RuntimeError) as e:  # bfloat16: NumPy has no such type
+            at = f" at key {raw.key} ({raw.where})" if raw is not None else ""
+            raise TransformOutputError(f"field {field!r}{at} is a {value.dtype} tensor, which "
+                                       f"NumPy cannot hold ({e}): return another type") from e  # fmt: skip
     if hasattr(value, "getbands"):  # a PIL image
         return np.asarray(value)
     if isinstance(value, (bool, int, float, np.generic)):
         return np.asarray(value)
     if isinstance(value, np.ndarray):
         return value
-    if isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value):
+    if isinstance(value, (list, tuple)) and all(isinstance(v, _NUMBERS) for v in value):
         return np.asarray(value)
     return value  # strings, bytes, dicts: kept as objects
+
+
+_NUMBERS = (int, float, np.number, np.bool_)

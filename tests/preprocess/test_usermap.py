@@ -236,6 +236,75 @@ def test_an_empty_list_of_ids_is_an_empty_row_of_the_fields_type():
         stacked.check({"ids": np.array([2])}, 1, "b")  # a real change of type still stops
 
 
+def test_a_list_of_numpy_numbers_is_a_row_of_them_padded_and_masked():
+    """``list(sample["tokens"])[:n]``, a list of NumPy scalars, was kept as a Python list:
+    no padding, no mask, and the trainer got lists of lists."""
+    from raypipe.formats.sample import RawSample
+    from raypipe.preprocess.usermap import _as_row
+    from raypipe.preprocess.userrows import Schema, rows_block
+
+    raws = [RawSample(k, -1, None, f"f.parquet:row{k}") for k in range(2)]
+    ids = np.array([7, 8, 9], np.int32)
+    rows = [_as_row({"ids": list(ids)}, raws[0]), _as_row({"ids": list(ids[:1])}, raws[1])]
+    assert rows[0]["ids"].dtype == np.int32
+    schema = Schema(arrays_ragged=True)
+    for row, raw in zip(rows, raws, strict=True):
+        schema.check(row, raw.key, raw.where)
+    batch = pad_collate(rows_block(rows, schema.ragged), masks=True)
+    assert batch["ids"].tolist() == [[7, 8, 9], [7, 0, 0]]
+    assert batch["ids_mask"].sum(1).tolist() == [3, 1]
+
+
+def test_a_tensor_numpy_has_no_type_for_is_the_transforms_error_not_the_samples():
+    """A bfloat16 tensor (NumPy has no such type) was a ``decode_error`` of every sample,
+    skipped until the budget ran out: it is the transform's output, named as such."""
+    from raypipe.formats.sample import RawSample
+    from raypipe.preprocess.usermap import _as_row
+
+    raw = RawSample(3, -1, None, "f.parquet:row3")
+    with pytest.raises(TransformOutputError, match=r"field 'x' at key 3 \(f.parquet:row3\) "
+                       r"is a torch.bfloat16 tensor"):  # fmt: skip
+        _as_row({"x": torch.ones(3, dtype=torch.bfloat16)}, raw)
+
+
+def _members(batch: dict) -> dict:
+    return {"n": [len(v) if v is not None else -1 for v in batch["txt"]],
+            "has_json": [v is not None for v in batch["json"]]}  # fmt: skip
+
+
+def _a_number(batch: dict) -> dict:
+    return {"n": 5}
+
+
+def test_a_per_batch_transform_gets_every_member_any_sample_has():
+    """Its input was built from the first sample's members: one a later sample lacked
+    skipped the whole batch as the transform's error (KeyError) before it ran, one the
+    first lacked was left out. Every member any sample has is there, None where a sample
+    has none."""
+    from raypipe.formats.sample import RawSample
+    from raypipe.preprocess.usermap import SampleMap
+
+    m = SampleMap(_members, seed=0, image_input="numpy", per_batch=True, max_image_pixels=None)
+    raws = [RawSample(k, 0, None, f"s.tar:{k}") for k in range(3)]
+    samples = [{"txt": "ab"}, {"txt": "abc", "json": {"a": 1}}, {"json": {}}]
+    rows = m.batch(raws, 0, samples)
+    assert [int(r["n"]) for r in rows] == [2, 3, -1]
+    assert [bool(r["has_json"]) for r in rows] == [False, True, True]
+
+
+def test_a_per_batch_output_that_is_not_one_value_a_row_is_the_transforms_error():
+    """``{"n": 5}`` for a batch of 3: a TypeError (no len) that skipped every sample as a
+    ``decode_error`` until the skip budget ran out; it is the transform's broken output."""
+    from raypipe.formats.sample import RawSample
+    from raypipe.preprocess.usermap import SampleMap
+
+    m = SampleMap(_a_number, seed=0, image_input="numpy", per_batch=True, max_image_pixels=None)
+    raws = [RawSample(k, 0, None, f"s.tar:{k}") for k in range(3)]
+    with pytest.raises(TransformOutputError, match=r"field 'n' is int, not one value a row, "
+                       r"for a batch of 3"):  # fmt: skip
+        m.batch(raws, 0, [{"txt": "a"}] * 3)
+
+
 def test_outputs_that_change_dtype_fail_naming_field_key_and_file(ray_session, datasets):
     config = PipelineConfig(source=str(datasets["parquet"]), batch_size=4, actors=(1, 1),
                             transform=f"{T}:dtype_changes_at_7", shuffle_files=False)  # fmt: skip
