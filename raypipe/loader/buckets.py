@@ -82,7 +82,9 @@ def bucketed(blocks: Iterable[Columns], field: str, batch_size: int, *, window: 
     windows of ``window`` batches; the last window's remainder short unless ``drop_last``."""
     size, held = window * batch_size, None
     for block in blocks:
-        held = block if held is None else {k: concat_column([held[k], v]) for k, v in block.items()}
+        held = (
+            block if held is None else {k: concat_column([held[k], v], k) for k, v in block.items()}
+        )
         while len(held["key"]) >= size:
             head = {k: v[:size] for k, v in held.items()}
             held = {k: v[size:] for k, v in held.items()}

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
+from raypipe.loader.collate import holding_dtype
+
 
 def rebatch(
     batches: Iterable[dict[str, np.ndarray]], batch_size: int, *, drop_last: bool
@@ -64,17 +66,20 @@ def _split(pieces: list[dict[str, np.ndarray]], n: int):
 def _concat(pieces: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     if len(pieces) == 1:
         return pieces[0]
-    return {k: concat_column([p[k] for p in pieces]) for k in pieces[0]}
+    return {k: concat_column([p[k] for p in pieces], k) for k in pieces[0]}
 
 
-def concat_column(parts: list[np.ndarray]) -> np.ndarray:
+def concat_column(parts: list[np.ndarray], field: str = "") -> np.ndarray:
     """Rows of ``parts`` in one array; a ragged (object, one array per row) part makes the
     result ragged too (a user transform's field that differed in shape in some block), as
     do stacked parts whose rows differ in shape (each worker stacks a field whose rows all
-    had one shape there: another worker's may have had another)."""
+    had one shape there: another worker's may have had another). Signed and unsigned
+    integers join as int64 (`holding_dtype`; numpy's common type is float64)."""
     ragged = [p.dtype == object for p in parts]
-    if all(ragged) or (not any(ragged) and len({p.shape[1:] for p in parts}) == 1):
+    if all(ragged):
         return np.concatenate(parts)
+    if not any(ragged) and len({p.shape[1:] for p in parts}) == 1:
+        return np.concatenate(parts, dtype=holding_dtype(field, parts), casting="unsafe")
     rows = [row for p in parts for row in (p if p.dtype == object else list(p))]
     out = np.empty(len(rows), dtype=object)
     out[:] = rows

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from raypipe.loader.collate import holding_dtype
+
 __all__ = ["shuffled"]
 assert __all__ == sorted(__all__)
 
@@ -61,7 +63,9 @@ def _put(pool: dict[str, np.ndarray], slots: np.ndarray, block: Columns, at: int
         column = pool[k]
         ragged = column.dtype == object or rows.dtype == object
         if not ragged and rows.shape[1:] == column.shape[1:]:
-            if (wide := np.result_type(column.dtype, rows.dtype)) != column.dtype:
+            # the pool's type, and rows' values checked (its unfilled slots hold garbage)
+            wide = holding_dtype(k, [np.zeros(1, column.dtype), rows])
+            if wide != column.dtype:
                 column = pool[k] = column.astype(wide)
         elif column.dtype != object:
             objects = np.empty(len(column), dtype=object)

@@ -121,3 +121,24 @@ def test_blocks_whose_rows_differ_in_shape_join_as_ragged_rows():
     assert [r.tolist() for r in out] == [r.tolist() for r in (*a, *b)]
     same = concat_column([a, a + 1])  # one shape: stacked as before
     assert same.dtype != object and same.shape == (8, 3)
+
+
+def test_signed_and_unsigned_integer_blocks_join_as_integers():
+    """Two workers' blocks of one field, uint64 and int64 ids: numpy's common type is
+    float64, exact to 2**53, and an id came out one off (and a label a float). They join
+    as int64, as padded rows do, or fail naming the field when no integer type holds both."""
+    from raypipe.loader.rebatch import concat_column
+    from raypipe.loader.shuffle import shuffled
+
+    big = 2**62 + 1
+    parts = [np.array([[big, 3]], np.uint64), np.array([[1, 2]], np.int64)]
+    out = concat_column(parts, "ids")
+    assert out.dtype == np.int64 and out.tolist() == [[big, 3], [1, 2]]
+    blocks = [{"key": np.arange(1), "ids": parts[0]}, {"key": np.arange(1, 2), "ids": parts[1]}]
+    got = rebatch(iter(blocks), 2, drop_last=True)
+    assert [b["ids"].tolist() for b in got] == [[[big, 3], [1, 2]]]
+    mixed = list(shuffled(iter(blocks), 2, 2, np.random.default_rng(0), drop_last=False))
+    assert sorted(r for b in mixed for r in b["ids"].tolist()) == [[1, 2], [big, 3]]
+    assert all(b["ids"].dtype == np.int64 for b in mixed)
+    with pytest.raises(ValueError, match="field 'ids' has unsigned values up to"):
+        concat_column([np.array([2**63], np.uint64), np.array([-1], np.int64)], "ids")
