@@ -13,6 +13,7 @@ Bad data never raises here: a wrong column fails every row of its shard with one
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections.abc import Iterator
@@ -71,8 +72,6 @@ def parquet_labels(storage: Storage, paths: list[str], column: str,
     ``fields`` (samples with no image, whose label is their field ``label``): a column
     ``label`` beside another ``column`` is refused (ValueError), never overwritten.
     """
-    import pyarrow as pa
-    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     for path in paths:
@@ -93,17 +92,24 @@ def parquet_labels(storage: Storage, paths: list[str], column: str,
             return names, f"column {column!r} ({what})"
         if kind != "str":
             return (), f"column {column!r} is {schema.field(column).type}, not integers or strings"
-        seen: set[str] = set()
-        for p in paths:
-            try:
-                values = pq.read_table(storage.open_arrow(p), columns=[column]).column(column)
-            except Exception:
-                continue
-            values = values.cast(pa.string()) if pa.types.is_dictionary(values.type) else values
-            seen.update(v for v in pc.unique(values).to_pylist() if v is not None)
-        classes = tuple(sorted(seen))
+        classes = tuple(sorted(set().union(*(_strings(storage, p, column) for p in paths))))
         return classes, f"column {column!r} (strings → {len(classes)} sorted classes)"
     return (), "no readable Parquet file"
+
+
+def _strings(storage: Storage, path: str, column: str) -> set[str]:
+    """The distinct strings of ``column`` in ``path``, a row group at a time: an unreadable
+    file or a damaged group (invalid UTF-8) adds none; its rows say so when read."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    file, seen = open_file(storage, path, 0)[0], set()
+    for g in range(file.num_row_groups if file is not None else 0):
+        with contextlib.suppress(Exception):
+            values = file.read_row_group(g, columns=[column]).column(column)
+            values = values.cast(pa.string()) if pa.types.is_dictionary(values.type) else values
+            seen.update(v for v in pc.unique(values).to_pylist() if v is not None)
+    return seen
 
 
 def read_parquet(storage: Storage, path: str, first_key: int, done: np.ndarray | None, *,
@@ -163,7 +169,7 @@ def read_groups(file, path: str, first_key: int, done: np.ndarray | None,
                 samples = list(rows(batch, key))  # a whole batch, or none of it, is yielded
                 yield from samples
                 key += batch.num_rows
-        except (OSError, pa.ArrowException) as e:  # a damaged page
+        except (OSError, ValueError, pa.ArrowException) as e:  # a damaged page (or string)
             detail = f"row group {g}: {type(e).__name__}: {e}"
             yield from (RawSample(k, -1, None, f"{path}:row{k - first_key}", detail, "unreadable")
                         for k in range(key, end) if done is None or not done[k - first_key])  # fmt: skip

@@ -583,3 +583,29 @@ def test_parquet_view_types_are_images_and_labels(tmp_path):
     got = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
     assert listing.classes == ("cat", "dog")
     assert [(r.reason, r.label, r.data) for r in got] == [(None, 1, png(0)), (None, 0, png(1))]
+
+
+def test_a_damaged_string_label_loses_its_row_group_only_and_lists(tmp_path):
+    """pyarrow checks no page CRC: a flipped byte in a string label is invalid UTF-8,
+    whose UnicodeDecodeError escaped the damaged-page handling: the listing of the source
+    failed, naming no file, and a read lost the intact row groups after it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "pq" / "s.parquet"
+    path.parent.mkdir()
+    names = [f"class{i % 3}xyz" for i in range(40)]
+    table = pa.table({"image": [png(i % 7) for i in range(40)], "label": names})
+    pq.write_table(table, path, row_group_size=10, compression="none", use_dictionary=False)
+    data = bytearray(path.read_bytes())
+    start = pq.ParquetFile(path).metadata.row_group(2).column(1).data_page_offset
+    at = data.index(b"\x09\x00\x00\x00class", start) + 4  # row 20's value (not statistics')
+    data[at + 1 : at + 3] = b"\xff\xfe"  # not UTF-8
+    path.write_bytes(bytes(data))
+    listing = list_shards(PipelineConfig(source=str(path.parent)))
+    raws = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
+    assert [r.key for r in raws] == list(range(40))
+    assert [r.key for r in raws if r.reason] == list(range(20, 30))
+    assert {r.reason for r in raws if r.reason} == {"unreadable"} and "row group 2" in raws[
+        20
+    ].error
