@@ -50,6 +50,9 @@ def _open(storage, path: str):
     return h5py.File(storage.open(path) if storage.remote else path, "r")
 
 
+_DAMAGED = (OSError, RuntimeError, KeyError, ValueError)  # what h5py raises on a damaged file
+
+
 def _datasets(f) -> list[str]:
     names: list[str] = []
     f.visititems(lambda name, obj: names.append(name) if hasattr(obj, "shape") else None)
@@ -73,7 +76,7 @@ def pieces(reader, path: str, listed: frozenset[str] = frozenset()) -> list[tupl
             images = pair[0]
             n, chunk = images.shape[0], images.chunks[0] if images.chunks else 1
             per = rows_per_piece(reader.storage.size(path) // max(1, n), chunk)
-    except OSError:
+    except _DAMAGED:  # not HDF5, or damaged metadata
         return [(path, 1)]  # the reader yields one unreadable_shard sample for it
     if n <= per:
         return [(path, n)]
@@ -93,7 +96,11 @@ def read(reader, path: str, first_key: int, label: int,
         yield RawSample(first_key, -1, None, file, os_error(e), "unreadable_shard")
         return
     with f:
-        pair = _pair(f, reader)
+        try:
+            pair = _pair(f, reader)
+        except _DAMAGED as e:  # damaged metadata: the file's (or piece's) keys are unreadable
+            yield RawSample(first_key, -1, None, file, os_error(e), "unreadable_shard")
+            return
         if pair is None:
             detail = unknown_fields(file, _datasets(f), reader.image_column,
                                     reader.label_column, CONVENTIONS)  # fmt: skip
@@ -148,9 +155,9 @@ def _row(image, mark, key: int, where: str) -> RawSample:
     number = as_label(mark)
     if number is None:
         return RawSample(key, -1, None, where, f"label {mark!r:.40} is not an integer", "bad_label")
-    if image.dtype != np.uint8:
-        return RawSample(key, -1, None, where, f"images of dtype {image.dtype}, not uint8",
-                         "wrong_type")  # fmt: skip
+    if not isinstance(image, np.ndarray) or image.dtype != np.uint8:  # strings come as bytes
+        what = image.dtype if isinstance(image, np.ndarray) else type(image).__name__
+        return RawSample(key, -1, None, where, f"images of {what}, not uint8", "wrong_type")
     try:
         data = image.tobytes() if image.ndim == 1 else pixels_to_pnm(image)
     except ValueError as e:
@@ -163,15 +170,16 @@ def labels(reader, paths: list[str]) -> tuple[tuple[str, ...], str]:
     Raises ValueError (one line, the first file's datasets) when the names are unknown."""
     for path in paths:
         try:
-            f = _open(reader.storage, path)
-        except OSError:
-            continue  # not HDF5: skipped by the reader
-        with f:
-            names = pick(_datasets(f), reader.image_column, reader.label_column, CONVENTIONS)
-            if names is None:
-                raise ValueError(unknown_fields(f"{path}", _datasets(f), reader.image_column,
-                                                reader.label_column, CONVENTIONS))  # fmt: skip
-            images = f[names[0]]
-            kind = "encoded bytes" if images.ndim == 1 else f"raw pixels {images.shape[1:]}"
-            return (), f"dataset {names[1]!r}, images {names[0]!r} ({kind})"
+            with _open(reader.storage, path) as f:
+                datasets = _datasets(f)
+                names = pick(datasets, reader.image_column, reader.label_column, CONVENTIONS)
+                images = f[names[0]] if names is not None else None
+                kind = None if images is None else (
+                    "encoded bytes" if images.ndim == 1 else f"raw pixels {images.shape[1:]}")  # fmt: skip
+        except _DAMAGED:
+            continue  # not HDF5, or damaged: skipped by the reader
+        if names is None:
+            raise ValueError(unknown_fields(f"{path}", datasets, reader.image_column,
+                                            reader.label_column, CONVENTIONS))  # fmt: skip
+        return (), f"dataset {names[1]!r}, images {names[0]!r} ({kind})"
     return (), "no readable HDF5 file"

@@ -331,3 +331,40 @@ def test_old_msgpack_values_and_a_scalar_hdf5_dataset(tmp_path):
     listing = list_shards(PipelineConfig(source=str(tmp_path / "s.h5")))
     got = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
     assert [r.reason for r in got] == ["missing_column"]
+
+
+def test_a_damaged_hdf5_file_is_its_own_unreadable_shard_not_the_sources_end(tmp_path):
+    """A bit flipped in an HDF5 file's metadata (its local heap's signature): h5py's
+    RuntimeError escaped listing, reading and labels, so one damaged file among many
+    stopped the run at listing, naming none."""
+    import h5py
+
+    root = tmp_path / "h5"
+    root.mkdir()
+    for name in ("a", "b"):
+        with h5py.File(root / f"{name}.h5", "w") as f:
+            f["images"] = np.zeros((4, 8, 8, 3), np.uint8)
+            f["labels"] = np.arange(4)
+    raw = bytearray((root / "b.h5").read_bytes())
+    raw[raw.find(b"HEAP")] ^= 1
+    (root / "b.h5").write_bytes(bytes(raw))
+    listing = list_shards(PipelineConfig(source=str(root)))
+    read = {s.path.rsplit("/", 1)[1]: list(listing.reader.read(s.path, s.first_key, -1))
+            for s in listing.shards}  # fmt: skip
+    assert [r.reason for r in read["a.h5"]] == [None] * 4
+    assert {r.reason for r in read["b.h5"]} == {"unreadable_shard"}
+    assert all("b.h5" in r.where for r in read["b.h5"])
+
+
+def test_an_hdf5_image_dataset_of_strings_is_a_wrong_type_per_row(tmp_path):
+    """Images stored as variable-length strings come back as Python bytes, which have no
+    dtype: an AttributeError lost the whole shard, where each row is a ``wrong_type``."""
+    import h5py
+
+    path = tmp_path / "s.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("images", data=[b"abc", b"de"], dtype=h5py.special_dtype(vlen=bytes))
+        f["labels"] = np.arange(2)
+    listing = list_shards(PipelineConfig(source=str(path)))
+    raws = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
+    assert [r.key for r in raws] == [0, 1] and {r.reason for r in raws} == {"wrong_type"}
