@@ -211,10 +211,11 @@ def check_ray() -> str | None:
 
 
 def _nothing_to_join(temp_dir: str | None = None) -> bool:
-    """Plain ``ray.init()`` starts a new Ray: no ``RAY_ADDRESS``, no cluster `ray start` left
-    (in ``temp_dir``, ``ray.init(_temp_dir=...)``'s, or Ray's default one)."""
+    """Plain ``ray.init()`` starts a new Ray: no ``RAY_ADDRESS`` (or ``RAY_ADDRESS=local``),
+    no cluster `ray start` left (in ``temp_dir``, ``ray.init(_temp_dir=...)``'s, or Ray's
+    default one)."""
     try:
-        return rayapi.address_from_environment(None, temp_dir) is None
+        return rayapi.address_from_environment(None, temp_dir) in (None, "local")
     except Exception:
         return False
 

@@ -77,6 +77,26 @@ def test_a_cluster_left_in_ray_inits_own_temp_dir_is_what_it_joins(monkeypatch, 
     assert not localnode._nothing_to_join(str(own))
 
 
+def test_ray_address_local_starts_a_new_ray_with_raypipes_settings(monkeypatch, tmp_path):
+    """``RAY_ADDRESS=local`` makes ``ray.init()`` start a new Ray: `start` took it for a
+    cluster joined, so the token file was not made private, the auth mode not put back,
+    `started_here` was False (refusals became waits) and raypipe's settings not applied."""
+    import ray
+
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    assert localnode._nothing_to_join() and localnode._on_loopback(None)
+    seen: dict = {}
+    monkeypatch.setattr(ray, "init", lambda address=None, **kw: seen.update(kw, address=address))
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(gcs_address="x"))
+    monkeypatch.setattr(localnode, "_STARTED", [])
+    monkeypatch.setattr(localnode, "_AUTH_SET", [])
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # no token file written by this test
+    localnode.start(None)
+    assert "_system_config" in seen and localnode._STARTED == ["x"]  # what started_here reads
+
+
 def test_started_here_is_the_ray_it_started_not_one_joined_after(monkeypatch):
     import ray
 
