@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from raypipe.formats import FORMATS, Reader, get_format
-from raypipe.formats.pixels import open_image, to_rgb
+from raypipe.formats.pixels import to_rgb
 from raypipe.formats.webdataset import WDS_IMAGE_EXTS
 
 # the formats raypipe writes, and the suffix of their shard files
@@ -98,18 +98,22 @@ def _load(samples: list[Sample]) -> Iterator[tuple[Sample, bytes | None, str]]:
 
 
 def _identify(data: bytes) -> None:
-    """Pillow's reading of the header (nothing decoded): raises on bytes of no image."""
-    with open_image(data):
+    """Pillow's reading of the header (nothing decoded): raises on bytes of no image, and
+    on an image over Pillow's pixel limit (a decompression bomb)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)):
         pass
 
 
 def _to_png(data: bytes) -> bytes:
     """The image in ``data`` as a PNG of the pixels the pipeline decodes from it: upright
     (its EXIF orientation applied) and in 8-bit RGB as `to_rgb` makes it (transparency over
-    black, the top 8 bits of 16-bit grey), not Pillow's plain RGB conversion."""
-    from PIL import ImageOps
+    black, the top 8 bits of 16-bit grey), not Pillow's plain RGB conversion. One over
+    Pillow's pixel limit is refused before it is decoded."""
+    from PIL import Image, ImageOps
 
-    with open_image(data) as img:
+    with Image.open(io.BytesIO(data)) as img:
         buf = io.BytesIO()
         to_rgb(ImageOps.exif_transpose(img)).save(buf, format="PNG")
     return buf.getvalue()

@@ -387,3 +387,25 @@ def test_a_rerun_removes_what_interrupted_writes_left(ray_session, folder, tmp_p
     assert [p.exists() for p in stale] == [False, False]
     assert fresh.exists() and all(p.exists() for p in others)
     assert "removed 2 temporary files interrupted writes left (0.0 MiB)" in capsys.readouterr().err
+
+
+def test_an_image_over_pillows_pixel_limit_is_left_out_not_decoded(tmp_path, monkeypatch):
+    """convert decodes the formats it stores as PNG, several tasks at once: one over
+    Pillow's limit (a decompression bomb) is skipped, named, before it is decoded."""
+    from PIL import Image
+
+    from raypipe.formats.writer import Sample, write_shard
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # a 40x40 image is over twice it
+    paths = []
+    for ext in ("bmp", "gif", "ppm"):
+        paths.append(str(tmp_path / f"big.{ext}"))
+        Image.new("RGB", (40, 40), (9, 99, 199)).save(paths[-1])
+    samples = [Sample(k, 0, p, os.path.basename(p)) for k, p in enumerate(paths)]
+    (tmp_path / "out").mkdir()
+    written = write_shard(samples, str(tmp_path / "out"), shard_name("s", 0, 1, "webdataset"),
+                          "webdataset")  # fmt: skip
+    assert written.samples == 0
+    assert [(os.path.basename(p), why.split(":")[0]) for p, why in written.skipped] == [
+        ("big.bmp", "DecompressionBombError"), ("big.gif", "DecompressionBombError"),
+        ("big.ppm", "DecompressionBombError")]  # fmt: skip
