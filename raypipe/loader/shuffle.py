@@ -38,8 +38,9 @@ def shuffled(blocks, batch_size: int, buffer: int, rng: np.random.Generator, *,
             pool = {k: np.empty((capacity, *v.shape[1:]), v.dtype) for k, v in block.items()}
         n, at = _rows(block), 0
         while at < n:
+            unfilled = free
             slots, free = free[: n - at], free[n - at :]
-            _put(pool, slots, block, at)
+            _put(pool, slots, block, at, unfilled)
             at += len(slots)
             if not len(free):  # full: a batch out, and its slots are the next to fill
                 free = rng.choice(capacity, batch_size, replace=False)
@@ -53,18 +54,21 @@ def shuffled(blocks, batch_size: int, buffer: int, rng: np.random.Generator, *,
         yield {k: v[held[lo : lo + batch_size]] for k, v in pool.items()}
 
 
-def _put(pool: dict[str, np.ndarray], slots: np.ndarray, block: Columns, at: int) -> None:
-    """Rows ``at`` onwards of ``block`` into ``slots``. A column whose rows need a wider
-    type than the pool's (longer strings, floats after ints) widens it, as concatenating
-    them would; one whose rows differ in shape (a transform's ragged field) becomes one of
-    objects, a row each."""
+def _put(pool: dict[str, np.ndarray], slots: np.ndarray, block: Columns, at: int,
+         unfilled: np.ndarray) -> None:  # fmt: skip
+    """Rows ``at`` onwards of ``block`` into ``slots`` (of the pool's ``unfilled``). A
+    column whose rows need a wider type than the pool's (longer strings, floats after
+    ints, signed after unsigned integers) widens it, as concatenating them would; one whose
+    rows differ in shape (a transform's ragged field) becomes one of objects, a row each."""
     for k, v in block.items():
         rows = v[at : at + len(slots)]
         column = pool[k]
         ragged = column.dtype == object or rows.dtype == object
         if not ragged and rows.shape[1:] == column.shape[1:]:
-            # the pool's type, and rows' values checked (its unfilled slots hold garbage)
-            wide = holding_dtype(k, [np.zeros(1, column.dtype), rows])
+            wide = np.result_type(column.dtype, rows.dtype)
+            if wide.kind == "f" and {column.dtype.kind, rows.dtype.kind} == {"i", "u"}:
+                held = np.setdiff1d(np.arange(len(column)), unfilled)  # the rows it holds
+                wide = holding_dtype(k, [column[held], rows])  # int64, if both fit it
             if wide != column.dtype:
                 column = pool[k] = column.astype(wide)
         elif column.dtype != object:

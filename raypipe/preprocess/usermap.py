@@ -127,8 +127,8 @@ class SampleMap:
             where = (
                 f"for a batch of {len(raws)} (keys {raws[0].key}..{raws[-1].key}, {raws[0].where})"
             )
-            if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or (
-                    isinstance(values, np.ndarray) and values.ndim == 0):  # fmt: skip
+            if (isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__")
+                    or getattr(values, "ndim", 1) == 0):  # a 0-d array or tensor  # fmt: skip
                 raise TransformOutputError(f"field {field!r} is {type(values).__name__}, not "
                                            f"one value a row, {where}")  # fmt: skip
             if len(values) != len(raws):

@@ -142,3 +142,6 @@ def test_signed_and_unsigned_integer_blocks_join_as_integers():
     assert all(b["ids"].dtype == np.int64 for b in mixed)
     with pytest.raises(ValueError, match="field 'ids' has unsigned values up to"):
         concat_column([np.array([2**63], np.uint64), np.array([-1], np.int64)], "ids")
+    over = [{"key": np.arange(1), "ids": np.array([[2**63 + 5, 1]], np.uint64)}, blocks[1]]
+    with pytest.raises(ValueError, match="field 'ids' has unsigned values up to"):
+        list(shuffled(iter(over), 2, 2, np.random.default_rng(0), drop_last=False))

@@ -276,6 +276,10 @@ def _a_number(batch: dict) -> dict:
     return {"n": 5}
 
 
+def _a_scalar_tensor(batch: dict) -> dict:
+    return {"n": torch.tensor(1.0)}
+
+
 def test_a_per_batch_transform_gets_every_member_any_sample_has():
     """Its input was built from the first sample's members: one a later sample lacked
     skipped the whole batch as the transform's error (KeyError) before it ran, one the
@@ -302,6 +306,10 @@ def test_a_per_batch_output_that_is_not_one_value_a_row_is_the_transforms_error(
     raws = [RawSample(k, 0, None, f"s.tar:{k}") for k in range(3)]
     with pytest.raises(TransformOutputError, match=r"field 'n' is int, not one value a row, "
                        r"for a batch of 3"):  # fmt: skip
+        m.batch(raws, 0, [{"txt": "a"}] * 3)
+    m = SampleMap(_a_scalar_tensor, seed=0, image_input="numpy", per_batch=True,
+                  max_image_pixels=None)  # fmt: skip
+    with pytest.raises(TransformOutputError, match=r"field 'n' is Tensor, not one value a row"):
         m.batch(raws, 0, [{"txt": "a"}] * 3)
 
 
