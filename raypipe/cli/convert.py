@@ -217,8 +217,8 @@ def _fingerprint(config: ShardsConfig, parts: list[list[Sample]]) -> str:
 def _drop_leftovers(out: str, names: list[str], log: TextIO) -> None:
     """Remove the temporary files (``.NAME.PID.tmp``) of this plan's shards and index that
     killed writes left: a task out of memory or on a lost node, whose rerun writes under
-    another process id. Only those untouched for `LEFTOVER_S`: a write under way keeps
-    its file's time fresh."""
+    another process id. Only those untouched for `LEFTOVER_S`: a task writes its shard
+    in one go once its samples are read, then reads it back, well within that."""
     ours, now, removed, size = {*names, INDEX}, time.time(), 0, 0
     for entry in os.scandir(out):
         stem, _, pid = entry.name[1:].removesuffix(".tmp").rpartition(".")

@@ -68,7 +68,7 @@ def parquet_labels(storage: Storage, paths: list[str], column: str,
     """The class names of ``column`` over all ``paths`` and how labels are read from it.
 
     Integers: the ``ClassLabel`` names of the first file that has them, else none.
-    Strings: every file's distinct values, sorted (one column chunk read per file).
+    Strings: every file's distinct values, sorted (the column read a row group at a time).
     ``fields`` (samples with no image, whose label is their field ``label``): a column
     ``label`` beside another ``column`` is refused (ValueError), never overwritten.
     """
