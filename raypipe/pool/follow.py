@@ -9,7 +9,8 @@ for data and shrinks while the trainer never waits and finished data is held bac
  Follower.decide(actors): a target in [min, max]
    grow    the trainer waited more than `wait` of the period  → serving + 1
    shrink  it waited under wait/5 while the data was held back over half
-           of the time, for shrink_s in a row (2 × shrink_s after a grow),
+           of the time, for shrink_s in a row (2 × shrink_s after a grow;
+           doubled by each grow that undid a shrink, up to 64 ×),
            once the trainer has taken a batch                  → serving - 1
    (serving: the pool's actors, at most the target: those over it are draining)
                                    ▼ on Ray Data's scheduling thread
@@ -38,6 +39,7 @@ assert __all__ == sorted(__all__)
 
 log = logging.getLogger(__name__)
 SERIES = 600  # (t, actors, target, wait share) points kept
+MAX_BACKOFF = 64  # a shrink a grow undid doubles the next one's wait, up to this many times
 
 
 @dataclasses.dataclass
@@ -68,6 +70,7 @@ class Follower:
         self._last = _Window(self._t0, demand.waited_s, demand.held_s)
         self._calm_since: float | None = None
         self._grew = False
+        self._backoff, self._shrunk_from = 1, None  # a shrink's wait, the size it left
         self.actors = 0
         self.changes = 0
         self.in_charge = True  # False where `raypipe.pool.autoscale.follow` could not take over
@@ -90,14 +93,17 @@ class Follower:
             serving = min(target, actors)  # those over the target are draining
             if waited > self.wait:
                 target = min(self.hi, max(target, serving + 1))
+                self._undid(target)
                 self._calm_since, self._grew = None, target > self.target or self._grew
             elif waited < self.wait / 5 and held > 0.5 and d.rows > 0:
                 # held back before the trainer's first batch is its set-up, not its pace
                 self._calm_since = self._calm_since if self._calm_since is not None else start
-                need = self.shrink_s * (2 if self._grew else 1)
+                need = self.shrink_s * max(2 if self._grew else 1, self._backoff)
                 if now - self._calm_since >= need and serving > self.lo:
                     target = serving - 1
-                    self._calm_since, self._grew = now, False
+                    if self._shrunk_from is not None:  # the last shrink held: wait less
+                        self._backoff = max(1, self._backoff // 2)
+                    self._shrunk_from, self._calm_since, self._grew = serving, now, False
             else:
                 self._calm_since = None
             self.changes += target != self.target
@@ -106,6 +112,14 @@ class Follower:
             self.series.append((round(now - self._t0, 2), actors, target,
                                 round(min(waited, 1.0), 4), round(min(held, 1.0), 4)))  # fmt: skip
             return target
+
+    def _undid(self, target: int) -> None:
+        """A grow to ``target`` back to the size the last shrink left: that shrink was one
+        too many (the trainer needs a pool between two sizes), and the next one waits twice
+        as long, so that the pool does not flap between them for the whole run."""
+        if self._shrunk_from is not None and target > self.target and target >= self._shrunk_from:
+            self._backoff = min(self._backoff * 2, MAX_BACKOFF)
+            self._shrunk_from = None
 
     def summary(self) -> dict[str, Any]:
         """``actors``, ``target``, ``changes`` and the ``series`` of ``(seconds, actors,

@@ -101,6 +101,39 @@ def test_after_a_grow_the_next_shrink_waits_twice_as_long():
     assert run(f, clock, demand, 1.5, wait=0.0, held=0.9)[-1] == 1
 
 
+def trainer_between_sizes(seconds: float, *, per_actor=1.0, takes=2.5, queue=4.0):
+    """The follower over a simulated run: each actor makes ``per_actor`` batches a second,
+    the trainer takes ``takes`` (between two pool sizes), a queue of ``queue`` batches
+    between them, the pool following the target at once. The pool's size over time."""
+    f, clock, demand = make(lo=1, hi=6)
+    q, dt, sizes = 0.0, 0.05, []
+    for _ in range(int(seconds / dt)):
+        clock.t += dt
+        actors = f.decide(f.target)
+        q += actors * per_actor * dt
+        if q > queue:
+            demand.held_s, q = demand.held_s + dt, queue
+        need = takes * dt
+        if q >= need:
+            q, demand.rows = q - need, demand.rows + 1
+        else:
+            demand.waited_s, q = demand.waited_s + dt * (1 - q / need), 0.0
+        sizes.append(actors)
+    return f, sizes
+
+
+def test_a_trainer_between_two_pool_sizes_does_not_flap_for_the_whole_run():
+    """A trainer that needs 2.5 actors: 3 is more than it takes, 2 less. The pool shrank
+    to 2 after 10 s at 3, grew back within seconds, and again, every 26 s of a 600 s run
+    (each time an actor ended and another started, the trainer short meanwhile): a grow
+    that undoes a shrink doubles the wait before the next one."""
+    f, sizes = trainer_between_sizes(600)
+    changes = [i for i in range(1, len(sizes)) if sizes[i] != sizes[i - 1]]
+    late = [i for i in changes if i * 0.05 > 300]
+    assert len(changes) <= 16 and len(late) <= 2, (len(changes), len(late))  # 47 and 22
+    assert min(sizes[len(sizes) // 2 :]) >= 2  # never below what the trainer needs
+
+
 @pytest.mark.parametrize(("wait", "held"), [(0.0, 0.2), (0.02, 0.9), (0.3, 0.9)])
 def test_no_shrink_unless_the_data_is_held_back_and_the_trainer_never_waits(wait, held):
     f, clock, demand = make()
