@@ -69,6 +69,17 @@ def sum_collate(batch: dict) -> dict:
     return {"label_sum": int(batch["label"].sum()), "key": torch.from_numpy(batch["key"])}
 
 
+COLLATED = [0]  # fails_once_collate's calls in this process
+
+
+def fails_once_collate(batch: dict) -> dict:
+    """A collate whose first call fails: a bug of the loop's own, not the pool's."""
+    COLLATED[0] += 1
+    if COLLATED[0] == 1:
+        raise RuntimeError("a collate bug")
+    return {"key": torch.from_numpy(batch["key"])}
+
+
 def label_sum_collate(batch: dict) -> dict:
     """A collate that keeps no ``key``."""
     return {"label_sum": int(batch["label"].sum())}

@@ -87,7 +87,7 @@ class Feeder:
         self._counts: dict[int, dict[str, int]] = {}
         self._next = epochs.start
         self._open: Iterator[Columns] | None = None  # the epoch being read, not yet ended
-        self._ended: tuple[int, BaseException] | None = None  # the error its reader was given
+        self.ended: tuple[int, BaseException] | None = None  # (epoch, the error it was given)
         self._draining = False  # `finish` reads the epoch's rest: rows no one is handed
         self._current = dict.fromkeys(STAGES, 0.0)
         self.demand = demand if demand is not None else Demand()  # for raypipe.pool.follow
@@ -99,8 +99,8 @@ class Feeder:
         """This rank's batches of ``epoch``; epochs are read in order, each at most once."""
         if epoch != self._next:
             raise ValueError(f"epoch {epoch} asked for, but the next one is {self._next}")
-        if self._ended is not None:  # the thread is gone: no batch of any epoch comes
-            at, error = self._ended
+        if self.ended is not None:  # the thread is gone: no batch of any epoch comes
+            at, error = self.ended
             raise RuntimeError(
                 f"the pipeline stopped in epoch {at} with {type(error).__name__}: {error}; it "
                 "reads no later epoch: make a new Pipeline (start= a checkpoint's state resumes)"
@@ -137,7 +137,7 @@ class Feeder:
             finally:
                 demand.waited_s += time.perf_counter() - t0  # a drain's too: the loop waits
             if kind == _FAIL:
-                self._open, self._ended = None, (epoch, item)
+                self._open, self.ended = None, (epoch, item)
                 raise item
             assert at == epoch, (at, epoch)
             if kind == _END:

@@ -169,6 +169,12 @@ class Pipeline:
             if batches is not None:
                 batches.close()
 
+    @property
+    def stopped(self) -> bool:
+        """Whether the pool stopped with an error its consumer was given (a data error):
+        no later epoch comes (asking raises)."""
+        return self._feeder is not None and self._feeder.ended is not None
+
     def start(self) -> Pipeline:
         """Start the run's preprocessing now (once; `epochs` and ``with`` do it too), so
         that the pool starts and the first blocks are decoded while the trainer gets

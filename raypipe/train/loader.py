@@ -2,8 +2,9 @@
 
 ```
  Loader(config, epochs=E)                 rank / world size: given, or torch.distributed's
-   iter(loader)  ──► next(pipeline.epochs())  one Pipeline, one pool, for the whole run:
-   iter(loader)  ──► the next epoch ...      what an epoch left unread is dropped
+   iter(loader)  ──► next(pipeline.epochs())  one Pipeline, one pool, for the whole run
+   iter(loader)  ──► the next epoch ...      (a new one after a data error stopped it):
+                                             what an epoch left unread is dropped
    len(loader)      this rank's batches of a whole epoch (every rank the same)
    state_dict()     {"epoch", "state"}: PipelineState's bytes, the keys consumed over all
                     ranks (one all_reduce when torch.distributed is up: every rank calls it)
@@ -121,8 +122,9 @@ class Loader:
                     batch = next(it)
                 except StopIteration:
                     return
-                except BaseException:  # a data error: the pool is done (its feeder ended)
-                    self._stop_pipeline()
+                except BaseException:  # the pool's own (a data error): the next iter() makes
+                    if self._pipeline is not None and self._pipeline.stopped:  # a new one
+                        self._stop_pipeline()
                     raise
                 run.count += 1
                 run.over = run.most is not None and run.count >= run.most

@@ -396,12 +396,13 @@ def test_world_size_without_rank_is_refused_and_a_damaged_state_is_one_line(data
             loader.load_state_dict({"state": data})
 
 
+@pytest.mark.timeout(180)
 def test_after_a_data_error_each_iter_reads_the_next_epoch_and_says_its_own(ray_session,
                                                                             tmp_path):  # fmt: skip
     """A data error (a file no decoder reads, ``on_error="raise"``) ends the epoch's loop
     as itself; the next ``iter()`` reads the next epoch from a new pool, as a DataLoader's
-    next iterator would. The pipeline's failed epochs generator was kept: the next
-    ``iter()`` raised from it, the one after ``generator raised StopIteration``."""
+    next iterator would. The pool that had stopped was kept: the next ``iter()`` waited
+    for ever on it."""
     from raypipe import SampleError
     from tests.conftest import make_imagefolder
 
@@ -429,3 +430,19 @@ def test_load_state_dict_within_an_epochs_loop_ends_it_saying_why(ray_session, d
             for _ in loader:
                 loader.load_state_dict(state)
         assert sum(len(keys_of(b)) for b in loader) == 60 and loader.epoch == 1
+
+
+def test_an_error_of_the_loops_own_keeps_the_pool(ray_session, datasets):
+    """A collate's own error (not the pool's) ends the epoch's loop; the next ``iter()``
+    reads the next epoch from the same pool, which every rank still shares (a new pool on
+    one rank of several waited at its restart for peers that never restarted)."""
+    from tests import user_transforms
+
+    user_transforms.COLLATED[0] = 0
+    config = _config(datasets).replace(collate="tests.user_transforms:fails_once_collate")
+    with Loader(config, epochs=2, rank=0, world_size=1, device="cpu") as loader:
+        with pytest.raises(RuntimeError, match="a collate bug"):
+            for _ in loader:
+                pass
+        pipeline = loader._pipeline
+        assert sum(len(b["key"]) for b in loader) == 60 and loader._pipeline is pipeline
