@@ -40,6 +40,9 @@ def kind_of(path: str | Path) -> Kind:
     raw = load_yaml(path)
     if convert_section(raw):
         return "convert"
+    if "model" in raw:  # jobs/configs/tokens-lm.yaml's kind: not raypipe's own jobs
+        raise ValueError(f"{path}: a language model's config (its 'model' section): run it "
+                         f"with python jobs/train_lm.py {path}")  # fmt: skip
     check_keys(raw, [*RUN_SECTIONS, "convert"], where=str(path))
     if "data" not in raw:
         raise ValueError(

@@ -215,6 +215,8 @@ def test_wrong_kind_of_config(capsys, tmp_path, folder, run_config):
     assert "use raypipe run" in _error_line(capsys, ["preprocess", str(run_config)])
     empty = _write(tmp_path / "e.yaml", "eval:\n  source: x\n")
     assert "neither a run config" in _error_line(capsys, ["submit", str(empty)])
+    lm = str(ROOT / "jobs" / "configs" / "tokens-lm.yaml")  # said "unknown key(s) 'model'"
+    assert f"python jobs/train_lm.py {lm}" in _error_line(capsys, ["run", lm])
 
 
 def test_workers_lines_come_without_colour_codes_into_a_file(monkeypatch, tmp_path):
