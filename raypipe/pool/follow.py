@@ -10,7 +10,7 @@ for data and shrinks while the trainer never waits and finished data is held bac
    grow    the trainer waited more than `wait` of the period  → serving + 1
    shrink  it waited under wait/5 while the data was held back over half
            of the time, for shrink_s in a row (2 × shrink_s after a grow;
-           doubled by each grow that undid a shrink, up to 64 ×),
+           doubled by each grow that undid a shrink, up to 16 ×),
            once the trainer has taken a batch                  → serving - 1
    (serving: the pool's actors, at most the target: those over it are draining)
                                    ▼ on Ray Data's scheduling thread
@@ -39,7 +39,7 @@ assert __all__ == sorted(__all__)
 
 log = logging.getLogger(__name__)
 SERIES = 600  # (t, actors, target, wait share) points kept
-MAX_BACKOFF = 64  # a shrink a grow undid doubles the next one's wait, up to this many times
+MAX_BACKOFF = 16  # a shrink a grow undid doubles the next one's wait, up to this many times
 
 
 @dataclasses.dataclass
@@ -98,11 +98,11 @@ class Follower:
             elif waited < self.wait / 5 and held > 0.5 and d.rows > 0:
                 # held back before the trainer's first batch is its set-up, not its pace
                 self._calm_since = self._calm_since if self._calm_since is not None else start
+                if self._shrunk_from is not None:  # the last shrink held: the next waits less
+                    self._backoff, self._shrunk_from = max(1, self._backoff // 2), None
                 need = self.shrink_s * max(2 if self._grew else 1, self._backoff)
                 if now - self._calm_since >= need and serving > self.lo:
                     target = serving - 1
-                    if self._shrunk_from is not None:  # the last shrink held: wait less
-                        self._backoff = max(1, self._backoff // 2)
                     self._shrunk_from, self._calm_since, self._grew = serving, now, False
             else:
                 self._calm_since = None

@@ -101,25 +101,32 @@ def test_after_a_grow_the_next_shrink_waits_twice_as_long():
     assert run(f, clock, demand, 1.5, wait=0.0, held=0.9)[-1] == 1
 
 
-def trainer_between_sizes(seconds: float, *, per_actor=1.0, takes=2.5, queue=4.0):
+def simulated(phases, *, per_actor=1.0, queue=4.0) -> list[int]:
     """The follower over a simulated run: each actor makes ``per_actor`` batches a second,
-    the trainer takes ``takes`` (between two pool sizes), a queue of ``queue`` batches
-    between them, the pool following the target at once. The pool's size over time."""
+    the trainer takes ``takes`` a second for ``seconds`` in each ``(seconds, takes)`` of
+    ``phases``, a queue of ``queue`` batches between them, the pool following the target
+    at once. The pool's size every 0.05 s."""
     f, clock, demand = make(lo=1, hi=6)
     q, dt, sizes = 0.0, 0.05, []
-    for _ in range(int(seconds / dt)):
-        clock.t += dt
-        actors = f.decide(f.target)
-        q += actors * per_actor * dt
-        if q > queue:
-            demand.held_s, q = demand.held_s + dt, queue
-        need = takes * dt
-        if q >= need:
-            q, demand.rows = q - need, demand.rows + 1
-        else:
-            demand.waited_s, q = demand.waited_s + dt * (1 - q / need), 0.0
-        sizes.append(actors)
-    return f, sizes
+    for seconds, takes in phases:
+        for _ in range(int(seconds / dt)):
+            clock.t += dt
+            actors = f.decide(f.target)
+            q += actors * per_actor * dt
+            if q > queue:
+                demand.held_s, q = demand.held_s + dt, queue
+            need = takes * dt
+            if q >= need:
+                q, demand.rows = q - need, demand.rows + 1
+            else:
+                demand.waited_s, q = demand.waited_s + dt * (1 - q / need), 0.0
+            sizes.append(actors)
+    return sizes
+
+
+def changes_after(sizes: list[int], t: float) -> list[tuple[float, int]]:
+    return [(i * 0.05, sizes[i]) for i in range(1, len(sizes))
+            if sizes[i] != sizes[i - 1] and i * 0.05 > t]  # fmt: skip
 
 
 def test_a_trainer_between_two_pool_sizes_does_not_flap_for_the_whole_run():
@@ -127,11 +134,18 @@ def test_a_trainer_between_two_pool_sizes_does_not_flap_for_the_whole_run():
     to 2 after 10 s at 3, grew back within seconds, and again, every 26 s of a 600 s run
     (each time an actor ended and another started, the trainer short meanwhile): a grow
     that undoes a shrink doubles the wait before the next one."""
-    f, sizes = trainer_between_sizes(600)
-    changes = [i for i in range(1, len(sizes)) if sizes[i] != sizes[i - 1]]
-    late = [i for i in changes if i * 0.05 > 300]
-    assert len(changes) <= 16 and len(late) <= 2, (len(changes), len(late))  # 47 and 22
+    sizes = simulated([(600, 2.5)])
+    changes, late = changes_after(sizes, 0), changes_after(sizes, 300)
+    assert len(changes) <= 20 and len(late) <= 6, (len(changes), len(late))  # 47 and 22
     assert min(sizes[len(sizes) // 2 :]) >= 2  # never below what the trainer needs
+
+
+def test_a_trainer_that_gets_slower_after_a_flapping_phase_is_followed_within_minutes():
+    """The back-off is bounded, and a shrink that holds halves it: after 600 s between two
+    sizes, a trainer that needs half an actor has the pool at its min within 120 s."""
+    sizes = simulated([(600, 2.5), (300, 0.5)])
+    down = [t for t, n in changes_after(sizes, 600) if n == 1]
+    assert down and down[0] <= 720, changes_after(sizes, 600)
 
 
 @pytest.mark.parametrize(("wait", "held"), [(0.0, 0.2), (0.02, 0.9), (0.3, 0.9)])
