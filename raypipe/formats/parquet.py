@@ -20,22 +20,12 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from raypipe.formats.pieces import listing_read
 from raypipe.formats.sample import RawSample
-from raypipe.formats.storage import Storage
+from raypipe.formats.storage import Storage, StorageError
 
-__all__ = [
-    "count",
-    "count_parquet_rows",
-    "is_image_type",
-    "label_kind",
-    "labels",
-    "open_file",
-    "parquet_labels",
-    "read",
-    "read_groups",
-    "read_parquet",
-    "write",
-]
+__all__ = ["count", "count_parquet_rows", "is_image_type", "label_kind", "labels", "open_file",
+           "parquet_labels", "read", "read_groups", "read_parquet", "write"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 ROWS_PER_READ = 256
@@ -45,7 +35,11 @@ def count_parquet_rows(storage: Storage, path: str) -> int:
     import pyarrow.parquet as pq
 
     try:
-        return pq.ParquetFile(storage.open_arrow(path)).metadata.num_rows
+        return listing_read(
+            storage, path, lambda: pq.ParquetFile(storage.open_arrow(path)).metadata.num_rows
+        )
+    except StorageError:  # object storage that kept failing: the listing fails
+        raise
     except Exception:  # pyarrow raises several types for a bad footer
         return 1  # the reader yields one unreadable_shard sample for it
 

@@ -15,13 +15,19 @@ A piece's path is the file's with ``#<start>+<count>`` appended: ``start`` is a 
 
 from __future__ import annotations
 
+import gzip
 import re
+import time
 from collections.abc import Sequence
 
-__all__ = ["PIECE_BYTES", "counted", "cut", "piece_path", "rows_per_piece", "split_piece"]
+from raypipe.formats.sample import os_error
+
+__all__ = ["LIST_ATTEMPTS", "PIECE_BYTES", "counted", "cut", "listing_read", "piece_path",
+           "rows_per_piece", "split_piece"]  # fmt: skip
 assert __all__ == sorted(__all__)
 
 PIECE_BYTES = 32 << 20  # about how many bytes of records one piece (one task) reads
+LIST_ATTEMPTS, LIST_RETRY_S = 3, 1.0  # a remote shard's count: reads, the first wait between
 _PIECE = re.compile(r"#([0-9a-f]*)\+(\d+)$")
 
 
@@ -66,3 +72,25 @@ def cut(sizes: Sequence[int], budget: int | None = None) -> list[tuple[int, int]
 def rows_per_piece(bytes_per_row: int, chunk: int) -> int:
     """Rows of about `PIECE_BYTES`, a whole number of ``chunk``-row chunks (at least one)."""
     return max(chunk, PIECE_BYTES // max(1, bytes_per_row) // chunk * chunk)
+
+
+def listing_read(storage, path: str, count):
+    """``count()``: the driver's read of the shard ``path`` to count its samples. On object
+    storage an I/O error (a reset connection, a timeout: the store's own retries spent) is
+    tried again, `LIST_ATTEMPTS` reads in all, then fails the listing naming the shard (a
+    `raypipe.formats.storage.StorageError`): counted as one unreadable sample, the rest of
+    a shard that reads fine later was dropped, unsaid, and every key after it moved. A
+    missing file and a damaged GZIP stream raise as they are: the format's to count."""
+    from raypipe.formats.storage import StorageError
+
+    for attempt in range(LIST_ATTEMPTS):
+        try:
+            return count()
+        except OSError as e:
+            if not storage.remote or isinstance(e, (FileNotFoundError, gzip.BadGzipFile)):
+                raise
+            if attempt == LIST_ATTEMPTS - 1:
+                raise StorageError(f"{path}: {os_error(e)} on each of {LIST_ATTEMPTS} reads to "
+                                   "count its samples: the source cannot be listed") from e  # fmt: skip
+            time.sleep(LIST_RETRY_S * 2**attempt)
+    raise AssertionError("unreachable")

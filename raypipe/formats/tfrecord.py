@@ -34,7 +34,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from raypipe.formats import tfindex
-from raypipe.formats.pieces import counted, cut, piece_path, split_piece
+from raypipe.formats.pieces import counted, cut, listing_read, piece_path, split_piece
 from raypipe.formats.records import pick, unknown_fields
 from raypipe.formats.sample import RawSample, os_error
 from raypipe.formats.storage import Storage
@@ -132,7 +132,8 @@ def pieces(reader, path: str, listed: frozenset[str] = frozenset()) -> list[tupl
     """The shard cut into pieces of about `raypipe.formats.pieces.PIECE_BYTES` of records
     (a GZIP file, or a file that fits one piece, stays whole)."""
     try:
-        offsets, sizes, tail = scan(reader.storage, path, listed)
+        offsets, sizes, tail = listing_read(reader.storage, path,
+                                                lambda: scan(reader.storage, path, listed))  # fmt: skip
     except READ_ERRORS:
         return [(path, 1)]  # the reader yields one unreadable_shard sample for it
     total = len(offsets) + (tail is not None)

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from raypipe.formats.pieces import listing_read
 from raypipe.formats.sample import RawSample, os_error
 from raypipe.formats.storage import Storage
 
@@ -110,7 +111,7 @@ def _indexed(storage: Storage, path: str, identity: tuple):
 
 def count_tar_samples(storage: Storage, path: str) -> int:
     try:
-        groups, cut = _tar_index(storage, path)
+        groups, cut = listing_read(storage, path, lambda: _tar_index(storage, path))
     except (tarfile.TarError, OSError):
         return 1  # the reader yields one unreadable_shard sample for it
     return len(groups) + (cut is not None)

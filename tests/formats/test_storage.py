@@ -192,6 +192,64 @@ def test_any_fsspec_uri(datasets):
     assert a == b and len(a) == 61
 
 
+RESETS = {"left": 0, "path": ""}  # the flaky store's connection resets still to come
+
+
+def _flaky_store():
+    """fsspec's in-memory store whose opens of ``RESETS["path"]`` reset the connection
+    ``RESETS["left"]`` times first, as a store does when its own retries are spent."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class Flaky(MemoryFileSystem):
+        protocol = ("flaky",)
+        store, pseudo_dirs = MemoryFileSystem.store, MemoryFileSystem.pseudo_dirs
+
+        def _open(self, path, *args, **kwargs):
+            if RESETS["left"] > 0 and path.endswith(RESETS["path"]):
+                RESETS["left"] -= 1
+                raise ConnectionResetError(104, "Connection reset by peer")
+            return super()._open(path, *args, **kwargs)
+
+    fsspec.register_implementation("flaky", Flaky, clobber=True)
+    return fsspec.filesystem("memory")
+
+
+@pytest.mark.parametrize("fmt", ["webdataset", "tfrecord", "parquet"])
+def test_a_reset_connection_while_counting_a_shard_is_tried_again_or_fails_the_listing(
+    datasets, fmt, monkeypatch, tmp_path
+):
+    """A connection reset while the driver counted a shard made it one unreadable sample:
+    the rest of a shard that read fine later was dropped, unsaid, and every later key
+    moved. It is tried again; a store that keeps failing fails the listing, naming it."""
+    from raypipe.formats import pieces
+    from raypipe.formats.tfexample import encode_example, frame
+
+    monkeypatch.setattr(pieces, "LIST_RETRY_S", 0.0, raising=False)
+    if fmt == "tfrecord":
+        for name, n in (("a.tfrecord", 5), ("b.tfrecord", 3)):
+            records = (frame(encode_example({"image": b"x" * k, "label": k})) for k in range(n))
+            (tmp_path / name).write_bytes(b"".join(records))
+    source = tmp_path if fmt == "tfrecord" else datasets[fmt]
+    files = sorted(p for p in source.iterdir() if not p.name.endswith(".json"))
+    mem = _flaky_store()
+    for path in files:
+        mem.pipe(f"/flaky-{fmt}/{path.name}", path.read_bytes())
+    config = PipelineConfig(source=f"flaky:///flaky-{fmt}", format=fmt)
+    RESETS.update(left=99, path=files[0].name)
+    with pytest.raises(
+        StorageError, match=rf"{files[0].name}: ConnectionResetError.*cannot be listed"
+    ):
+        list_shards(config)
+    RESETS.update(left=1, path=files[0].name)
+    local = list_shards(PipelineConfig(source=str(source), format=fmt))
+    assert [s.num_samples for s in list_shards(config).shards] == [
+        s.num_samples for s in local.shards
+    ]
+    assert RESETS["left"] == 0  # the reset met, and tried again
+    mem.rm(f"/flaky-{fmt}", recursive=True)
+
+
 @pytest.mark.parametrize(
     "pattern",
     ["*.tar", "**/*.tar", "s-[0-1].tar", "?-1.tar", "*/*.tar", "o*", "*", "s-[!0].tar", "**",
