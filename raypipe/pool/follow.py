@@ -98,11 +98,11 @@ class Follower:
             elif waited < self.wait / 5 and held > 0.5 and d.rows > 0:
                 # held back before the trainer's first batch is its set-up, not its pace
                 self._calm_since = self._calm_since if self._calm_since is not None else start
-                if self._shrunk_from is not None:  # the last shrink held: the next waits less
-                    self._backoff, self._shrunk_from = max(1, self._backoff // 2), None
-                need = self.shrink_s * max(2 if self._grew else 1, self._backoff)
+                # no grow since the last shrink: it held, and this one waits half as long
+                backoff = self._backoff if self._shrunk_from is None else max(1, self._backoff // 2)
+                need = self.shrink_s * max(2 if self._grew else 1, backoff)
                 if now - self._calm_since >= need and serving > self.lo:
-                    target = serving - 1
+                    target, self._backoff = serving - 1, backoff
                     self._shrunk_from, self._calm_since, self._grew = serving, now, False
             else:
                 self._calm_since = None
