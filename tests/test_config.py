@@ -235,3 +235,13 @@ def test_a_run_config_whose_ranks_hold_no_batch_ahead_is_refused_before_ray(tmp_
     path.write_text(f"{other}: {{source: x}}\n{section}: {{source: z, prefetch_batches: 0}}\n")
     with pytest.raises(ValueError, match=rf"run.yaml: {section}: prefetch_batches=0 must be"):
         RunConfig.from_yaml(path)
+
+
+def test_a_uri_with_a_password_in_it_is_refused_without_printing_it():
+    """``ftp://user:secret@host/...`` never reached the store (its host was not given to
+    fsspec), and every error and skip record naming the URI printed the password."""
+    for source in ("ftp://me:s3cret@files.example/d", ("sftp://me:s3cret@h/a", "sftp://h/b")):
+        with pytest.raises(ValueError, match=r"ftp://me:\*\*\*@.*storage_options") as info:
+            PipelineConfig(source=source)
+        assert "s3cret" not in str(info.value)
+    PipelineConfig(source="s3://bucket/key@v2/data")  # an @ in a path is no password

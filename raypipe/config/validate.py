@@ -3,6 +3,7 @@ names the field and the value."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -34,6 +35,7 @@ COMPUTE = ("actors", "tasks")
 INPUTS = ("numpy", "pil", "torch")  # what a user transform's image is
 DECODE = ("cpu", "gpu")
 CACHE = ("memory", "disk")  # or None: no decoded cache
+_PASSWORD = re.compile(r"([A-Za-z][\w+.-]*://)([^/@:]*):[^/@]*@")  # scheme://user:pw@
 CACHE_BLOCK = 4096  # a cache entry's file takes whole pages of shared memory, or disk blocks
 CACHE_HEADER = 512  # an entry's header before its pixels (about 240 bytes with a short path)
 DISK_BUDGET = 2 << 30  # bytes per node under cache_dir, by default
@@ -66,6 +68,7 @@ def _check_source(c: PipelineConfig, bad: _Bad) -> None:
     elif not (isinstance(c.source, tuple) and c.source
               and all(isinstance(s, str) and s for s in c.source)):  # fmt: skip
         raise bad("source", "must be a non-empty path, glob or list of them")
+    _check_no_password(c.source)
     if c.storage_options is not None and not isinstance(c.storage_options, Mapping):
         raise bad("storage_options", "must be a mapping of settings, or None")
     if c.image_column is not None and (not isinstance(c.image_column, str) or not c.image_column):
@@ -78,6 +81,17 @@ def _check_source(c: PipelineConfig, bad: _Bad) -> None:
         raise bad(
             "label_member", 'must be a member extension such as "cls", "txt", "json", or None'
         )
+
+
+def _check_no_password(source: str | tuple[str, ...]) -> None:
+    """A URI with a password (``scheme://user:pw@host``) is refused, named without it (not
+    through `_Bad`, which shows the value): every error and skip record naming it would."""
+    for item in (source,) if isinstance(source, str) else source:
+        if secret := _PASSWORD.match(item):
+            shown = f"{secret.group(1)}{secret.group(2)}:***@{item[secret.end() :]}"
+            raise ValueError(f"PipelineConfig.source {shown!r} holds a password, which every "
+                             "error and skip record naming it would print: give credentials "
+                             "in storage_options")  # fmt: skip
 
 
 def _check_choices(c: PipelineConfig, bad: _Bad) -> None:
