@@ -15,16 +15,19 @@ assert __all__ == sorted(__all__)
 
 def glob_regex(pattern: str) -> re.Pattern:
     """``pattern`` as the local ``glob(recursive=True)`` reads it: ``*``, ``?`` and ``[...]``
-    within one folder name, ``**`` across folders (``**/``: zero or more of them); a name
-    that starts with a dot (``._a.tar``, ``.cache/``) only where the pattern's part does."""
+    within one folder name, ``**`` across folders where it is a whole part of the path
+    (``**/``: zero or more of them; inside a name, one ``*``); a name that starts with a dot
+    (``._a.tar``, ``.cache/``) only where the pattern's part does."""
     out, i = [], 0
     while i < len(pattern):
-        if (i == 0 or pattern[i - 1] == "/") and not pattern.startswith((".", "**"), i):
+        part = i == 0 or pattern[i - 1] == "/"
+        whole = part and pattern.startswith("**", i) and pattern[i + 2 : i + 3] in ("", "/")
+        if part and not whole and not pattern.startswith(".", i):
             out.append(r"(?!\.)")  # this part of the pattern names no hidden file
-        if pattern.startswith("**/", i):
+        if whole and pattern.startswith("**/", i):
             out.append(r"(?:(?!\.)[^/]*/)*")
             i += 3
-        elif pattern.startswith("**", i):
+        elif whole:
             out.append(r"(?:(?!\.)[^/]*(?:/(?!\.)[^/]*)*)?")
             i += 2
         elif pattern[i] in "*?":
@@ -50,10 +53,11 @@ def globbed(files, pattern: str) -> list[str]:
     match = glob_regex(base).match
     # "a/**" matches the folder "a/" itself too, which a local source expands whole
     folder = glob_regex(base[:-3]).match if base.endswith("/**") else match
+    files_too = not pattern.endswith("/")  # "d/*/" matches folders only
     out = []
     for uri in files:
         cuts = [i for i, c in enumerate(uri) if c == "/"]
-        if match(uri) or any((match(uri[:i]) or folder(uri[:i]))
+        if (files_too and match(uri)) or any((match(uri[:i]) or folder(uri[:i]))
                              and not hidden_below(uri[:i], uri) for i in cuts):  # fmt: skip
             out.append(uri)
     return out

@@ -253,12 +253,14 @@ def test_a_reset_connection_while_counting_a_shard_is_tried_again_or_fails_the_l
 @pytest.mark.parametrize(
     "pattern",
     ["*.tar", "**/*.tar", "s-[0-1].tar", "?-1.tar", "*/*.tar", "o*", "*", "s-[!0].tar", "**",
-     ".*.tar", ".cache/*.tar", "[.s]*", "old/**"],
+     ".*.tar", ".cache/*.tar", "[.s]*", "old/**", "s**", "o**", "**.tar", "old/**.tar", "*/",
+     "old/*/"],
 )  # fmt: skip
 def test_a_glob_on_object_storage_matches_what_it_matches_locally(tmp_path, pattern):
-    """``*`` stays within a folder, ``**`` crosses them, a matched folder gives its files,
-    and a hidden name (macOS's ``._`` files, a ``.cache`` folder) only where the pattern names
-    it: the same shards, so the same keys, as in a local copy."""
+    """``*`` stays within a folder, ``**`` crosses them (as a whole part of the path; inside
+    a name it is one ``*``), a matched folder gives its files, a pattern ending in ``/``
+    matches folders only, and a hidden name (macOS's ``._`` files, a ``.cache`` folder) only
+    where the pattern names it: the same shards, so the same keys, as in a local copy."""
     import fsspec
 
     mem = fsspec.filesystem("memory")
