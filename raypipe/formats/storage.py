@@ -138,7 +138,8 @@ class Storage:
         """Every item of ``source`` that exists (a glob matches at least one path)."""
         items = [source] if isinstance(source, str) else list(source)
         out: list[str] = []
-        for item in items:
+        for item in items:  # fsspec's file:///abs/path is the local /abs/path
+            item = item[7:] if not self.remote and item[:7].lower() == "file://" else item
             if globlib.has_magic(item) and self.kind(item) is None:  # "Data [v2]/": a path
                 matched = self._glob(item)
                 if not matched:

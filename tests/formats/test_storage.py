@@ -277,6 +277,16 @@ def test_a_glob_on_object_storage_matches_what_it_matches_locally(tmp_path, patt
     assert shards(str(tmp_path / "local")) == shards("memory:///globs")
 
 
+def test_a_file_uri_lists_the_local_folder(datasets):
+    """``file:///abs/path``, fsspec's spelling of a local path, was refused as a path that
+    does not exist."""
+    local = list_shards(PipelineConfig(source=str(datasets["webdataset"])))
+    uri = list_shards(PipelineConfig(source=f"file://{datasets['webdataset']}"))
+    assert [(s.path, s.num_samples) for s in uri.shards] == [
+        (s.path, s.num_samples) for s in local.shards
+    ]
+
+
 def test_a_folders_hidden_files_are_not_shards_locally_or_remotely(tmp_path):
     """A directory source lists what a glob of it would: no macOS ``._`` file, nothing
     under a download's ``.cache/`` (which, sorted first, also hid the format from the
