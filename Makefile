@@ -26,8 +26,8 @@ $(STAMP): pyproject.toml setup.py raypipe/preprocess/_jpegregion.c raypipe/prepr
 	$(BIN)/pip install --quiet --upgrade pip
 ifeq ($(strip $(TORCH_SPEC)),)
 	$(BIN)/pip install --quiet "torch==$(TORCH_VERSION)+cpu" 2> $(VENV)/torch-cpu.log || { \
-	    echo "make: torch $(TORCH_VERSION)+cpu not installed from the package index (pip said:" \
-	        "$(VENV)/torch-cpu.log); trying $(TORCH_CPU_INDEX)"; \
+	    echo "make: torch $(TORCH_VERSION)+cpu not installed from the package index (why:" \
+	        "pip's output in $(VENV)/torch-cpu.log); trying $(TORCH_CPU_INDEX)"; \
 	    $(BIN)/pip install --quiet "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX); }
 else
 	$(BIN)/pip install --quiet $(TORCH_SPEC)

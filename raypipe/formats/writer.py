@@ -99,7 +99,7 @@ def _load(samples: list[Sample]) -> Iterator[tuple[Sample, bytes | None, str]]:
 
 def _identify(data: bytes) -> None:
     """Pillow's reading of the header (nothing decoded): raises on bytes of no image, and
-    on an image over Pillow's pixel limit (a decompression bomb)."""
+    on an image over twice Pillow's pixel limit (a decompression bomb)."""
     from PIL import Image
 
     with Image.open(io.BytesIO(data)):
@@ -110,7 +110,7 @@ def _to_png(data: bytes) -> bytes:
     """The image in ``data`` as a PNG of the pixels the pipeline decodes from it: upright
     (its EXIF orientation applied) and in 8-bit RGB as `to_rgb` makes it (transparency over
     black, the top 8 bits of 16-bit grey), not Pillow's plain RGB conversion. One over
-    Pillow's pixel limit is refused before it is decoded."""
+    twice Pillow's pixel limit is refused before it is decoded (between, Pillow warns)."""
     from PIL import Image, ImageOps
 
     with Image.open(io.BytesIO(data)) as img:
