@@ -10,7 +10,7 @@ import io
 
 import numpy as np
 
-__all__ = ["open_image", "to_rgb"]
+__all__ = ["open_image", "to_rgb", "upright_rgb"]
 assert __all__ == sorted(__all__)
 
 
@@ -68,3 +68,11 @@ def to_rgb(img):
         grey = np.clip(np.asarray(img).astype(np.int64), 0, 65535) >> 8
         return Image.fromarray(grey.astype(np.uint8), "L").convert("RGB")
     return img.convert("RGB")
+
+
+def upright_rgb(img):
+    """``img`` as the pipeline decodes a whole image: its EXIF orientation applied, then
+    `to_rgb`."""
+    from PIL import ImageOps
+
+    return to_rgb(ImageOps.exif_transpose(img))

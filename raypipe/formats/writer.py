@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from raypipe.formats import FORMATS, Reader, get_format
-from raypipe.formats.pixels import to_rgb
+from raypipe.formats.pixels import upright_rgb
 from raypipe.formats.webdataset import WDS_IMAGE_EXTS
 
 # the formats raypipe writes, and the suffix of their shard files
@@ -108,14 +108,14 @@ def _identify(data: bytes) -> None:
 
 def _to_png(data: bytes) -> bytes:
     """The image in ``data`` as a PNG of the pixels the pipeline decodes from it: upright
-    (its EXIF orientation applied) and in 8-bit RGB as `to_rgb` makes it (transparency over
+    (its EXIF orientation applied) and in 8-bit RGB as `upright_rgb` makes it (transparency over
     black, the top 8 bits of 16-bit grey), not Pillow's plain RGB conversion. One over
     twice Pillow's pixel limit is refused before it is decoded (between, Pillow warns)."""
-    from PIL import Image, ImageOps
+    from PIL import Image
 
     with Image.open(io.BytesIO(data)) as img:
         buf = io.BytesIO()
-        to_rgb(ImageOps.exif_transpose(img)).save(buf, format="PNG")
+        upright_rgb(img).save(buf, format="PNG")
     return buf.getvalue()
 
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from raypipe.config import resolve_callable
 from raypipe.formats.imagefolder import IMAGE_EXTS
-from raypipe.formats.pixels import open_image, to_rgb
+from raypipe.formats.pixels import open_image, upright_rgb
 from raypipe.preprocess.augment import sample_rng
 
 __all__ = ["SampleMap", "TransformOutputError", "resolve_callable", "seed_globals"]
@@ -149,11 +149,9 @@ class SampleMap:
             raise BadSample(reason_of(e, raw), f"member {ext}: {detail_of(e, raw)}") from e
 
     def _image(self, data: bytes):
-        from PIL import ImageOps
-
         with open_image(data) as img:
             _check_pixels(img, self.max_pixels)
-            rgb = to_rgb(ImageOps.exif_transpose(img))
+            rgb = upright_rgb(img)
             rgb.load()
         return rgb if self.input == "pil" else self._as_input(np.asarray(rgb))
 

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from raypipe.formats.pixels import open_image, to_rgb
+from raypipe.formats.pixels import open_image, upright_rgb
 from raypipe.preprocess.augment import Box, Plan
 from raypipe.preprocess.decode import crop_resize, decode_around, decode_scaled, jpeg_size
 from raypipe.skips.records import BadSample
@@ -101,15 +101,13 @@ def _turbo(data: bytes, width: int, height: int, max_side: int) -> np.ndarray | 
 
 
 def _pillow(data: bytes, max_side: int, max_pixels: int | None) -> np.ndarray:
-    from PIL import ImageOps
-
     with open_image(data) as img:
         _check_pixels(img.width, img.height, max_pixels)
         if img.format == "JPEG" and img.mode in ("RGB", "L"):
             short = min(img.size)
             scale = max(1.0, short / max_side) if short > max_side else 1.0
             img.draft(img.mode, (math.ceil(img.width / scale), math.ceil(img.height / scale)))
-        rgb = to_rgb(ImageOps.exif_transpose(img))
+        rgb = upright_rgb(img)
         rgb.load()
         return np.asarray(rgb)
 
