@@ -217,6 +217,8 @@ def test_wrong_kind_of_config(capsys, tmp_path, folder, run_config):
     assert "neither a run config" in _error_line(capsys, ["submit", str(empty)])
     lm = str(ROOT / "jobs" / "configs" / "tokens-lm.yaml")  # said "unknown key(s) 'model'"
     assert f"python jobs/train_lm.py {lm}" in _error_line(capsys, ["run", lm])
+    ranks = str(ROOT / "jobs" / "configs" / "torchrun.yaml")  # said "unknown key(s)"
+    assert f"jobs/torchrun_train.py {ranks}" in _error_line(capsys, ["run", ranks])
 
 
 def test_workers_lines_come_without_colour_codes_into_a_file(monkeypatch, tmp_path):
