@@ -61,7 +61,7 @@ def run(data: Path, config: dict, slow_s: float, pause_s: float, base: dict = BA
         if proc.returncode != 0:
             raise SystemExit(f"driver failed:\n{proc.stderr[-4000:]}")
         report = json.loads(out.read_text())
-    samples = len(report["keys"][0])
+    samples = sum(len(b) for b in report["keys"][0])  # rank 0's batches
     start = report["first"]["0"]
     elapsed = report["ended"] - start
     series = [(t, a) for t, a, _ in report["series"]]

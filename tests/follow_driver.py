@@ -6,7 +6,7 @@ pool's actors and the cluster's nodes sampled from outside.
 ADDRESS ``local`` starts a Ray of its own (4 CPUs, a 100 MiB object store), else joins
 that head; MIB, when given, limits the object store Ray Data reads ahead into. CONFIG_JSON holds `PipelineConfig` fields besides ``source``. Each rank sleeps
 PAUSE_S after every batch until SLOW_S after its first batch, then none. Writes to OUT
-(JSON): the keys per rank, the stats, the times (seconds on the watch's clock) of each
+(JSON): the keys of each rank's batches, the stats, the times (seconds on the watch's clock) of each
 rank's first batch and fast phase, the trainers' progress ``(t, samples read)``, the
 watch's ``(t, actors, nodes)`` series and summary, where the pool's actors were and each
 node's object store in use (MiB) as they changed, and the CPU-seconds of the run.
@@ -90,8 +90,7 @@ def main(address: str, data: str, out: str, config_json: str, world: str, slow_s
         done.set()
         sampler.join()
         report = {
-            "keys": [[k for b in rank[0] for k in b] for rank in keys],
-            "batches": [len(rank[0]) for rank in keys],
+            "keys": [[[int(k) for k in b] for b in rank[0]] for rank in keys],  # batches kept
             "stats": [s[0] for s in stats],
             "first": first, "fast": fast, "ended": ended, "progress": progress,
             "series": [(s.t, s.actors, s.nodes) for s in watch.samples()],

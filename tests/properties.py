@@ -31,9 +31,3 @@ def check_exactly_once_and_equal(
     assert set(keys.tolist()) <= good, "a key that is not a good sample"
     assert len(good) - len(keys) <= left_over, f"{len(good) - len(keys)} good keys lost"
     return keys
-
-
-def batches_of(keys: Sequence[int], batch_size: int) -> list[np.ndarray]:
-    """A rank's delivered keys, in order, cut back into its batches."""
-    keys = np.asarray(keys, dtype=np.int64)
-    return [keys[i : i + batch_size] for i in range(0, len(keys), batch_size)]

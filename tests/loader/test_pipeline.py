@@ -29,6 +29,13 @@ def check_epoch(out, epoch: int, batch_size: int, good: set[int], left_over: int
                                         left_over=left_over)  # fmt: skip
 
 
+def good_keys(log: SkipLog, epoch: int, total: int) -> set[int]:
+    """The keys of ``epoch`` its skip log does not name: every record kept, none left out."""
+    report = log.epoch(epoch).report()
+    assert report["records_left_out"] == 0, "the test needs every skipped key"
+    return set(range(total)) - {r["key"] for r in report["records"]}
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_epochs_exactly_once_and_equal_with_skips_two_ranks(ray_session, tmp_path, fmt):
     source, expected = mixed_source(tmp_path, fmt)
@@ -41,7 +48,9 @@ def test_epochs_exactly_once_and_equal_with_skips_two_ranks(ray_session, tmp_pat
     for epoch in range(3):
         good_rows = [stats[r][epoch]["good"] for r in range(2)]
         assert sum(good_rows) == total - bad  # every good sample reached a rank
-        keys = check_epoch(out, epoch, 6, set(range(total)), total - 12 * (min(good_rows) // 6))
+        good = good_keys(log, epoch, total)
+        assert len(good) == total - bad
+        keys = check_epoch(out, epoch, 6, good, len(good) - 12 * (min(good_rows) // 6))
         assert len(keys) == 2 * 6 * (min(good_rows) // 6)
         assert sum(stats[r][epoch]["dropped"] for r in range(2)) == total - bad - len(keys)
         # rank 0's stats() read the shared log as its epoch ended, when the other rank's
@@ -65,7 +74,8 @@ def test_a_lead_of_rows_keeps_epochs_exactly_once_and_equal_with_skips(ray_sessi
     for epoch in range(2):
         good_rows = [stats[r][epoch]["good"] for r in range(2)]
         assert sum(good_rows) == total - bad
-        keys = check_epoch(out, epoch, 6, set(range(total)), total - 12 * (min(good_rows) // 6))
+        good = good_keys(log, epoch, total)
+        keys = check_epoch(out, epoch, 6, good, len(good) - 12 * (min(good_rows) // 6))
         assert len(keys) == 2 * 6 * (min(good_rows) // 6)
 
 
@@ -105,6 +115,7 @@ def test_without_drop_last_every_good_sample_comes_once_per_epoch_nothing_droppe
     for epoch in range(2):
         keys = [k for r in range(2) for batch in out[r][epoch] for k in batch]
         assert len(keys) == len(set(keys)) == good
+        assert set(keys) == good_keys(log, epoch, total)  # the good ones, not as many others
         for r in range(2):
             sizes = [len(batch) for batch in out[r][epoch]]
             assert sizes[:-1] == [6] * (len(sizes) - 1) and 0 < sizes[-1] <= 6, sizes

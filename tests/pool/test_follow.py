@@ -18,7 +18,7 @@ from raypipe.loader.demand import Demand
 from raypipe.pool.autoscale import RAY_VERSION, check_ray
 from raypipe.pool.follow import Follower
 from tests.pool.test_elastic import slow_images
-from tests.properties import batches_of, check_exactly_once_and_equal
+from tests.properties import check_exactly_once_and_equal
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -259,9 +259,7 @@ def drive(address: str, data: Path, out: Path, config: dict, world: int, slow_s:
 
 
 def exactly_once_and_equal(report: dict, n: int, batch_size: int, world: int) -> None:
-    ranks = [batches_of(keys, batch_size) for keys in report["keys"]]
-    assert [len(r) for r in ranks] == report["batches"]
-    check_exactly_once_and_equal(ranks, batch_size=batch_size, good=range(n),
+    check_exactly_once_and_equal(report["keys"], batch_size=batch_size, good=range(n),
                                  left_over=world * batch_size - 1)  # fmt: skip
 
 

@@ -28,13 +28,21 @@ ROOT = Path(__file__).resolve().parents[2]
 B, STATE_AT = 4, 3
 
 
-def _own_network_namespace() -> bool:
+def _own_network_namespace() -> list[str] | None:
+    """``unshare`` with the flags that give this user a network namespace: ``-n`` as root,
+    ``-rn`` (a user namespace of its own, root in it) otherwise; None where neither can."""
     if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return False
-    return subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0
+        return None
+    for flags in ("-n", "-rn"):
+        if subprocess.run(["unshare", flags, "true"], capture_output=True).returncode == 0:
+            return ["unshare", flags]
+    return None
 
 
-@pytest.mark.skipif(not _own_network_namespace(), reason="needs unshare -n (root) and ip")
+UNSHARE = _own_network_namespace()
+
+
+@pytest.mark.skipif(UNSHARE is None, reason="needs unshare -n or -rn (user namespaces), and ip")
 def test_torchrun_ranks_join_a_ray_head_equal_batches_exactly_once(datasets, tmp_path):
     spec = yaml.safe_load((ROOT / "jobs/configs/torchrun.yaml").read_text())
     spec["data"].update(source=str(datasets["webdataset"]), image_size=8, batch_size=B,
@@ -52,7 +60,7 @@ def test_torchrun_ranks_join_a_ray_head_equal_batches_exactly_once(datasets, tmp
             [*resumed, "--keys-out", str(a), "--stop-at", "5"],  # checkpoints at 2, 4
             [*resumed, "--keys-out", str(b)]]  # fmt: skip
     job = {"config": str(config), "runs": runs}
-    cmd = ["unshare", "-n", sys.executable, "-m", "tests.torchrun_head", json.dumps(job)]
+    cmd = [*UNSHARE, sys.executable, "-m", "tests.torchrun_head", json.dumps(job)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
