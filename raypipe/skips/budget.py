@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from raypipe.skips.records import one_line
+
 __all__ = ["SkipBudgetError", "check_budget", "skip_limit"]
 assert __all__ == sorted(__all__)
 
@@ -38,7 +40,9 @@ class SkipBudgetError(RuntimeError):
            report: dict[str, Any]) -> SkipBudgetError:  # fmt: skip
         by_reason = report.get("by_reason", {})
         top = ", ".join(f"{r} {n}" for r, n in sorted(by_reason.items(), key=lambda kv: -kv[1])[:3])
-        first = (report.get("records") or [{}])[0]
+        records = report.get("records") or []
+        example = (f"; e.g. {one_line(records[0]['where'])}: {records[0]['reason']}: "
+                   f"{one_line(records[0]['detail'])}" if records else "")  # fmt: skip
         allowed = (
             "max_skipped=None allows any share but all"
             if max_skipped is None
@@ -47,8 +51,7 @@ class SkipBudgetError(RuntimeError):
         skipped = report.get("skipped", 0)
         return cls(
             f"epoch {epoch}: {skipped} of its {samples} samples skipped as bad so far "
-            f"({allowed}); top reasons: {top}; e.g. {first.get('where')}: "
-            f"{first.get('reason')}: {first.get('detail')}. Fix the data or the settings that "
+            f"({allowed}); top reasons: {top}{example}. Fix the data or the settings that "
             "read it (format, image_column, label_column, label_member, label_key), or raise "
             "max_skipped; `raypipe inspect SOURCE` shows what is read",
             skipped, by_reason,

@@ -113,4 +113,9 @@ def detail_of(error: BaseException, data: bytes | None = None) -> str:
         return error.detail
     if isinstance(error, UnidentifiedImageError) and data is not None:
         return f"no decoder recognises the data (it starts {bytes(data[:8])!r})"
-    return f"{type(error).__name__}: {error}"
+    return one_line(f"{type(error).__name__}: {error}")
+
+
+def one_line(text: object) -> str:
+    """``text`` with each run of whitespace, newlines included, one space."""
+    return " ".join(str(text).split())

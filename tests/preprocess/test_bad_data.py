@@ -495,6 +495,21 @@ def test_skip_store_keeps_counts_and_drops_the_oldest_runs_records_past_its_budg
     assert store.counts("mid") == {REASONS[1]: 60}
 
 
+def test_the_budget_error_is_one_whole_line_and_names_a_sample_only_where_one_was_kept():
+    from raypipe.skips.budget import SkipBudgetError
+    from raypipe.skips.records import detail_of
+
+    detail = detail_of(ValueError("shape mismatch:\n  value array of shape (3,)"))
+    assert "\n" not in detail and detail.endswith("value array of shape (3,)")
+    record = {"where": "/d/x.jpg", "reason": "transform_error", "detail": "one\ntwo"}
+    report = {"skipped": 30, "by_reason": {"transform_error": 30}, "records": [record]}
+    error = str(SkipBudgetError.of(0, 100, 5, 0.05, report))
+    assert "\n" not in error and "one two" in error and error.endswith("shows what is read")
+    none_kept = str(SkipBudgetError.of(0, 100, 5, 0.05, {**report, "records": []}))
+    assert "None" not in none_kept and "e.g." not in none_kept  # SkipLog(max_records=0)
+    assert "transform_error 30" in none_kept
+
+
 def test_skip_store_holds_few_high_keys_in_little_memory_and_many_in_a_bitmap():
     """Each epoch's run keeps its keys seen: a few skips at high keys must not cost a
     bitmap up to the highest (25 MB for one at 2·10⁸), and many skips still dedupe."""
