@@ -199,6 +199,7 @@ def _check_head(address: str) -> None:
                          "address (host:6379); an http:// address is the dashboard's, "
                          "for raypipe submit")  # fmt: skip
     host, _, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]:6379
     if not port.isdigit():
         raise ValueError(f"address {address!r}: a Ray head's GCS address is host:port "
                          "(its port, 6379 by default, is missing)")  # fmt: skip

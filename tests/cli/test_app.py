@@ -488,6 +488,19 @@ def test_an_output_folder_that_cannot_be_made_is_one_line(capsys, tmp_path, fold
     assert "Not a directory" in _error_line(capsys, ["convert", str(cfg)])
 
 
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 on this machine")
+def test_a_heads_ipv6_address_in_brackets_is_reached():
+    """``[::1]:PORT``, as Ray spells an IPv6 GCS address, was refused as nothing answering."""
+    from raypipe.cli.app import _check_head
+
+    try:
+        listener = socket.create_server(("::1", 0), family=socket.AF_INET6)
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with listener:
+        _check_head(f"[::1]:{listener.getsockname()[1]}")  # raised ConnectionError
+
+
 def test_an_image_folder_given_as_files_is_named_briefly(capsys, folder):
     """A glob of 1,438 files was one 30 KB line naming every one."""
     line = _error_line(capsys, ["inspect", f"{folder}/*/*"])
