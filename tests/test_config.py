@@ -41,6 +41,9 @@ def test_defaults_and_list_coercion(tmp_path):
         ("lead_batches", -1),
         ("source", ""),
         ("source", ()),
+        ("source", ["/data/train", None]),  # was the path 'None', refused by the listing
+        ("source", ["/data/train", 3]),
+        ("label_member", ".cls"),  # every sample's label went missing ("..cls")
     ],
 )
 def test_invalid_value_names_field_and_value(field, value):

@@ -201,7 +201,7 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         if isinstance(self.source, (list, tuple)):
-            fix("source", tuple(str(s) for s in self.source))
+            fix("source", tuple(str(s) if isinstance(s, Path) else s for s in self.source))
         elif isinstance(self.source, Path):
             fix("source", str(self.source))
         if isinstance(self.cache_dir, Path):

@@ -77,10 +77,10 @@ def _check_source(c: PipelineConfig, bad: _Bad) -> None:
         if not isinstance(getattr(c, name), str) or not getattr(c, name):
             raise bad(name, "must be a non-empty string")
     member = c.label_member
-    if member is not None and (not isinstance(member, str) or not member or "/" in member):
-        raise bad(
-            "label_member", 'must be a member extension such as "cls", "txt", "json", or None'
-        )
+    if member is not None and (not isinstance(member, str) or not member.strip(".")
+                               or "/" in member or member.startswith(".")):  # fmt: skip
+        raise bad("label_member", 'must be a member extension without its dot, such as "cls", '
+                  '"txt", "json", or None')  # fmt: skip
 
 
 def _check_no_password(source: str | tuple[str, ...]) -> None:
