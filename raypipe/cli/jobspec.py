@@ -38,7 +38,10 @@ def convert_section(raw: dict[str, Any]) -> str | None:
 def kind_of(path: str | Path) -> Kind:
     """``"convert"`` for a config with a ``convert`` section, else ``"train"``."""
     raw = load_yaml(path)
-    if convert_section(raw):
+    if (section := convert_section(raw)) and "data" in raw:
+        raise ValueError(f"{path}: both a run config's 'data' and a convert config's "
+                         f"'{section}' section: one file describes one job")  # fmt: skip
+    if section:
         return "convert"
     if "model" in raw:  # jobs/configs/tokens-lm.yaml's kind: not raypipe's own jobs
         raise ValueError(f"{path}: a language model's config (its 'model' section): run it "

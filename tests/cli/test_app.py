@@ -213,6 +213,10 @@ def test_wrong_kind_of_config(capsys, tmp_path, folder, run_config):
     pre = _write(tmp_path / "p.yaml", f"preprocess:\n  source: {folder}\n  out: o\n")
     assert "use raypipe convert" in _error_line(capsys, ["run", str(pre)])
     assert "use raypipe run" in _error_line(capsys, ["preprocess", str(run_config)])
+    both = _write(tmp_path / "b.yaml", f"data:\n  source: {folder}\nconvert:\n  source: x\n")
+    assert "both a run config's 'data' and a convert config's 'convert'" in _error_line(
+        capsys, ["run", str(both)]
+    )  # said "unknown key(s) 'data'; known: convert"
     empty = _write(tmp_path / "e.yaml", "eval:\n  source: x\n")
     assert "neither a run config" in _error_line(capsys, ["submit", str(empty)])
     lm = str(ROOT / "jobs" / "configs" / "tokens-lm.yaml")  # said "unknown key(s) 'model'"
