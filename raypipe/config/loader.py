@@ -29,7 +29,7 @@ class LoaderConfig:
         normalize: ``(x/255 - mean) / std`` as float32 on the device; else uint8.
         mean, std: per-channel normalization (0..1 scale).
         shuffle_buffer: rows in the rank's local shuffle buffer (0 = off).
-        shuffle_seed: seeds that buffer (None: unseeded).
+        shuffle_seed: seeds that buffer, with each pass's epoch (None: unseeded).
         channels_last: images laid out as ``torch.channels_last``.
     """
 

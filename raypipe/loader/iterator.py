@@ -130,10 +130,11 @@ def loader_config(config, settings: dict[str, Any]) -> LoaderConfig:
     return base.replace(**{k: v for k, v in settings.items() if v is not None})
 
 
-def _ray_host(source, loader: LoaderConfig) -> Iterator[dict[str, np.ndarray]]:
-    """Steps 1-2 over a Ray source, re-cut to exactly ``batch_size`` rows: a Dataset's
-    blocks read directly (`raypipe.loader.blocks`), else Ray's batches (a split's
-    iterator); drawn through the local shuffle buffer when there is one."""
+def _ray_host(source, loader: LoaderConfig, epoch: int) -> Iterator[dict[str, np.ndarray]]:
+    """Steps 1-2 of ``epoch`` over a Ray source, re-cut to exactly ``batch_size`` rows: a
+    Dataset's blocks read directly (`raypipe.loader.blocks`), else Ray's batches (a split's
+    iterator); drawn through the local shuffle buffer when there is one, a new order each
+    epoch (the same for the same ``shuffle_seed``)."""
     import ray.data
 
     size, buffer = loader.batch_size, loader.shuffle_buffer
@@ -142,7 +143,8 @@ def _ray_host(source, loader: LoaderConfig) -> Iterator[dict[str, np.ndarray]]:
     else:  # whole blocks when shuffling: the buffer does the batching
         host = host_batches(source, None if buffer else size, loader.prefetch_batches)
     if buffer:
-        rng = np.random.default_rng(loader.shuffle_seed)
+        seed = loader.shuffle_seed
+        rng = np.random.default_rng(None if seed is None else [seed, epoch, 0xB0F])
         return shuffled(raising_ours(host), size, buffer, rng, drop_last=loader.drop_last)
     return rebatch(raising_ours(host), size, drop_last=loader.drop_last)
 
@@ -150,7 +152,7 @@ def _ray_host(source, loader: LoaderConfig) -> Iterator[dict[str, np.ndarray]]:
 class TorchBatches:
     """Iterable returned by `iter_torch_batches`; owns the running pass and its stats.
 
-    ``host()`` starts steps 1-2 of a pass: exact-size numpy batches on the host.
+    ``host(epoch)`` starts steps 1-2 of a pass: exact-size numpy batches on the host.
     ``more_stats(stats)``, when given, adds its entries to `stats`.
     """
 
@@ -198,7 +200,7 @@ class TorchBatches:
 
     def _pass(self) -> Iterator[Batch]:
         # 1 → 5: the straight line described in the module docstring.
-        exact = self._delivered.track(self._host())
+        exact = self._delivered.track(self._host(self._epoch))
         tensors = (self._collate(b) for b in exact)
         if self._stays:
             device_map = self._device_map

@@ -156,7 +156,7 @@ class Pipeline:
                     node_cache.ensure(self.config)
                 skips = self.skips.epoch(e)
                 batches = TorchBatches(
-                    lambda e=e: feeder.epoch(e), self.loader, skips=skips, first_pass=e,
+                    lambda _, e=e: feeder.epoch(e), self.loader, skips=skips, first_pass=e,
                     more_stats=functools.partial(self._epoch_stats, e), collate=self._collate,
                     device_map=device_map_for(self.config, self.loader.device, skips), h2d=h2d,
                 )  # fmt: skip

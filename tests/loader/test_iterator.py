@@ -64,6 +64,26 @@ def test_local_shuffle_buffer_keeps_batches_equal(ray_session, datasets):
     check_split(ranks, batch_size=6, total=N)
 
 
+def test_the_local_shuffle_draws_a_new_order_each_pass_and_the_same_for_the_same_seed(
+    ray_session,
+):
+    """Each pass is an epoch: the buffer drew the same order in every one (seeded once)."""
+    import ray.data
+
+    ds = ray.data.range(64, override_num_blocks=1).map_batches(
+        lambda b: {"key": b["id"], "label": b["id"] % 3}
+    )
+
+    def orders(seed: int) -> list[list[int]]:
+        batches = iter_torch_batches(ds, batch_size=8, shuffle_buffer=16, shuffle_seed=seed)
+        return [[k for b in batches for k in b["key"].tolist()] for _ in range(3)]
+
+    first = orders(1)
+    assert all(sorted(o) == list(range(64)) for o in first)
+    assert len({tuple(o) for o in first}) == 3, "every pass drew the same order"
+    assert orders(1) == first and orders(2) != first
+
+
 def test_keep_partial_batch_delivers_everything_once(ray_session, datasets):
     config = PipelineConfig(source=str(datasets["parquet"]), image_size=8, rows_per_block=4)
     batches = list(iter_torch_batches(build_dataset(config), batch_size=8, drop_last=False))
