@@ -6,7 +6,8 @@ A straight line of iterator-to-iterator stages, each testable alone::
                       iter_batches for a split's iterator
     2. rebatch        exactly ``batch_size`` rows per batch, whatever Ray yields (or the
                       rank's seeded local shuffle, ``raypipe.loader.shuffle``)
-    3. to_tensors     zero-copy numpy → torch on the host
+    3. collate        numpy → torch on the host (``pad_collate`` unless told: numeric
+                      columns without a copy, ragged rows padded, strings as lists)
     4. to_device      pinned ring slot → copy on a side CUDA stream (``raypipe.loader.h2d``);
                       nothing on a CPU device: the batch is already where it is read
     5. normalize      uint8 → float32, (x - mean) / std, on the device
@@ -26,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,7 +34,7 @@ import numpy as np
 
 from raypipe.config import LoaderConfig, PipelineConfig
 from raypipe.loader.blocks import dataset_columns
-from raypipe.loader.collate import collate_for
+from raypipe.loader.collate import collate_for, pad_collate
 from raypipe.loader.device import normalize, resolve_device
 from raypipe.loader.errors import quiet_ray_data_aborts, raising_ours
 from raypipe.loader.h2d import HostToDevice
@@ -65,8 +65,10 @@ def iter_torch_batches(
 
     Yields dicts: ``image`` (float32 N×C×H×W normalized, or uint8 with
     ``normalize=False``) on the device, ``label`` and ``key`` (int64). ``collate`` turns each
-    exact-size numpy batch into the batch (its tensors then move to the device). Each pass
-    over the returned object is one epoch of ``source``; ``.stats()`` and ``.state_dict()``
+    exact-size numpy batch into the batch (its tensors then move to the device); without
+    one, the config's, else `raypipe.loader.collate.pad_collate` (strings as lists, ragged
+    rows padded, each with its ``<field>_mask``). Each pass over the returned object is one
+    epoch of ``source``; ``.stats()`` and ``.state_dict()``
     describe the current pass. ``stats()["skipped"]`` counts skipped samples per reason
     from ``skips``, the `raypipe.SkipLog` the dataset was built with;
     ``stats()["pool"]`` is the summary of ``watch``, a started `raypipe.PoolWatch`;
@@ -160,7 +162,7 @@ class TorchBatches:
                  first_pass=0, collate=None, device_map=None, h2d=None):  # fmt: skip
         device, channels_last = loader.device, loader.channels_last  # the device resolved
         self._host = host
-        self._collate = collate or to_tensors
+        self._collate = collate or pad_collate
         self._device_map = device_map  # on the device after the copy (decode="gpu")
         self._device = device
         self._normalize = (loader.mean, loader.std) if loader.normalize else None
@@ -261,15 +263,6 @@ def host_batches(source, batch_size: int | None, prefetch: int) -> Iterator[dict
     return source.iter_batches(
         batch_size=batch_size, batch_format="numpy", prefetch_batches=prefetch, drop_last=False
     )
-
-
-def to_tensors(batch: dict[str, np.ndarray]) -> Batch:
-    """Step 3: numpy → torch without copying (Ray's arrays may be read-only views)."""
-    import torch
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*not writable.*")
-        return {k: torch.from_numpy(np.asarray(v)) for k, v in batch.items()}
 
 
 class _Stay:

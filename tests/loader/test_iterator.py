@@ -84,6 +84,18 @@ def test_the_local_shuffle_draws_a_new_order_each_pass_and_the_same_for_the_same
     assert orders(1) == first and orders(2) != first
 
 
+def test_without_a_config_strings_and_ragged_rows_come_as_with_one(ray_session):
+    """A LoaderConfig (or batch_size= alone) has no collate of a PipelineConfig's: a string
+    column stopped the pass in torch.from_numpy."""
+    import ray.data
+
+    rows = [{"key": i, "text": f"doc {i}", "ids": np.arange(i % 3 + 1)} for i in range(8)]
+    batches = list(iter_torch_batches(ray.data.from_items(rows), batch_size=4))
+    assert [b["text"] for b in batches] == [[f"doc {i}" for i in range(j, j + 4)] for j in (0, 4)]
+    assert batches[0]["ids"].shape == (4, 3) and batches[0]["ids_mask"].sum() == 1 + 2 + 3 + 1
+    assert batches[1]["key"].tolist() == [4, 5, 6, 7]
+
+
 def test_keep_partial_batch_delivers_everything_once(ray_session, datasets):
     config = PipelineConfig(source=str(datasets["parquet"]), image_size=8, rows_per_block=4)
     batches = list(iter_torch_batches(build_dataset(config), batch_size=8, drop_last=False))
@@ -182,7 +194,8 @@ def test_the_config_reaches_the_iterator(ray_session, datasets):
     assert [len(b["key"]) for b in batches] == [5] * (N // 5)
     image = batches[0]["image"]
     assert str(image.dtype) == "torch.uint8" and image.is_contiguous(memory_format=channel_last())
-    floats = next(iter(iter_torch_batches(ds, config, normalize=True, batch_size=3)))
+    with iter_torch_batches(ds, config, normalize=True, batch_size=3) as peek:
+        floats = next(iter(peek))  # closed: its copy thread ends with the test
     assert str(floats["image"].dtype) == "torch.float32" and len(floats["key"]) == 3
     # the config's own mean and std, per channel: every pixel is (x/255 - mean) / std of
     # the same key's uint8 pixel (a loader that ignored them, or the channels' order, fails)
