@@ -91,12 +91,12 @@ def _resumable(path: str) -> str:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from raypipe.cli.convert import ShardsConfig, convert, plan
+    from raypipe.cli.convert import ShardsConfig, check_out, convert
 
     _expect_kind(args.config, "convert", args.data_root)
     jobspec.check_sources(args.config, args.data_root)
     cfg = ShardsConfig.from_yaml(args.config, jobspec.resolve_paths(args.config, args.data_root))
-    plan(cfg)  # fail on a bad folder before starting Ray
+    check_out(cfg)  # fail on a bad folder before starting Ray
     jobspec.make_folder(cfg.out, f"{args.config}: convert.out")
     with _ray_session(args.address, verbose=quiet.is_verbose(args.verbose)):
         s = convert(cfg)

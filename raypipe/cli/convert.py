@@ -103,13 +103,7 @@ def convert(config: ShardsConfig, *, log: TextIO | None = None) -> Summary:
     names = [shard_name(config.prefix, i, total, fmt) for i in range(total)]
     asked, rewrite = config.restart_markers, _restarts() if config.restart_markers else None
     config = dataclasses.replace(config, restart_markers=rewrite is not None)  # as written
-    fingerprint = _fingerprint(config, parts)
-    index = _load_index(out, fingerprint, _fingerprint(_other_markers(config), parts))
-    if index is None and (present := _foreign(out)):
-        raise ValueError(
-            f"convert.out {out!r} holds files and no {INDEX} of a convert ({', '.join(present[:3])}"
-            f"{', ...' if len(present) > 3 else ''}): use an empty or new folder"
-        )
+    fingerprint, index = _earlier(config, parts)
     entries = (
         index["shards"] if index else [_planned(nm, p) for nm, p in zip(names, parts, strict=True)]
     )
@@ -158,6 +152,28 @@ def convert(config: ShardsConfig, *, log: TextIO | None = None) -> Summary:
                    time.perf_counter() - t0, written, restarted,
                    f"{restarted} JPEGs" if rewrite else
                    "off (region decoding was not built)" if asked else "off")  # fmt: skip
+
+
+def check_out(config: ShardsConfig) -> None:
+    """Fail, before any work, where ``config.out`` holds files no convert of this plan
+    wrote (another dataset's, another convert's)."""
+    rewrite = _restarts() if config.restart_markers else None
+    _earlier(dataclasses.replace(config, restart_markers=rewrite is not None), plan(config)[0])
+
+
+def _earlier(config: ShardsConfig, parts: list[list[Sample]]) -> tuple[str, dict | None]:
+    """The plan's fingerprint, and the index of an earlier convert of it in ``out`` (None:
+    none there); ValueError where ``out`` holds files and no index of a convert."""
+    out, fingerprint = os.path.abspath(config.out), _fingerprint(config, parts)
+    if not os.path.isdir(out):
+        return fingerprint, None
+    index = _load_index(out, fingerprint, _fingerprint(_other_markers(config), parts))
+    if index is None and (present := _foreign(out)):
+        raise ValueError(
+            f"convert.out {out!r} holds files and no {INDEX} of a convert ({', '.join(present[:3])}"
+            f"{', ...' if len(present) > 3 else ''}): use an empty or new folder"
+        )
+    return fingerprint, index
 
 
 def _restarts():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -45,11 +47,7 @@ class ShardsConfig:
         def bad(field: str, why: str) -> ValueError:
             return ValueError(f"convert.{field}={getattr(self, field)!r}: {why}")
 
-        for name in ("source", "out", "prefix"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise bad(name, "must be a non-empty string")
-        if remote := [name for name in ("source", "out") if is_remote(getattr(self, name))]:
-            raise bad(remote[0], "must be a local folder (convert reads and writes local files)")
+        self._check_paths(bad)
         if self.format not in EXTENSIONS:
             raise bad("format", f"must be one of {sorted(EXTENSIONS)}")
         if self.shards is not None and (not _is_int(self.shards) or self.shards < 1):
@@ -62,6 +60,16 @@ class ShardsConfig:
         if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not cpus > 0:
             raise bad("cpus_per_task", "must be a number > 0")
         self._check_switches(bad)
+
+    def _check_paths(self, bad) -> None:
+        for name in ("source", "out", "prefix"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise bad(name, "must be a non-empty string")
+        if remote := [name for name in ("source", "out") if is_remote(getattr(self, name))]:
+            raise bad(remote[0], "must be a local folder (convert reads and writes local files)")
+        if glob.has_magic(self.source) and not os.path.isdir(self.source):
+            raise bad("source", "must be one image folder (the folder of the class folders), "
+                      "not a glob")  # fmt: skip
 
     def _check_switches(self, bad) -> None:
         if not isinstance(self.restart_markers, bool):

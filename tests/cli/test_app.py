@@ -492,6 +492,29 @@ def test_an_output_folder_that_cannot_be_made_is_one_line(capsys, tmp_path, fold
     assert "Not a directory" in _error_line(capsys, ["convert", str(cfg)])
 
 
+def test_convert_refuses_a_glob_source_and_a_foreign_out_before_ray(capsys, monkeypatch, tmp_path):
+    """A glob source skipped the out-inside-source check (the shards' folder became one
+    more class); an out holding other files was refused only after Ray had started."""
+    root = make_imagefolder(tmp_path / "digits" / "train", {"a": 3, "b": 3}, seed=1)
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started before the folders were checked")
+
+    monkeypatch.setattr(cli, "_ray_session", no_ray)
+    glob = _write(tmp_path / "g.yaml", f"convert:\n  source: {tmp_path}/digits/tr*\n"
+                  f"  out: {root}/zz-shards\n")  # fmt: skip
+    assert "must be one image folder (the folder of the class folders), not a glob" in (
+        _error_line(capsys, ["convert", str(glob)])
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "train-00000-of-00001.parquet").write_bytes(b"another dataset")
+    foreign = _write(tmp_path / "f.yaml", f"convert:\n  source: {root}\n  out: {out}\n")
+    assert "holds files and no index.json of a convert" in _error_line(
+        capsys, ["convert", str(foreign)]
+    )
+
+
 @pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 on this machine")
 def test_a_heads_ipv6_address_in_brackets_is_reached():
     """``[::1]:PORT``, as Ray spells an IPv6 GCS address, was refused as nothing answering."""
