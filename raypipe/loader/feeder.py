@@ -42,6 +42,7 @@ assert __all__ == sorted(__all__)
 Columns = dict[str, np.ndarray]
 _END, _BATCH, _FAIL = "end", "batch", "fail"
 _POLL_S = 0.05  # how often a blocked put checks for close()
+JOIN_S = 10.0  # how long close() waits for the thread
 STAGES = ("ray_s", "peers_s", "iterator_s", "trainer_s")
 
 
@@ -82,6 +83,7 @@ class Feeder:
         self._drop_last, self._form, self._lead = drop_last, form, lead * batch_size
         self._queue: queue.Queue = queue.Queue(maxsize=max(prefetch, 1))
         self._closed = threading.Event()
+        self._stopping = threading.Lock()  # `_stop` changes hands under it: stopped once
         self._thread = threading.Thread(target=self._run, name="raypipe-feeder", daemon=True)
         self._stalls: dict[int, dict[str, float]] = {}
         self._counts: dict[int, dict[str, int]] = {}
@@ -159,13 +161,12 @@ class Feeder:
         """Stop the thread and the rank's execution (its actors go with it)."""
         self._closed.set()
         self._gate.close()  # a wait on the peers ends: one that closed first sends nothing
-        stop = self._stop
+        with self._stopping:
+            stop, self._stop = self._stop, None
         if stop is not None:
             stop()
-        self._thread.join(timeout=10)
-        if stop is None and self._stop is not None:  # the thread started it meanwhile
-            self._stop()
-        self._start = self._stop = None  # the execution's last references on this side
+        self._thread.join(timeout=JOIN_S)  # a start still running then: the thread stops it
+        self._start = None  # the execution's last references on this side
         if self._failed is not None:
             collect_failed(self._failed)
             self.failed, self._failed = True, None
@@ -175,7 +176,14 @@ class Feeder:
     def _run(self) -> None:
         try:
             t0 = time.perf_counter()
-            columns, self._stop = self._start() if self._start is not None else ((), None)
+            columns, stop = self._start() if self._start is not None else ((), None)
+            with self._stopping:  # close() came meanwhile: this thread stops what it started
+                closed = self._closed.is_set()
+                self._stop = None if closed else stop
+            if closed:
+                if stop is not None:
+                    stop()
+                return
             startup = time.perf_counter() - t0  # the execution starts: counted to Ray
             blocks = self._timed(iter(columns), "ray_s")
             ahead = None

@@ -20,6 +20,7 @@ other format, go through Pillow with the plan already drawn.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
@@ -156,8 +157,9 @@ def fast_decodable(data: bytes) -> bool:
 
 
 def exif_orientation(data: bytes) -> int:
-    """The EXIF orientation of a JPEG (1 = upright); 0 when the markers cannot be walked."""
-    i, n = 2, len(data)
+    """The orientation of a JPEG as Pillow reads it (1 = upright): EXIF's tag, else an XMP
+    packet's ``tiff:Orientation``; 0 when the markers cannot be walked."""
+    i, n, xmp = 2, len(data), 1
     while i + 4 <= n:
         if data[i] != 0xFF:
             return 0
@@ -166,15 +168,23 @@ def exif_orientation(data: bytes) -> int:
             i += 1
             continue
         if marker in (0xD9, 0xDA):  # end of image, start of scan: no EXIF before pixels
-            return 1
+            return xmp
         length = int.from_bytes(data[i + 2 : i + 4], "big")
-        if marker == 0xE1 and data[i + 4 : i + 10] == b"Exif\0\0":
-            return _tiff_orientation(data[i + 10 : i + 2 + length])
+        segment = data[i + 4 : i + 2 + length] if marker == 0xE1 else b""
+        if segment[:6] == b"Exif\0\0" and (tagged := _tiff_orientation(segment[6:])) is not None:
+            return tagged
+        if segment.startswith(_XMP) and (found := _XMP_ORIENTATION.search(segment)):
+            xmp = int(found[2])  # Pillow keeps the last packet
         i += 2 + length
     return 0
 
 
-def _tiff_orientation(tiff: bytes) -> int:
+_XMP = b"http://ns.adobe.com/xap/1.0/\0"
+_XMP_ORIENTATION = re.compile(rb'tiff:Orientation(="|>)([0-9])')  # Pillow's own pattern
+
+
+def _tiff_orientation(tiff: bytes) -> int | None:
+    """The orientation tag of an EXIF block; None where it has none, 0 where it is cut."""
     order = {b"II": "little", b"MM": "big"}.get(tiff[:2])
     if order is None or len(tiff) < 8:
         return 0
@@ -187,7 +197,7 @@ def _tiff_orientation(tiff: bytes) -> int:
             return 0
         if int.from_bytes(tiff[at : at + 2], order) == 0x0112:
             return int.from_bytes(tiff[at + 8 : at + 10], order)
-    return 1
+    return None
 
 
 def by_mcu(data: bytes) -> bool:

@@ -78,3 +78,36 @@ def test_an_epoch_left_early_is_drained_without_counting_as_handed_out():
         feeder.close()
     assert sum(map(len, epoch1)) == 16 and demand.rows == 2 + 16 and demand.epoch_rows == 16
     assert feeder.counts(0)["good"] == 16  # read whole, as before
+
+
+def test_an_execution_started_after_close_gave_up_waiting_is_stopped(monkeypatch):
+    """A pool still starting when `close` stopped waiting for the thread (a cold cluster
+    with RAY_DATA_DEFAULT_WAIT_FOR_MIN_ACTORS_S set) was never stopped: its actors and its
+    resource request stayed for as long as the driver lived."""
+    import threading
+
+    from raypipe.loader import feeder as feeder_module
+
+    monkeypatch.setattr(feeder_module, "JOIN_S", 0.2)
+    listing = Listing("imagefolder", tuple(Shard(f"/d/{i}.jpg", i, 1) for i in range(8)))
+    plan = RankPlan.of(listing, seed=0, shuffle=False, rank=0, world_size=1, per_task=4)
+    up, first_block, stopped = threading.Event(), threading.Event(), []
+
+    def blocks():
+        first_block.wait(10)
+        yield {"key": plan.keys(0), "epoch": np.zeros(8, int)}
+
+    def start():
+        up.wait(10)  # the pool comes up after close returned
+        return blocks(), lambda: stopped.append(time.monotonic())
+
+    feeder = Feeder(start, plan, Gate(None, "run", 0, 2), range(1), batch_size=2, prefetch=2)
+    feeder.close()
+    assert feeder._thread.is_alive() and not stopped
+    up.set()
+    deadline = time.monotonic() + 5
+    while not stopped and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first_block.set()
+    feeder._thread.join(5)
+    assert len(stopped) == 1 and not feeder._thread.is_alive()  # stopped once, by the thread

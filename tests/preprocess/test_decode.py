@@ -113,6 +113,21 @@ def test_exif_rotated_and_cmyk_jpegs_take_pillow_with_the_same_plan():
     assert decode.exif_orientation(_jpeg(base)) == 1
 
 
+def test_an_orientation_in_xmp_alone_turns_the_image_on_every_path():
+    """Pillow reads ``tiff:Orientation`` from an XMP packet where EXIF has none: the fast
+    path took such a file as upright, and drew its plan for the unturned size."""
+    base = Image.open(io.BytesIO(image_bytes(np.random.default_rng(4), size=(96, 40))))
+    packet = b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:Description tiff:Orientation="6"/>'
+    turned = _jpeg(base, xmp=packet + b"</x:xmpmeta>")
+    assert decode.exif_orientation(turned) == 6 and not decode.fast_decodable(turned)
+    for key in range(4):
+        fast, standard = both(turned, 32, key)
+        assert np.array_equal(fast, standard)
+    exif = Image.Exif()
+    exif[0x0112] = 1  # EXIF's own tag wins over XMP's, as in Pillow
+    assert decode.exif_orientation(_jpeg(base, exif=exif.tobytes(), xmp=packet)) == 1
+
+
 def test_grayscale_jpeg_becomes_three_equal_channels():
     gray = Image.open(io.BytesIO(image_bytes(np.random.default_rng(5), size=(100, 100))))
     data = _jpeg(gray.convert("L"))
