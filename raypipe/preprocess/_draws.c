@@ -158,8 +158,10 @@ static PyObject *rrc(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         if (in_ratio < r0) {
             w = width;
             h = pyround((double)width / r0);
+            if (h < 1) h = 1; /* a thin image far from the ratio: a pixel at least */
         } else if (in_ratio > r1) {
             w = pyround((double)height * r1);
+            if (w < 1) w = 1;
             h = height;
         } else {
             w = width;

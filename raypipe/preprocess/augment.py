@@ -86,10 +86,10 @@ def random_resized_box(
             left = int(rng.integers(0, width - w + 1))
             return Box(left, top, w, h)
     in_ratio = width / height
-    if in_ratio < ratio[0]:
-        w, h = width, round(width / ratio[0])
+    if in_ratio < ratio[0]:  # at least a pixel: a thin image far from the ratio rounds to 0
+        w, h = width, max(1, round(width / ratio[0]))
     elif in_ratio > ratio[1]:
-        w, h = round(height * ratio[1]), height
+        w, h = max(1, round(height * ratio[1])), height
     else:
         w, h = width, height
     return Box((width - w) // 2, (height - h) // 2, w, h)

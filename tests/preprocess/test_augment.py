@@ -17,6 +17,22 @@ def test_random_resized_box_stays_inside(w, h):
         assert b.left + b.width <= w and b.top + b.height <= h
 
 
+@pytest.mark.parametrize("w, h", [(1, 40), (40, 1), (2, 300), (300, 2), (1, 1)])
+@pytest.mark.parametrize("ratio", [(3, 4), (0.2, 0.3), (5, 6)])
+def test_a_thin_image_far_from_the_ratio_still_gets_a_pixel_each_way(w, h, ratio):
+    """The centre fallback rounded a side to 0 (1×40 at ratio 3-4: a 1×0 box): the image
+    became a decode_error; compiled plans or NumPy's, every box holds a pixel."""
+    from raypipe.preprocess.augment import sample_plan
+
+    for key in range(50):
+        boxes = [random_resized_box(w, h, sample_rng(0, 0, key), scale=(0.08, 1.0), ratio=ratio),
+                 sample_plan(0, 0, key, w, h, train=True, scale=(0.08, 1.0), ratio=ratio,
+                             flip=False).box]  # fmt: skip
+        for b in boxes:
+            assert b.width >= 1 and b.height >= 1, (b, key)
+            assert b.left + b.width <= w and b.top + b.height <= h
+
+
 def test_augmentation_depends_only_on_seed_epoch_key():
     data = image_bytes(np.random.default_rng(0), size=(96, 80))
 
