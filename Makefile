@@ -17,7 +17,7 @@ BIN := $(VENV)/bin
 test bench: export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv bench clean
+.PHONY: demo test lint venv bench bench-peers clean
 
 venv: $(STAMP)
 
@@ -54,6 +54,13 @@ test: lint  # on a failure, Ray's fatal log lines, then pytest's verdict again, 
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/ingest.py --size small
+
+# raypipe beside LitData and MosaicML Streaming (benchmarks/peers.py), which it installs
+bench-peers: export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER ?= 0
+bench-peers: $(STAMP)
+	$(BIN)/pip install --quiet -r benchmarks/peers-requirements.txt
+	$(BIN)/pip install --quiet --no-deps -r benchmarks/peers-nodeps.txt
+	$(BIN)/python benchmarks/peers.py --images 4096 --epochs 4 --rounds 5
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) build .pytest_cache .ruff_cache .pytest.log .pytest.current .pytest.start raypipe/preprocess/*.so

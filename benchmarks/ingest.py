@@ -48,7 +48,7 @@ from raypipe.cli.demo import write_photos
 from raypipe.config import PipelineConfig
 from raypipe.plan.shards import list_shards
 from raypipe.preprocess import decode
-from raypipe.preprocess.augment import plan, sample_rng
+from raypipe.preprocess.augment import sample_plan
 from raypipe.preprocess.pillow import pillow_decode_crop
 
 SIZES = {"small": (2048, 5), "medium": (6144, 5), "large": (16384, 5)}  # images, epochs
@@ -57,10 +57,11 @@ TRANSFORMS = {"pillow": pillow_decode_crop, "fast": decode.decode_crop}
 
 
 def chooser(key: int, epoch: int):
-    rng = sample_rng(SEED, epoch, key)
-    return lambda w, h: plan(
-        w, h, train=True, rng=rng, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), flip=True
-    )
+    """The crop plan of ``key`` in ``epoch``, drawn as raypipe's workers draw it (one
+    compiled call where `_draws` was built, the same plan as NumPy's): a DataLoader drew it
+    through NumPy, about 19 µs a sample more than raypipe's workers."""
+    return lambda w, h: sample_plan(SEED, epoch, key, w, h, train=True, scale=(0.08, 1.0),
+                                    ratio=(3 / 4, 4 / 3), flip=True)  # fmt: skip
 
 
 def make_corpus(root: Path, n: int) -> Path:

@@ -94,7 +94,8 @@ def rounds(paths: dict[str, Callable[[], dict]], n: int,
         }
     for a, b in versus:
         out["ratios"][f"{a}_vs_{b}"] = {
-            key: _paired(runs[a], runs[b], key) for key in ("steady_img_s", "img_per_cpu_s")
+            key: _paired(runs[a], runs[b], key)
+            for key in ("steady_img_s", "steady_run_img_s", "img_per_cpu_s")
         }
     return out
 

@@ -1,0 +1,241 @@
+"""raypipe against the streaming loaders users pick instead, side by side in one run.
+
+On ``ingest.py``'s corpus (~400×300 photo JPEGs, random-resized-crop(224) + flip to uint8
+N×3×224×224 batches of 256), each loader reads the data in the form it asks for:
+
+  raypipe    the image folder, its warm run-long ``Pipeline`` (defaults: Ray tasks)
+  dataloader a torch DataLoader over the image folder (``ingest.FileDataset``)
+  litdata    LitData: the JPEG bytes ``optimize()``d into chunks, ``StreamingDataset`` +
+             ``StreamingDataLoader``
+  streaming  MosaicML Streaming: the JPEG bytes in MDS shards (``MDSWriter``),
+             ``StreamingDataset`` + a torch DataLoader
+
+The three torch loaders run the same per-sample work in their workers, ``--transform``'s
+decode and crop (``pillow``: Pillow, as their users write it; ``fast``: raypipe's own
+decoder, which isolates the loader), with the same seeded crop plans, the same settings
+(``--workers`` workers, persistent, ``--prefetch`` batches each) and the same batch size.
+Every path runs once per round, the order rotating (``ingest_rounds.rounds``); a ratio is
+taken within a round, and the median over rounds is reported, of the whole stretch of
+later epochs (``steady_run_img_s``: a warm pipeline's epochs trade work with their
+neighbours, so per-epoch rates would flatter it) and of the median later epoch.
+
+LitData and MosaicML Streaming are not raypipe's dependencies: ``make bench-peers``
+installs them without theirs (both ask for torchvision, whose PyPI build does not load
+beside the CPU torch; Streaming imports it only for datasets this benchmark does not use,
+so `_without_torchvision` stands in for it).
+
+    python benchmarks/peers.py --images 2048 --epochs 4 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.machinery
+import json
+import os
+import platform
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+from ingest import (
+    BATCH,
+    IMAGE,
+    SEED,
+    TRANSFORMS,
+    EpochOrder,
+    FileDataset,
+    chooser,
+    make_corpus,
+    one_thread,
+    run_epochs,
+    warm_alone,
+)
+from ingest_rounds import rounds
+
+from raypipe.config import PipelineConfig
+from raypipe.plan.shards import list_shards
+
+PEERS = ("litdata", "streaming")
+
+
+def _record(item: tuple[str, int, int]) -> dict:
+    """One sample as both peers store it: the file's JPEG bytes, its label and key."""
+    path, label, key = item
+    return {"image": Path(path).read_bytes(), "label": label, "key": key}
+
+
+def write_litdata(shards, out: Path) -> Path:
+    from litdata import optimize
+
+    if not (out / "index.json").exists():
+        optimize(fn=_record, inputs=[(s.path, s.label, s.first_key) for s in shards],
+                 output_dir=str(out), chunk_bytes="64MB", num_workers=1, verbose=False)  # fmt: skip
+    return out
+
+
+def write_mds(shards, out: Path) -> Path:
+    _without_torchvision()
+    from streaming import MDSWriter
+
+    if not (out / "index.json").exists():
+        columns = {"image": "bytes", "label": "int", "key": "int"}
+        with MDSWriter(out=str(out), columns=columns, size_limit=64 << 20) as writer:
+            for s in shards:
+                writer.write(_record((s.path, s.label, s.first_key)))
+    return out
+
+
+def crop(record: dict, epoch: int, transform: str) -> dict:
+    """The per-sample work every torch loader here runs: decode, crop, flip, as uint8."""
+    import torch
+
+    key = int(record["key"])
+    image = TRANSFORMS[transform](record["image"], IMAGE, chooser(key, epoch))
+    return {"image": torch.from_numpy(np.ascontiguousarray(image)), "label": int(record["label"]),
+            "key": key}  # fmt: skip
+
+
+def litdata_loader(root: Path, transform: str, settings: dict):
+    from litdata import StreamingDataLoader, StreamingDataset
+
+    class Crops(StreamingDataset):
+        def __getitem__(self, index):
+            return crop(super().__getitem__(index), self.current_epoch, transform)
+
+    data = Crops(str(root), shuffle=True, seed=SEED, drop_last=True)
+    loader = StreamingDataLoader(data, batch_size=BATCH, drop_last=True,
+                                 worker_init_fn=one_thread, **settings)  # fmt: skip
+    return loader, lambda epoch: iter(loader)
+
+
+def streaming_loader(root: Path, transform: str, settings: dict):
+    _without_torchvision()
+    from streaming import StreamingDataset
+    from streaming.base.util import clean_stale_shared_memory
+    from torch.utils.data import DataLoader
+
+    class Crops(StreamingDataset):
+        def get_item(self, index):
+            return crop(super().get_item(index), max(self.next_epoch - 1, 0), transform)
+
+    clean_stale_shared_memory()
+    data = Crops(local=str(root), shuffle=True, shuffle_seed=SEED, batch_size=BATCH)
+    loader = DataLoader(data, batch_size=BATCH, drop_last=True, worker_init_fn=one_thread,
+                        **settings)  # fmt: skip
+    return loader, lambda epoch: iter(loader)
+
+
+def dataloader_loader(shards, transform: str, settings: dict):
+    from torch.utils.data import DataLoader
+
+    order = EpochOrder(len(shards), SEED)
+    loader = DataLoader(FileDataset(shards, transform), batch_size=BATCH, sampler=order,
+                        drop_last=True, worker_init_fn=one_thread, **settings)  # fmt: skip
+
+    def epoch_iter(epoch):
+        order.epoch = epoch
+        return iter(loader)
+
+    return loader, epoch_iter
+
+
+def timed(make, epochs: int) -> dict:
+    """``run_epochs`` over the loader ``make()`` builds, built anew for each round; its
+    persistent workers stopped after, so that no path runs beside another's."""
+    loader, epoch_iter = make()
+    try:
+        return run_epochs(epoch_iter, epochs)
+    finally:
+        workers = getattr(loader, "_iterator", None)
+        if workers is not None:
+            workers._shutdown_workers()
+            loader._iterator = None
+
+
+def _without_torchvision() -> None:
+    """Streaming imports torchvision at its import, for its vision datasets; where torchvision
+    does not load (PyPI's beside the CPU torch), empty modules of those names stand in (their
+    ``__spec__`` set, and no distribution installed: transformers counts it as absent)."""
+    try:
+        import torchvision  # noqa: F401
+
+        return
+    except Exception:
+        pass
+    names = ("torchvision", "torchvision.datasets", "torchvision.transforms",
+             "torchvision.transforms.functional")  # fmt: skip
+    stand_ins = {}
+    for name in names:
+        stand_ins[name] = module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+
+    def absent(*args, **kwargs):
+        raise ImportError("torchvision is not installed here")
+
+    stand_ins["torchvision.datasets"].VisionDataset = type("VisionDataset", (), {})
+    stand_ins["torchvision.datasets"].CIFAR10 = absent
+    stand_ins["torchvision.transforms.functional"].to_tensor = absent
+    sys.modules.update(stand_ins)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--images", type=int, default=2048)
+    p.add_argument("--epochs", type=int, default=4, help="per path and round (>= 2)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--transform", choices=sorted(TRANSFORMS), action="append",
+                   help="the torch loaders' per-sample work (default: both)")  # fmt: skip
+    p.add_argument("--workers", type=int, default=os.cpu_count())
+    p.add_argument("--prefetch", type=int, default=2, help="batches per worker (torch's default)")
+    p.add_argument("--actors", type=int, default=os.cpu_count(), help="raypipe's pool")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
+    args = p.parse_args(argv)
+    if args.epochs < 2 or args.rounds < 1 or args.images < BATCH:
+        p.error("needs --epochs >= 2, --rounds >= 1 and --images >= one batch (256)")
+    transforms = args.transform or sorted(TRANSFORMS)
+    args.out.mkdir(parents=True, exist_ok=True)
+    corpus = make_corpus(args.out, args.images)
+    listing = list_shards(PipelineConfig(source=str(corpus)))
+    shards = listing.shards
+    stored = {"litdata": write_litdata(shards, args.out / f"litdata-{args.images}"),
+              "streaming": write_mds(shards, args.out / f"mds-{args.images}")}  # fmt: skip
+    settings = {"num_workers": args.workers, "persistent_workers": True,
+                "prefetch_factor": args.prefetch}  # fmt: skip
+    build = {"dataloader": functools.partial(dataloader_loader, shards),
+             "litdata": functools.partial(litdata_loader, stored["litdata"]),
+             "streaming": functools.partial(streaming_loader, stored["streaming"])}  # fmt: skip
+    paths = {"raypipe": functools.partial(warm_alone, corpus, listing, args.epochs, args.actors)}
+    for name, make in build.items():
+        for t in transforms:
+            paths[f"{name}_{t}"] = functools.partial(
+                timed, functools.partial(make, t, settings), args.epochs
+            )
+    versus = [("raypipe", other) for other in paths if other != "raypipe"]
+    versus += [(f"{peer}_{t}", f"dataloader_{t}") for peer in PEERS for t in transforms]
+    result = {
+        "images": args.images, "epochs": args.epochs, "batch_size": BATCH,
+        "settings": {"torch_loaders": settings, "raypipe_actors": args.actors},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "python": sys.version.split()[0], "loadavg_at_start": os.getloadavg()},
+        **rounds(paths, args.rounds, versus),
+    }  # fmt: skip
+    result["machine"]["loadavg_at_end"] = os.getloadavg()
+    print(f"{'path':22s} {'later epochs, img/s':>20s} {'whole stretch':>14s}")
+    for name, r in result["paths"].items():
+        print(f"{name:22s} {r['steady_img_s']['median']:20.0f} "
+              f"{r['steady_run_img_s']['median']:14.0f}")  # fmt: skip
+    for pair, r in result["ratios"].items():
+        run, epoch = r["steady_run_img_s"], r["steady_img_s"]
+        print(f"{pair:36s} {run['median']:.2f}× whole stretch (rounds "
+              f"{', '.join(f'{x:.2f}' for x in run['per_round'])}), "
+              f"{epoch['median']:.2f}× median epoch")  # fmt: skip
+    (args.out / "peers.json").write_text(json.dumps(result, indent=2, default=str))
+    print(f"wrote {args.out / 'peers.json'}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
