@@ -202,8 +202,9 @@ def main(argv: list[str] | None = None) -> dict:
     shards = listing.shards
     stored = {"litdata": write_litdata(shards, args.out / f"litdata-{args.images}"),
               "streaming": write_mds(shards, args.out / f"mds-{args.images}")}  # fmt: skip
+    # fork, Linux's default, for every torch loader: LitData's optimize() above sets spawn
     settings = {"num_workers": args.workers, "persistent_workers": True,
-                "prefetch_factor": args.prefetch}  # fmt: skip
+                "prefetch_factor": args.prefetch, "multiprocessing_context": "fork"}  # fmt: skip
     build = {"dataloader": functools.partial(dataloader_loader, shards),
              "litdata": functools.partial(litdata_loader, stored["litdata"]),
              "streaming": functools.partial(streaming_loader, stored["streaming"])}  # fmt: skip
