@@ -188,10 +188,13 @@ class RunPosition:
 
         # the run's position is one all_reduce of a bit per sample: taken only when a rank
         # saves (one bit asked of every rank first), not for each report of metrics alone
-        saving = any_rank(np.array([user_state is not None])).any()
+        first = ray.train.get_context().get_world_rank() == 0
+        mine = user_state is not None
+        saving, written = any_rank(np.array([mine, first and mine]))  # (a rank, rank 0) saves
         state = self.state() if saving else None
-        self.saved_end = self.saved_end or (saving and self._where.batches is None)
-        if state is None or user_state is None or ray.train.get_context().get_world_rank() != 0:
+        # the epoch's end is saved only where rank 0 wrote its state there (only it writes)
+        self.saved_end = self.saved_end or bool(written and self._where.batches is None)
+        if state is None or not mine or not first:
             ray.train.report(metrics)
             return
         with tempfile.TemporaryDirectory() as tmp:

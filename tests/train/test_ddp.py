@@ -134,6 +134,39 @@ def test_the_epoch_end_checkpoint_holds_the_loops_end_of_epoch_work(ray_session,
         train_ddp(config, stateless, epochs=1, checkpoint_every=2, name="bare", **kw)
 
 
+@pytest.mark.slow
+def test_a_state_only_another_rank_reports_does_not_cost_the_epochs_end_checkpoint(
+    ray_session, tmp_path
+):
+    """Only rank 0 writes a checkpoint: a ``ctx.report(state=...)`` of rank 1 alone at an
+    epoch's end wrote none, yet counted as the epoch's end saved, and its end checkpoint
+    was skipped: the run ended with none at all."""
+    import ray.train
+    import torch
+
+    from tests.conftest import make_imagefolder
+
+    source = make_imagefolder(tmp_path / "data", {"a": 8, "b": 8}, seed=2)
+    config = PipelineConfig(source=str(source), image_size=8, batch_size=4)
+
+    def loop(ctx) -> None:
+        done = {"epochs_done": 0}
+        rank = ray.train.get_context().get_world_rank()
+        for _, batches in ctx.epochs(state=lambda: dict(done)):
+            for _ in batches:
+                pass
+            done["epochs_done"] += 1
+            ctx.report({"epoch_done": 1}, state=dict(done) if rank == 1 else None)
+
+    result = train_ddp(config, loop, epochs=1, checkpoint_every=100, name="other", num_workers=2,
+                       cpus_per_worker=0.5, storage_path=str(tmp_path / "runs"))  # fmt: skip
+    assert result.error is None, result.error
+    assert result.checkpoint is not None, "no checkpoint at the epoch's end"
+    assert torch.load(f"{result.checkpoint.path}/state.pt", weights_only=False) == {
+        "epochs_done": 1
+    }
+
+
 # Equal, exactly-once batches inside real Train workers over two epochs, a worker dying on
 # the way: tests/pool/test_elastic.py::test_a_dead_train_worker_restarts_the_group_and_...
 
