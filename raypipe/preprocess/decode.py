@@ -159,7 +159,7 @@ def fast_decodable(data: bytes) -> bool:
 def exif_orientation(data: bytes) -> int:
     """The orientation of a JPEG as Pillow reads it (1 = upright): EXIF's tag, else an XMP
     packet's ``tiff:Orientation``; 0 when the markers cannot be walked."""
-    i, n, xmp = 2, len(data), 1
+    i, n, xmp, exif = 2, len(data), 1, False
     while i + 4 <= n:
         if data[i] != 0xFF:
             return 0
@@ -171,10 +171,12 @@ def exif_orientation(data: bytes) -> int:
             return xmp
         length = int.from_bytes(data[i + 2 : i + 4], "big")
         segment = data[i + 4 : i + 2 + length] if marker == 0xE1 else b""
-        if segment[:6] == b"Exif\0\0" and (tagged := _tiff_orientation(segment[6:])) is not None:
-            return tagged
-        if segment.startswith(_XMP) and (found := _XMP_ORIENTATION.search(segment)):
-            xmp = int(found[2])  # Pillow keeps the last packet
+        if segment[:6] == b"Exif\0\0" and not exif:  # Pillow reads the first block's tags
+            exif, tagged = True, _tiff_orientation(segment[6:])
+            if tagged is not None:
+                return tagged
+        elif segment.startswith(_XMP):  # Pillow keeps the last packet, tagged or not
+            xmp = int(found[2]) if (found := _XMP_ORIENTATION.search(segment)) else 1
         i += 2 + length
     return 0
 

@@ -126,6 +126,24 @@ def test_an_orientation_in_xmp_alone_turns_the_image_on_every_path():
     exif = Image.Exif()
     exif[0x0112] = 1  # EXIF's own tag wins over XMP's, as in Pillow
     assert decode.exif_orientation(_jpeg(base, exif=exif.tobytes(), xmp=packet)) == 1
+    # Pillow reads the first EXIF block only, and the last XMP packet, tagged or not
+    untagged, plain = Image.Exif().tobytes(), b"<x:xmpmeta/>"
+    for blocks, want in [
+        ((b"Exif\0\0" + untagged[6:], b"Exif\0\0" + exif.tobytes()[6:], _XMP_HEAD + packet), 6),
+        ((_XMP_HEAD + packet, _XMP_HEAD + plain), 1),
+    ]:
+        data = _with_app1(_jpeg(base), blocks)
+        img = Image.open(io.BytesIO(data))
+        assert decode.exif_orientation(data) == (img.getexif().get(0x0112) or 1) == want
+
+
+_XMP_HEAD = b"http://ns.adobe.com/xap/1.0/\0"
+
+
+def _with_app1(jpeg: bytes, segments) -> bytes:
+    """``jpeg`` with APP1 ``segments`` (each a payload) after its SOI, in order."""
+    app1 = b"".join(b"\xff\xe1" + (len(s) + 2).to_bytes(2, "big") + s for s in segments)
+    return jpeg[:2] + app1 + jpeg[2:]
 
 
 def test_grayscale_jpeg_becomes_three_equal_channels():
