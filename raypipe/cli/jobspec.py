@@ -47,10 +47,10 @@ def kind_of(path: str | Path) -> Kind:
         raise ValueError(f"{path}: a language model's config (its 'model' section): run it "
                          f"with python jobs/train_lm.py {path}")  # fmt: skip
     trainer = raw.get("trainer")
-    if isinstance(trainer, dict) and {"num_classes", "checkpoint_every"} & trainer.keys():
-        raise ValueError(f"{path}: a torchrun rank's config (its trainer's num_classes, "
-                         "checkpoint_every): run it with torchrun --nproc_per_node=N "
-                         f"jobs/torchrun_train.py {path} (docs/trainers.md)")  # fmt: skip
+    if isinstance(trainer, dict) and "num_classes" in trainer:  # torchrun_train.py's own
+        raise ValueError(f"{path}: a torchrun rank's config (its trainer's num_classes): run "
+                         "it with torchrun --nproc_per_node=N jobs/torchrun_train.py "
+                         f"{path} (docs/trainers.md)")  # fmt: skip
     check_keys(raw, [*RUN_SECTIONS, "convert"], where=str(path))
     if "data" not in raw:
         raise ValueError(

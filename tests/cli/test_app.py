@@ -223,6 +223,10 @@ def test_wrong_kind_of_config(capsys, tmp_path, folder, run_config):
     assert f"python jobs/train_lm.py {lm}" in _error_line(capsys, ["run", lm])
     ranks = str(ROOT / "jobs" / "configs" / "torchrun.yaml")  # said "unknown key(s)"
     assert f"jobs/torchrun_train.py {ranks}" in _error_line(capsys, ["run", ranks])
+    every = _write(
+        tmp_path / "c.yaml", f"data:\n  source: {folder}\ntrainer:\n  checkpoint_every: 100\n"
+    )  # train_ddp's keyword, not a run config's key
+    assert "unknown key(s) 'checkpoint_every'" in _error_line(capsys, ["run", str(every)])
 
 
 def test_workers_lines_come_without_colour_codes_into_a_file(monkeypatch, tmp_path):
