@@ -51,6 +51,7 @@ class BadSample(Exception):
 
     def __init__(self, reason: str, detail: str):
         assert reason in REASONS, reason
+        detail = one_line(detail)  # a transform's own message may run over lines
         super().__init__(reason, detail)
         self.reason, self.detail = reason, detail
 

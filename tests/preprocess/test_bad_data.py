@@ -501,6 +501,9 @@ def test_the_budget_error_is_one_whole_line_and_names_a_sample_only_where_one_wa
 
     detail = detail_of(ValueError("shape mismatch:\n  value array of shape (3,)"))
     assert "\n" not in detail and detail.endswith("value array of shape (3,)")
+    from raypipe.skips.records import BadSample  # how a transform's error is kept
+
+    assert detail_of(BadSample("transform_error", "ValueError: a:\n  b")) == "ValueError: a: b"
     record = {"where": "/d/x.jpg", "reason": "transform_error", "detail": "one\ntwo"}
     report = {"skipped": 30, "by_reason": {"transform_error": 30}, "records": [record]}
     error = str(SkipBudgetError.of(0, 100, 5, 0.05, report))
