@@ -67,7 +67,11 @@ class ShardsConfig:
                 raise bad(name, "must be a non-empty string")
         if remote := [name for name in ("source", "out") if is_remote(getattr(self, name))]:
             raise bad(remote[0], "must be a local folder (convert reads and writes local files)")
-        if glob.has_magic(self.source) and not os.path.isdir(self.source):
+        if (
+            glob.has_magic(self.source)
+            and not os.path.isdir(self.source)
+            and glob.glob(self.source)
+        ):
             raise bad("source", "must be one image folder (the folder of the class folders), "
                       "not a glob")  # fmt: skip
 

@@ -66,8 +66,9 @@ def iter_torch_batches(
     Yields dicts: ``image`` (float32 N×C×H×W normalized, or uint8 with
     ``normalize=False``) on the device, ``label`` and ``key`` (int64). ``collate`` turns each
     exact-size numpy batch into the batch (its tensors then move to the device); without
-    one, the config's, else `raypipe.loader.collate.pad_collate` (strings as lists, ragged
-    rows padded, each with its ``<field>_mask``). Each pass over the returned object is one
+    one, the config's, else `raypipe.loader.collate.pad_collate` (strings as lists; a column
+    whose rows differ in shape padded, with its ``<field>_mask``: a batch whose rows share
+    a shape has no mask). Each pass over the returned object is one
     epoch of ``source``; ``.stats()`` and ``.state_dict()``
     describe the current pass. ``stats()["skipped"]`` counts skipped samples per reason
     from ``skips``, the `raypipe.SkipLog` the dataset was built with;

@@ -510,6 +510,8 @@ def test_convert_refuses_a_glob_source_and_a_foreign_out_before_ray(capsys, monk
     assert "must be one image folder (the folder of the class folders), not a glob" in (
         _error_line(capsys, ["convert", str(glob)])
     )
+    missing = _write(tmp_path / "m.yaml", f"convert:\n  source: {tmp_path}/set[2]\n  out: o\n")
+    assert "matches nothing" in _error_line(capsys, ["convert", str(missing)])  # not "a glob"
     out = tmp_path / "out"
     out.mkdir()
     (out / "train-00000-of-00001.parquet").write_bytes(b"another dataset")
