@@ -192,8 +192,22 @@ def _kill_stalled(folder: Path, watch, killed: dict, done: threading.Event) -> N
         killed["pool_pids"] = sorted(int(a["Pid"]) for a in watch.alive())
         log.warning("killing preprocessing actor pid %d in the task of key %d", pid, STALL_KEY)
         os.kill(pid, signal.SIGKILL)
-        killed["pid"] = pid
+        killed["pid"], killed["gone"] = pid, _gone(pid, timeout_s=10)
         return
+
+
+def _gone(pid: int, timeout_s: float) -> bool:
+    """Whether process ``pid`` ended (or is a zombie left for its parent) within the time."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _write(out: str, report: dict) -> None:

@@ -69,12 +69,19 @@ def test_numpy_scalars_are_taken_as_numbers():
     assert type(LoaderConfig(batch_size=np.int64(8)).batch_size) is int
 
 
-def test_prefetch_batches_zero_is_the_dataset_paths_and_refused_before_a_pipelines_work(datasets):
+def test_prefetch_batches_zero_is_the_dataset_paths_and_refused_before_a_pipelines_work(
+    datasets, monkeypatch
+):
     """``iter_torch_batches`` and `LoaderConfig` take 0 (Ray's iterator does); a Pipeline
     holds at least one batch, so ``train_ddp`` and ``Loader`` refuse 0 before any work
     (``train_ddp`` found it in every rank, after Ray and the trainer had started)."""
     from raypipe import Loader, LoaderConfig, train_ddp
+    from raypipe.train import ddp
 
+    def started(*args, **kwargs):
+        raise AssertionError("Ray was started before the config was checked")
+
+    monkeypatch.setattr(ddp.localnode, "ensure", started)
     config = PipelineConfig(source=str(datasets["parquet"]), batch_size=4, prefetch_batches=0)
     assert LoaderConfig(prefetch_batches=0).prefetch_batches == 0
     with pytest.raises(ValueError, match="prefetch_batches=0 must be an integer >= 1"):

@@ -16,6 +16,7 @@ from raypipe.cli.convert import INDEX, ShardsConfig, convert, plan, preprocess, 
 from raypipe.formats import Reader
 from raypipe.plan.shards import list_shards
 from tests.conftest import make_imagefolder
+from tests.preprocess.test_region import needs_region
 from tests.preprocess.test_restarts import DRI_ONE
 
 COUNTS = {"ant": 11, "bee": 7, "cow": 9}  # 27 samples: no shard count divides it evenly
@@ -131,7 +132,7 @@ def test_unreadable_and_odd_formats(ray_session, tmp_path):
     assert sorted(keys) == list(range(8))
 
 
-@pytest.mark.parametrize("restart_markers", [True, False])
+@pytest.mark.parametrize("restart_markers", [pytest.param(True, marks=needs_region), False])
 def test_jpegs_are_stored_with_restart_markers_and_their_pixels(
     ray_session, tmp_path, restart_markers
 ):
@@ -159,7 +160,7 @@ def test_jpegs_are_stored_with_restart_markers_and_their_pixels(
                 stored[members[f"{stem}.txt"].decode()] = data
     jpegs = sorted(n for n in stored if n.endswith(".jpg"))
     assert len(stored) == 9 and len(jpegs) == 5
-    restarted = 4 if restart_markers and region.available() else 0  # all but the cut one
+    restarted = 4 if restart_markers else 0  # all but the cut one
     assert summary.restarted == restarted
     assert summary.markers == (f"{restarted} JPEGs" if restarted else "off")
     assert json.loads((out / INDEX).read_text())["restart_markers"] is restart_markers
@@ -171,12 +172,13 @@ def test_jpegs_are_stored_with_restart_markers_and_their_pixels(
                 assert np.array_equal(np.asarray(a), np.asarray(b))
         else:
             assert stored[name] == source, name
-    if region.available():  # not mixed in one folder; the message says how to go on
+    if restart_markers or region.available():  # not mixed in one folder; the message says
         was = f"written with restart_markers: {str(restart_markers).lower()}: set that"
         with pytest.raises(ValueError, match=was):
             convert(dataclasses.replace(config, restart_markers=not restart_markers))
 
 
+@needs_region
 def test_a_folder_an_older_convert_wrote_goes_on_with_restart_markers_off(ray_session, tmp_path):
     """An index from before the setting (no markers written, none in its fingerprint): the
     new default is refused with what to set, and that setting goes on with its shards."""
@@ -189,9 +191,9 @@ def test_a_folder_an_older_convert_wrote_goes_on_with_restart_markers_off(ray_se
     index = json.loads((out / INDEX).read_text())
     del index["restart_markers"]  # as an older convert wrote it
     (out / INDEX).write_text(json.dumps(index))
-    if convert_module._restarts() is not None:
-        with pytest.raises(ValueError, match="written with restart_markers: false: set that"):
-            convert(dataclasses.replace(config, restart_markers=True))
+    assert convert_module._restarts() is not None
+    with pytest.raises(ValueError, match="written with restart_markers: false: set that"):
+        convert(dataclasses.replace(config, restart_markers=True))
     assert convert(config).reused == 2
 
 
@@ -285,10 +287,9 @@ def test_the_old_names_still_work(tmp_path):
     assert ShardsConfig.from_yaml(cfg).out == "o"
 
 
+@needs_region
 @pytest.mark.parametrize("fmt", ["parquet", "tfrecord"])
 def test_every_shard_format_stores_jpegs_with_restart_markers(ray_session, tmp_path, fmt):
-    from raypipe.preprocess import region
-
     root = make_imagefolder(tmp_path / "f", {"a": 3, "b": 3})  # 4 JPEGs, 2 PNGs
     out = tmp_path / "o"
     summary = convert(ShardsConfig(source=str(root), out=str(out), format=fmt, shards=2))
@@ -296,8 +297,7 @@ def test_every_shard_format_stores_jpegs_with_restart_markers(ray_session, tmp_p
              for raw in Reader(fmt).read(str(out / name), 0, -1)]  # fmt: skip
     jpegs = [d for d in datas if d[:2] == b"\xff\xd8"]
     assert len(datas) == 6 and len(jpegs) == 4
-    if region.available():
-        assert summary.restarted == 4 and all(DRI_ONE in d for d in jpegs)
+    assert summary.restarted == 4 and all(DRI_ONE in d for d in jpegs)
 
 
 def test_where_region_decoding_was_not_built_no_jpeg_is_re_written(ray_session, tmp_path,

@@ -186,8 +186,9 @@ def test_a_submitted_run_goes_on_from_its_run_folder(head, project):
     """``raypipe submit --resume RUN`` (``raypipe run`` had it, submit did not): the job
     trains only the epochs the run's checkpoint left, here epoch 1 of 2."""
     if not list((project / "runs").glob("*/checkpoint_*")):  # run alone: make one
-        _submit("work/train.yaml", "--address", head.url, "--working-dir", "work",
-                cwd=project, env=_env())  # fmt: skip
+        made = _submit("work/train.yaml", "--address", head.url, "--working-dir", "work",
+                       cwd=project, env=_env())  # fmt: skip
+        assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
     (run,) = {c.parent for c in (project / "runs").glob("*/checkpoint_*")}
     longer = project / "work" / "train2.yaml"
     longer.write_text(

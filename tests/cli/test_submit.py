@@ -142,7 +142,10 @@ def test_the_ray_job_commands_printed_carry_the_token_sent(monkeypatch, local_to
     assert jobapi.ray_job("stop", "j1", there, None, jobapi.token(None, there)) == (
         f"RAY_API_SERVER_ADDRESS={there} ray job stop j1 --address {there}"
     )
-    assert "theirs" not in carried  # a path, never the token
+    for mode in ("token", "disabled"):  # the line printed names a path, never the token
+        monkeypatch.setenv("RAY_AUTH_MODE", mode)
+        assert "theirs" not in jobapi.ray_job("status", "j1", there, token,
+                                              jobapi.token(token, there))  # fmt: skip
 
 
 class FakeClient:

@@ -68,6 +68,7 @@ def test_a_window_of_one_slot_still_reads_every_epoch_in_order(ray_session, data
     epochs = _epochs(config, epochs=2)
     assert [len(e) for e in epochs] == [60, 60]
     assert all(len({k for k, _ in e}) == 60 for e in epochs)
+    assert epochs == _epochs(config.replace(compute="actors"), epochs=2)  # the plan's order
 
 
 def test_stopping_early_ends_quietly_and_never_cancels_a_task(ray_session, datasets,
