@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from raypipe.loader.resample import crop_resize, resample
-from raypipe.skips.records import SampleError, SkipRecord
+from raypipe.skips.records import SampleError, SkipRecord, detail_of
 
 __all__ = ["DeviceDecode", "collate_encoded", "crop_resize", "decode_rgb", "device_map_for"]
 assert __all__ == sorted(__all__)
@@ -129,7 +129,7 @@ class DeviceDecode:
         try:
             rgb = decode_rgb(data.tobytes())
         except Exception as e:
-            detail = f"{type(e).__name__}: {e}"
+            detail = detail_of(e)
             if self.on_error == "raise":
                 raise SampleError(where, key, "decode_error", detail) from e
             self.skipped += 1

@@ -186,7 +186,8 @@ _XMP_ORIENTATION = re.compile(rb'tiff:Orientation(="|>)([0-9])')  # Pillow's own
 
 
 def _tiff_orientation(tiff: bytes) -> int | None:
-    """The orientation tag of an EXIF block; None where it has none, 0 where it is cut."""
+    """The orientation tag of an EXIF block; None where it has none, 0 where it is cut or
+    is not one SHORT (Pillow skips such an entry: its reading decides)."""
     order = {b"II": "little", b"MM": "big"}.get(tiff[:2])
     if order is None or len(tiff) < 8:
         return 0
@@ -197,8 +198,9 @@ def _tiff_orientation(tiff: bytes) -> int | None:
         at = ifd + 2 + 12 * e
         if at + 12 > len(tiff):
             return 0
-        if int.from_bytes(tiff[at : at + 2], order) == 0x0112:
-            return int.from_bytes(tiff[at + 8 : at + 10], order)
+        if int.from_bytes(tiff[at : at + 2], order) == 0x0112:  # a SHORT, one: else Pillow's
+            plain = tiff[at + 2 : at + 8] == (3).to_bytes(2, order) + (1).to_bytes(4, order)
+            return int.from_bytes(tiff[at + 8 : at + 10], order) if plain else 0
     return None
 
 

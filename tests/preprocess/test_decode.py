@@ -135,6 +135,11 @@ def test_an_orientation_in_xmp_alone_turns_the_image_on_every_path():
         data = _with_app1(_jpeg(base), blocks)
         img = Image.open(io.BytesIO(data))
         assert decode.exif_orientation(data) == (img.getexif().get(0x0112) or 1) == want
+    # an orientation entry Pillow skips (type 0) says 1 in its value: Pillow reads XMP's 6
+    odd = b"MM\0*\0\0\0\x08\0\x01" + b"\x01\x12\0\0\0\0\0\x01\0\x01\0\0" + b"\0" * 4
+    data = _with_app1(_jpeg(base), (b"Exif\0\0" + odd, _XMP_HEAD + packet))
+    assert Image.open(io.BytesIO(data)).getexif().get(0x0112) == 6
+    assert decode.exif_orientation(data) != 1 and not decode.fast_decodable(data)
 
 
 _XMP_HEAD = b"http://ns.adobe.com/xap/1.0/\0"
