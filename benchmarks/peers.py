@@ -149,9 +149,10 @@ def trimmed(result: dict) -> dict:
     warm pipeline starts the next epoch while the loop reads this one, so the stretch
     after epoch 0 began with work done before it; an untimed epoch after it gives back
     as much at its end (the torch loaders' workers start an epoch only when asked)."""
-    rates = result["epoch_img_s"][1:-1]
+    rates, cpus = result["epoch_img_s"][1:-1], result["cpu_s_per_epoch"][1:-1]
     return {**result, "steady_img_s": statistics.median(rates),
-            "steady_run_img_s": len(rates) / sum(1 / r for r in rates)}  # fmt: skip
+            "steady_run_img_s": len(rates) / sum(1 / r for r in rates),
+            "img_per_cpu_s": statistics.median(result["rows_per_epoch"] / c for c in cpus)}  # fmt: skip
 
 
 def timed(make, epochs: int) -> dict:
