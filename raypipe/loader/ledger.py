@@ -32,7 +32,7 @@ nothing) raises `GateClosed`.
 Ranks that build their pipelines themselves (`raypipe.Loader`) `join` with their rank,
 world size and settings and wait for every rank (`raypipe.train.ranks.wait_for_ranks`): one
 that disagrees stops them all before any work, in one line. They may share the ledger by
-name (`raypipe.train.ranks.named_ledger`).
+name (`raypipe.train.ranks.named_ledger`), each group of ranks in a run of its own.
 """
 
 from __future__ import annotations
@@ -44,8 +44,7 @@ from raypipe.loader.waiters import Waiters, concurrency, held
 __all__ = ["EpochLedger", "Gate", "GateClosed", "RanksDisagree", "create_ledger"]
 assert __all__ == sorted(__all__)
 
-_INF = float("inf")
-JOINED, LEFT = "joined", "left"  # held answers' keys beside the epochs': (run, JOINED)
+_INF, JOINED, LEFT = float("inf"), "joined", "left"  # held answers' keys: (run, JOINED)
 NAMESPACE = "raypipe"  # named ledgers live here: drivers of ray.init(address=) get their own
 
 
@@ -80,7 +79,8 @@ class EpochLedger:
         elif not 0 <= rank < world_size:
             problem = f"rank={rank} is not in 0..{world_size - 1}"
         elif rank in ranks:
-            problem = f"two ranks have rank={rank} (a rerun needs a new Pipeline.ledger())"
+            problem = (f"two ranks have rank={rank} (a rerun needs a new Pipeline.ledger(); "
+                       "two Loaders on one ledger, each their own group=)")  # fmt: skip
         elif ranks:
             first, theirs = next(iter(ranks.items()))
             differ = [k for k in sorted(set(theirs) | set(settings))

@@ -36,6 +36,7 @@ class EpochRead:
     most: int | None  # batches the epoch has at most (drop_last); reached: it is over
     count: int = 0
     over: bool = False
+    left: bool = False  # over before its end (break, an error): its state still holds it
     stale: str | None = None  # why its iterator may not go on (else `MISUSE`)
 
 

@@ -80,21 +80,18 @@ class Loader:
     # -- the DataLoader shape --------------------------------------------------------
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        """The next epoch's batches; it starts at the first ``next()``, and a later
-        ``iter()`` makes this iterator stale (Lightning asks twice per epoch, uses one)."""
+        """The next epoch's batches; it starts at the first ``next()`` (which raises when the
+        epochs were all read: Lightning asks for an iterator before it sees a finished fit
+        has none left to run), and a later ``iter()`` makes this iterator stale."""
         self._check_open()
-        if self._next >= self.num_epochs:
-            raise RuntimeError(
-                f"the Loader's epochs={self.num_epochs} were all read: pass a larger epochs= "
-                "(or set_epoch() to read one again)"
-            )
         token = self._latest = object()
         return self._read(token)
 
     def _claim(self) -> EpochRead:
         """Take the next epoch from the pipeline (what is left of the last one is dropped)."""
         if self._next >= self.num_epochs:
-            raise RuntimeError(f"the Loader's epochs={self.num_epochs} were all read")
+            raise RuntimeError(f"the Loader's epochs={self.num_epochs} were all read: pass a "
+                               "larger epochs= (or set_epoch() to read one again)")  # fmt: skip
         if self._epochs is None:
             self._build()
         try:
@@ -121,6 +118,7 @@ class Loader:
                 try:
                     batch = next(it)
                 except StopIteration:
+                    run.over = True
                     return
                 except BaseException:  # the pool's own (a data error): the next iter() makes
                     if self._pipeline is not None and self._pipeline.stopped:  # a new one
@@ -130,7 +128,7 @@ class Loader:
                 run.over = run.most is not None and run.count >= run.most
                 yield batch
         finally:  # read to the end, or left (break, an error): the next iter() is the next epoch
-            run.over = True
+            run.left, run.over = not run.over, True
 
     def __len__(self) -> int:
         """This rank's batches in a whole epoch, a resumed one too (Lightning counts a
@@ -178,9 +176,11 @@ class Loader:
 
         With torch.distributed initialized over this Loader's ranks it is a collective:
         every rank calls it together (Lightning does, when it checkpoints). Else a rank of
-        several holds only its own keys: OR the ranks' ``consumed`` before resuming."""
+        several holds only its own keys: OR the ranks' ``consumed`` before resuming. An epoch
+        left early (``break``, an error, ``max_steps``) stays here, with what was read of it,
+        until the next ``iter()``: a run saved then resumes with the rest of it."""
         run = self._running
-        if run is not None and not run.over:
+        if run is not None and (not run.over or run.left):
             epoch, keys, base = run.epoch, run.batches.state_dict()["keys"], run.base
         else:
             epoch, keys, base = self._next, [], self._base

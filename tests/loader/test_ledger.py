@@ -136,7 +136,8 @@ def test_join_names_the_first_disagreement_and_fails_the_run():
     assert count == 1 and "rank 1 has seed=1, rank 0 seed=0" in str(failed)
     assert ledger.report("a", 0, 0, 4, False)[2] is failed  # a waiting rank raises it too
     for rank, world, why in ((1, 3, "rank 1 has world_size=3, the ledger's ranks 2"),
-                             (0, 2, "two ranks have rank=0")):  # fmt: skip
+                             (0, 2, "two ranks have rank=0"),
+                             (0, 2, "two Loaders on one ledger, each their own group=")):  # fmt: skip
         fresh = EpochLedger(2)
         fresh.join("b", 0, 2, same)
         assert why in str(fresh.join("b", rank, world, same)[1])

@@ -75,13 +75,16 @@ def test_leaving_an_epoch_early_then_a_whole_next_epoch(ray_session, datasets):
             first.append(keys_of(batch))
             if len(first) == 2:
                 break
-        after_break = loader.state_dict()["epoch"]
-        second = [keys_of(b) for b in loader]
+        after_break = loader.state_dict()  # still epoch 0: what was read of it (a saved run
+        second = [keys_of(b) for b in loader]  # resumes with its rest); iter() goes on to 1
         loader.close()
-        return first, after_break, second
+        return first, after_break, second, loader.state_dict()["epoch"]
 
-    (f0, e0, s0), (f1, e1, s1) = _ranks(body)
-    assert len(f0) == len(f1) == 2 and e0 == e1 == 1
+    (f0, e0, s0, n0), (f1, e1, s1, n1) = _ranks(body)
+    assert len(f0) == len(f1) == 2 and e0["epoch"] == e1["epoch"] == 0 and n0 == n1 == 2
+    held = [PipelineState.from_bytes(e["state"].numpy().tobytes()).consumed for e in (e0, e1)]
+    both = held[0] | held[1]  # each rank holds its own keys: the ranks' OR, as a group's
+    assert sorted(np.flatnonzero(both).tolist()) == sorted(np.concatenate(f0 + f1).tolist())
     keys = check_exactly_once_and_equal([s0, s1], batch_size=B, good=range(61), left_over=2 * B - 1)
     assert len(keys) == 56 and len(s0) == 7
 
@@ -172,8 +175,9 @@ def test_iterated_twice_at_once_is_refused(ray_session, datasets):
             next(stale)
         for epoch in (1, 2):
             assert sum(len(keys_of(b)) for b in loader) == 60 and loader.epoch == epoch + 1
-        with pytest.raises(RuntimeError, match="were all read"):
-            iter(loader)
+        done = iter(loader)  # Lightning asks before it sees a finished fit has nothing left
+        with pytest.raises(RuntimeError, match="were all read: pass a larger epochs="):
+            next(done)
         loader.set_epoch(0)  # back to the start: a new pool, a whole epoch
         assert sum(len(keys_of(b)) for b in loader) == 60
         with pytest.raises(ValueError, match="epoch=3"):
@@ -418,7 +422,7 @@ def test_after_a_data_error_each_iter_reads_the_next_epoch_and_says_its_own(ray_
                     pass
             assert loader.epoch == epoch + 1
         with pytest.raises(RuntimeError, match="epochs=3 were all read"):
-            iter(loader)
+            next(iter(loader))
 
 
 def test_load_state_dict_within_an_epochs_loop_ends_it_saying_why(ray_session, datasets):
