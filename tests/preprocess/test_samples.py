@@ -373,6 +373,27 @@ def test_a_field_named_key_and_sample_rate_for_images_are_refused():
     PipelineConfig(source="d", image_column=None, sample_rate=16000)
 
 
+def test_an_empty_list_in_a_list_of_strings_column_stays_a_list():
+    """A Parquet list<string> (tags) or list<list<float>> (boxes) column holding ``[]`` in
+    one row: NumPy made it a float64 array, the other rows lists, and the actor stopped the
+    run as if a transform had changed its fields' types."""
+    from raypipe.formats.sample import RawSample
+    from raypipe.loader.collate import pad_collate
+    from raypipe.preprocess.samples.fields import FieldMap
+    from raypipe.preprocess.userrows import Schema, rows_block
+
+    fields, schema = FieldMap(None, seed=0, per_batch=False, sample_rate=None), Schema(True)
+    values = [[], ["a", "b"], [], [[1.0, 2.0]], []]  # the first row's empty too
+    rows = []
+    for key, tags in enumerate(values):
+        raw = RawSample(key, 0, None, f"t.parquet:row{key}", extras={"tags": tags, "n": 1.5})
+        row = fields(raw, 0)
+        schema.check(row, key, raw.where)
+        rows.append(row)
+    batch = pad_collate(rows_block(rows, schema.ragged))
+    assert batch["tags"] == values and batch["n"].tolist() == [1.5] * 5
+
+
 def test_an_image_member_of_a_sample_without_an_image_keeps_max_image_pixels():
     """``image_column=None``: a mask or picture member is decoded under the same limit as an
     image sample's members (it had none: a huge PNG could take an actor's memory)."""

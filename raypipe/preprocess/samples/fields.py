@@ -118,5 +118,9 @@ class FieldMap(SampleMap):
 
     def __call__(self, raw, epoch: int) -> dict[str, Any]:
         if self.transform is None:
-            return _as_row(self.sample(raw), raw)
+            row = _as_row(self.sample(raw), raw)
+            for name, value in (raw.extras or {}).items():  # a Parquet list of strings or of
+                if isinstance(value, list) and not value:  # lists (its numbers come as arrays):
+                    row[name] = []  # [] stays a list, as its other rows (not a float64 array)
+            return row
         return super().__call__(raw, epoch)
