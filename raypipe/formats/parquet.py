@@ -64,7 +64,8 @@ def parquet_labels(storage: Storage, paths: list[str], column: str,
     Integers: the ``ClassLabel`` names of the first file that has them, else none.
     Strings: every file's distinct values, sorted (the column read a row group at a time).
     ``fields`` (samples with no image, whose label is their field ``label``): a column
-    ``label`` beside another ``column`` is refused (ValueError), never overwritten.
+    ``label`` beside another ``column``, or ``key`` (raypipe's sample key), is refused
+    (ValueError), never overwritten.
     """
     import pyarrow.parquet as pq
 
@@ -73,6 +74,9 @@ def parquet_labels(storage: Storage, paths: list[str], column: str,
             schema = pq.ParquetFile(storage.open_arrow(path)).schema_arrow
         except Exception:
             continue  # an unreadable shard: its samples are skipped by the reader
+        if fields and "key" in schema.names:
+            raise ValueError(f"{path} has a column 'key', which raypipe's sample key would "
+                             "replace in each sample's fields: rename it")  # fmt: skip
         if column not in schema.names:
             return (), f"column {column!r} missing (the files have {schema.names})"
         if fields and column != "label" and "label" in schema.names:

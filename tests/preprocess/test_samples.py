@@ -356,6 +356,9 @@ def test_a_json_label_member_stays_a_field_and_a_label_column_never_replaces_one
                        r"has a column 'label', which the label would replace"):  # fmt: skip
         list_shards(config(tmp_path / "t.parquet", label_column="fine_label"))
     assert list_shards(config(tmp_path / "t.parquet")).num_samples == 2
+    pq.write_table(pa.table({"x": [1.0], "key": ["utt-17"]}), tmp_path / "k.parquet")
+    with pytest.raises(ValueError, match=r"k.parquet has a column 'key', which raypipe's "):
+        list_shards(config(tmp_path / "k.parquet"))  # the actors refused it, mid-run
 
 
 def test_a_field_named_key_and_sample_rate_for_images_are_refused():
