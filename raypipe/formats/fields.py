@@ -43,9 +43,16 @@ def read_parquet_fields(storage: Storage, path: str, first_key: int, done: np.nd
         values = {name: column_values(batch.column(name)) for name in batch.schema.names}
         for i in range(batch.num_rows):
             if done is None or not done[key + i - first_key]:
-                fields = {name: v[i] for name, v in values.items()}
-                yield _labelled(key + i, f"{path}:row{key + i - first_key}", fields,
-                                label_column if has_label else None, index)  # fmt: skip
+                fields, where = (
+                    {name: v[i] for name, v in values.items()},
+                    f"{path}:row{key + i - first_key}",
+                )
+                if bad := next((n for n, v in fields.items() if isinstance(v, NotText)), None):
+                    yield RawSample(key + i, -1, None, where, f"column {bad!r}: {fields[bad]}",
+                                    "bad_record")  # fmt: skip
+                    continue
+                yield _labelled(key + i, where, fields, label_column if has_label else None,
+                                index)  # fmt: skip
 
     yield from read_groups(file, path, first_key, done, None, rows)
 
@@ -87,12 +94,26 @@ def column_values(column) -> list:
     elif _numeric(t):
         values = list(column.fill_null(pa.scalar(0).cast(t)).to_numpy(zero_copy_only=False))
     if values is None:
-        return column.to_pylist()
+        try:
+            return column.to_pylist()
+        except UnicodeDecodeError:  # a string that is not UTF-8 (no page CRC): its row alone
+            return [_value(column, i) for i in range(len(column))]
     if column.null_count or len(holed):
         nulls = column.is_null().to_numpy(zero_copy_only=False)
         nulls[holed] = True
         values = [None if null else v for v, null in zip(values, nulls, strict=True)]
     return values
+
+
+class NotText(str):
+    """A string value that is not UTF-8, in place of its row's value: why, as text."""
+
+
+def _value(column, i: int):
+    try:
+        return column[i].as_py()
+    except UnicodeDecodeError as e:
+        return NotText(f"not UTF-8 text ({e.reason} at byte {e.start})")
 
 
 def _numeric(t) -> bool:

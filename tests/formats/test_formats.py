@@ -585,6 +585,27 @@ def test_parquet_view_types_are_images_and_labels(tmp_path):
     assert [(r.reason, r.label, r.data) for r in got] == [(None, 1, png(0)), (None, 0, png(1))]
 
 
+def test_a_string_field_that_is_not_utf8_loses_its_row_only(tmp_path):
+    """Samples without an image: one value of a string column that is not UTF-8 (no page
+    CRC catches it) made its whole read of rows, up to a row group, ``unreadable``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "pq" / "t.parquet"
+    path.parent.mkdir()
+    table = pa.table({"text": [f"line{i:03d}" for i in range(20)], "n": list(range(20))})
+    pq.write_table(table, path, row_group_size=10, compression="none", use_dictionary=False)
+    data = bytearray(path.read_bytes())
+    at = data.index(b"line013") + 1
+    data[at : at + 2] = b"\xff\xfe"  # not UTF-8
+    path.write_bytes(bytes(data))
+    listing = list_shards(PipelineConfig(source=str(path.parent), image_column=None))
+    raws = [r for s in listing.shards for r in listing.reader.read(s.path, s.first_key, -1)]
+    assert [r.key for r in raws] == list(range(20))
+    assert [(r.key, r.reason) for r in raws if r.reason] == [(13, "bad_record")]
+    assert "'text'" in raws[13].error and raws[12].extras["text"] == "line012"
+
+
 def test_a_damaged_string_label_loses_its_row_group_only_and_lists(tmp_path):
     """pyarrow checks no page CRC: a flipped byte in a string label is invalid UTF-8,
     whose UnicodeDecodeError escaped the damaged-page handling: the listing of the source
