@@ -22,8 +22,9 @@ runs one epoch more, left out of both (`trimmed`).
 
 LitData and MosaicML Streaming are not raypipe's dependencies: ``make bench-peers``
 installs them without theirs (both ask for torchvision, whose PyPI build does not load
-beside the CPU torch; Streaming imports it only for datasets this benchmark does not use,
-so `_without_torchvision` stands in for it).
+beside the CPU torch, and Streaming for transformers, whose hub version breaks `datasets`;
+Streaming imports them only for datasets and checks this benchmark does not use, so
+`_stand_ins` stands in for them).
 
     python benchmarks/peers.py --images 2048 --epochs 4 --rounds 3
 """
@@ -79,7 +80,7 @@ def write_litdata(shards, out: Path) -> Path:
 
 
 def write_mds(shards, out: Path) -> Path:
-    _without_torchvision()
+    _stand_ins()
     from streaming import MDSWriter
 
     if not (out / "index.json").exists():
@@ -114,7 +115,7 @@ def litdata_loader(root: Path, transform: str, settings: dict):
 
 
 def streaming_loader(root: Path, transform: str, settings: dict):
-    _without_torchvision()
+    _stand_ins()
     from streaming import StreamingDataset
     from streaming.base.util import clean_stale_shared_memory
     from torch.utils.data import DataLoader
@@ -168,30 +169,37 @@ def timed(make, epochs: int) -> dict:
             loader._iterator = None
 
 
-def _without_torchvision() -> None:
-    """Streaming imports torchvision at its import, for its vision datasets; where torchvision
-    does not load (PyPI's beside the CPU torch), empty modules of those names stand in (their
-    ``__spec__`` set, and no distribution installed: transformers counts it as absent)."""
-    try:
-        import torchvision  # noqa: F401
-
-        return
-    except Exception:
-        pass
-    names = ("torchvision", "torchvision.datasets", "torchvision.transforms",
-             "torchvision.transforms.functional")  # fmt: skip
-    stand_ins = {}
-    for name in names:
-        stand_ins[name] = module = types.ModuleType(name)
-        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
-
-    def absent(*args, **kwargs):
-        raise ImportError("torchvision is not installed here")
-
-    stand_ins["torchvision.datasets"].VisionDataset = type("VisionDataset", (), {})
-    stand_ins["torchvision.datasets"].CIFAR10 = absent
-    stand_ins["torchvision.transforms.functional"].to_tensor = absent
-    sys.modules.update(stand_ins)
+def _stand_ins() -> None:
+    """Streaming imports torchvision and transformers at its import, for its vision and
+    text datasets and a type check of HF batches, none of which this benchmark uses; where
+    either does not load (PyPI's torchvision beside the CPU torch; transformers, whose
+    hub version would break the `datasets` raypipe's tests use, not installed), modules of
+    those names with the few names Streaming imports stand in."""
+    wanted = {
+        "torchvision": {"datasets": {"VisionDataset": type("VisionDataset", (), {}),
+                                     "CIFAR10": None},
+                        "transforms.functional": {"to_tensor": None}},
+        "transformers": {"feature_extraction_utils": {"BatchFeature": type("BatchFeature", (dict,), {})},
+                         "tokenization_utils_base": {"BatchEncoding": type("BatchEncoding", (dict,), {})},
+                         "models.auto.tokenization_auto": {"AutoTokenizer": None}},
+    }  # fmt: skip
+    for package, parts in wanted.items():
+        try:
+            importlib.import_module(package)
+            continue
+        except Exception:
+            pass
+        for part, names in parts.items():
+            path = package
+            for piece in part.split("."):
+                parent, path = path, f"{path}.{piece}"
+                for name in (parent, path):
+                    if name not in sys.modules:
+                        sys.modules[name] = module = types.ModuleType(name)
+                        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+                setattr(sys.modules[parent], piece, sys.modules[path])
+            for name, value in names.items():
+                setattr(sys.modules[path], name, value)
 
 
 def main(argv: list[str] | None = None) -> dict:
