@@ -200,7 +200,9 @@ class Loader:
         epochread.stop_reading(
             self._running, epochread.called_within("load_state_dict()", self._running)
         )
+        latest = self._latest
         self._restart(resumed.epoch, resumed.consumed)
+        self._latest = latest  # an iterator not started yet resumes too (as set_epoch's)
 
     # -- the pipeline underneath -------------------------------------------------------
 

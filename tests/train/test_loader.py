@@ -161,6 +161,21 @@ def test_resume_mid_epoch_from_state_dict_with_another_world_size(ray_session, d
     check_exactly_once_and_equal([whole], batch_size=B, good=range(61), left_over=B - 1)
 
 
+def test_an_iterator_made_before_load_state_dict_reads_the_resumed_epoch(ray_session, datasets):
+    """It was refused as a nested or zipped loop's, though no later iter() was made."""
+    config = _config(datasets)
+    with Loader(config, epochs=2, device="cpu") as loader:
+        it = iter(loader)
+        first = [keys_of(next(it)) for _ in range(3)]
+        state = loader.state_dict()
+    with Loader(config, epochs=2, device="cpu") as loader:
+        early = iter(loader)
+        loader.load_state_dict(state)
+        rest = [keys_of(b) for b in early]
+    keys = np.concatenate(first + rest).tolist()
+    assert len(keys) == len(set(keys)) and 61 - len(keys) < B and loader.epoch == 1
+
+
 def test_iterated_twice_at_once_is_refused(ray_session, datasets):
     with Loader(_config(datasets), epochs=3, device="cpu") as loader:
         with pytest.raises(RuntimeError, match="iterated twice at once") as refused:
