@@ -80,7 +80,7 @@ def held(run: EpochRead | None) -> EpochRead | None:
     """``run`` as `Loader.close` keeps it: the keys it handed out, so that ``state_dict()``
     still says where the run stands, without its batches (their host-to-device ring,
     pinned memory on CUDA)."""
-    if run is None or run.over:
+    if run is None or (run.over and not run.left):  # an epoch left early: still where it stands
         return None
     return dataclasses.replace(run, batches=_Handed(run.batches.state_dict()))
 

@@ -80,10 +80,11 @@ class Loader:
     # -- the DataLoader shape --------------------------------------------------------
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        """The next epoch's batches; it starts at the first ``next()`` (which raises when the
-        epochs were all read: Lightning asks for an iterator before it sees a finished fit
-        has none left to run), and a later ``iter()`` makes this iterator stale."""
+        """The next epoch's batches, from the first ``next()`` (which raises when the epochs
+        were all read: Lightning asks for an iterator before it sees a fit has none left)."""
         self._check_open()
+        if self._running is not None:  # an epoch left early is dropped from here on
+            self._running.left = False
         token = self._latest = object()
         return self._read(token)
 

@@ -161,6 +161,27 @@ def test_resume_mid_epoch_from_state_dict_with_another_world_size(ray_session, d
     check_exactly_once_and_equal([whole], batch_size=B, good=range(61), left_over=B - 1)
 
 
+def test_an_epoch_left_early_stays_in_the_state_after_close_until_the_next_iter(
+    ray_session, datasets
+):
+    """A loop that breaks, leaves the ``with`` and saves: close() dropped the epoch left, and
+    the state named the next one, its read keys lost to a resume."""
+    with Loader(_config(datasets), epochs=2, device="cpu") as loader:
+        for i, _ in enumerate(loader):
+            if i == 2:
+                break
+        iter(loader)  # the next epoch from here on: the one left is dropped
+        dropped = loader.state_dict()
+        loader.set_epoch(0)
+        for i, _ in enumerate(loader):
+            if i == 1:
+                break
+    saved = loader.state_dict()  # after close()
+    assert dropped["epoch"] == 1 and saved["epoch"] == 0
+    consumed = PipelineState.from_bytes(saved["state"].numpy().tobytes()).consumed
+    assert np.flatnonzero(consumed).size == 2 * B
+
+
 def test_an_iterator_made_before_load_state_dict_reads_the_resumed_epoch(ray_session, datasets):
     """It was refused as a nested or zipped loop's, though no later iter() was made."""
     config = _config(datasets)
