@@ -24,7 +24,7 @@ LitData and MosaicML Streaming are not raypipe's dependencies: ``make bench-peer
 installs them without theirs (both ask for torchvision, whose PyPI build does not load
 beside the CPU torch, and Streaming for transformers, whose hub version breaks `datasets`;
 Streaming imports them only for datasets and checks this benchmark does not use, so
-`_stand_ins` stands in for them).
+`_streaming` stands in for them).
 
     python benchmarks/peers.py --images 2048 --epochs 4 --rounds 3
 """
@@ -80,8 +80,7 @@ def write_litdata(shards, out: Path) -> Path:
 
 
 def write_mds(shards, out: Path) -> Path:
-    _stand_ins()
-    from streaming import MDSWriter
+    MDSWriter = _streaming().MDSWriter  # noqa: N806
 
     if not (out / "index.json").exists():
         columns = {"image": "bytes", "label": "int", "key": "int"}
@@ -115,8 +114,7 @@ def litdata_loader(root: Path, transform: str, settings: dict):
 
 
 def streaming_loader(root: Path, transform: str, settings: dict):
-    _stand_ins()
-    from streaming import StreamingDataset
+    StreamingDataset = _streaming().StreamingDataset  # noqa: N806
     from streaming.base.util import clean_stale_shared_memory
     from torch.utils.data import DataLoader
 
@@ -167,6 +165,22 @@ def timed(make, epochs: int) -> dict:
         if workers is not None:
             workers._shutdown_workers()
             loader._iterator = None
+
+
+def _streaming():
+    """``import streaming``, with `_stand_ins` for what it imports and cannot find; they are
+    taken out of ``sys.modules`` after (other code would take them for the packages)."""
+    before = set(sys.modules)
+    _stand_ins()
+    stood = {name for name in set(sys.modules) - before if name.split(".")[0] in STOOD_IN}
+    import streaming
+
+    for name in stood:
+        del sys.modules[name]
+    return streaming
+
+
+STOOD_IN = ("torchvision", "transformers")
 
 
 def _stand_ins() -> None:
