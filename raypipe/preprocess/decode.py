@@ -170,14 +170,15 @@ def exif_orientation(data: bytes) -> int:
         if marker in (0xD9, 0xDA):  # end of image, start of scan: no EXIF before pixels
             return xmp
         length = int.from_bytes(data[i + 2 : i + 4], "big")
-        segment = data[i + 4 : i + 2 + length] if marker == 0xE1 else b""
-        if segment[:6] == b"Exif\0\0" and not exif:  # Pillow reads the first block's tags
-            exif, tagged = True, _tiff_orientation(segment[6:])
+        end, app1 = i + 2 + length, marker == 0xE1
+        if app1 and not exif and data[i + 4 : i + 10] == b"Exif\0\0":  # Pillow: the first one
+            exif, tagged = True, _tiff_orientation(data[i + 10 : end])
             if tagged is not None:
                 return tagged
-        elif segment.startswith(_XMP):  # Pillow keeps the last packet, tagged or not
-            xmp = int(found[2]) if (found := _XMP_ORIENTATION.search(segment)) else 1
-        i += 2 + length
+        elif app1 and data[i + 4 : i + 4 + len(_XMP)] == _XMP:  # the last, tagged or not
+            found = _XMP_ORIENTATION.search(data, i + 4, end)  # in place: the packet uncopied
+            xmp = int(found[2]) if found else 1
+        i = end
     return 0
 
 
