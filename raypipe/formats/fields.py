@@ -41,13 +41,12 @@ def read_parquet_fields(storage: Storage, path: str, first_key: int, done: np.nd
 
     def rows(batch, key: int) -> Iterator[RawSample]:
         values = {name: column_values(batch.column(name)) for name in batch.schema.names}
+        broken = [name for name, v in values.items() if isinstance(v, PartlyText)]
         for i in range(batch.num_rows):
             if done is None or not done[key + i - first_key]:
-                fields, where = (
-                    {name: v[i] for name, v in values.items()},
-                    f"{path}:row{key + i - first_key}",
-                )
-                if bad := next((n for n, v in fields.items() if isinstance(v, NotText)), None):
+                fields = {name: v[i] for name, v in values.items()}
+                where = f"{path}:row{key + i - first_key}"
+                if bad := next((n for n in broken if isinstance(fields[n], NotText)), None):
                     yield RawSample(key + i, -1, None, where, f"column {bad!r}: {fields[bad]}",
                                     "bad_record")  # fmt: skip
                     continue
@@ -97,7 +96,7 @@ def column_values(column) -> list:
         try:
             return column.to_pylist()
         except UnicodeDecodeError:  # a string that is not UTF-8 (no page CRC): its row alone
-            return [_value(column, i) for i in range(len(column))]
+            return PartlyText(_value(column, i) for i in range(len(column)))
     if column.null_count or len(holed):
         nulls = column.is_null().to_numpy(zero_copy_only=False)
         nulls[holed] = True
@@ -107,6 +106,10 @@ def column_values(column) -> list:
 
 class NotText(str):
     """A string value that is not UTF-8, in place of its row's value: why, as text."""
+
+
+class PartlyText(list):
+    """A column's values some of which are `NotText` (the others' rows read as they are)."""
 
 
 def _value(column, i: int):
