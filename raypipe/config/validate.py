@@ -77,8 +77,8 @@ def _check_source(c: PipelineConfig, bad: _Bad) -> None:
         if not isinstance(getattr(c, name), str) or not getattr(c, name):
             raise bad(name, "must be a non-empty string")
     member = c.label_member
-    if member is not None and (not isinstance(member, str) or not member.strip(".")
-                               or "/" in member or member.startswith(".")):  # fmt: skip
+    if member is not None and (not isinstance(member, str) or not member or "/" in member
+                               or member.startswith(".")):  # fmt: skip
         raise bad("label_member", 'must be a member extension without its dot, such as "cls", '
                   '"txt", "json", or None')  # fmt: skip
 

@@ -83,14 +83,15 @@ def listing_read(storage, path: str, count):
     missing file and a damaged GZIP stream raise as they are: the format's to count."""
     from raypipe.formats.storage import StorageError
 
-    for attempt in range(LIST_ATTEMPTS):
+    attempts = 0
+    while True:
         try:
             return count()
         except OSError as e:
             if not storage.remote or isinstance(e, (FileNotFoundError, gzip.BadGzipFile)):
                 raise
-            if attempt == LIST_ATTEMPTS - 1:
+            attempts += 1
+            if attempts == LIST_ATTEMPTS:
                 raise StorageError(f"{path}: {os_error(e)} on each of {LIST_ATTEMPTS} reads to "
                                    "count its samples: the source cannot be listed") from e  # fmt: skip
-            time.sleep(LIST_RETRY_S * 2**attempt)
-    raise AssertionError("unreachable")
+            time.sleep(LIST_RETRY_S * 2 ** (attempts - 1))

@@ -68,10 +68,10 @@ def iter_torch_batches(
     exact-size numpy batch into the batch (its tensors then move to the device); without
     one, the config's, else `raypipe.loader.collate.pad_collate` (strings as lists; a column
     whose rows differ in shape padded, with its ``<field>_mask``: a batch whose rows share
-    a shape has no mask). Each pass over the returned object is one
-    epoch of ``source``; ``.stats()`` and ``.state_dict()``
-    describe the current pass. ``stats()["skipped"]`` counts skipped samples per reason
-    from ``skips``, the `raypipe.SkipLog` the dataset was built with;
+    a shape has no mask). Each pass over the returned object is one epoch of ``source``;
+    ``.stats()`` and ``.state_dict()`` describe the current pass. ``stats()["skipped"]``
+    counts skipped samples per reason from ``skips``, the `raypipe.SkipLog` the dataset was
+    built with;
     ``stats()["pool"]`` is the summary of ``watch``, a started `raypipe.PoolWatch`;
     ``stats()["cache"]``, with a ``config`` whose decoded cache is on, its counts over the
     nodes (as `raypipe.Pipeline`'s).
